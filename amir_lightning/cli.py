@@ -1,0 +1,66 @@
+"""The ``amir`` command: LightningCLI over AmirGRPOModule and RolloutDataModule.
+
+amir fit --config configs/demo.yaml
+amir validate --config configs/demo.yaml
+amir fit --config configs/qwen.yaml --model.loss amir_lightning.objectives.GRPOLoss
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from jsonargparse import lazy_instance
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import ArgsType, LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from amir_lightning.module import AmirGRPOModule
+from amir_lightning.rollout.datamodule import RolloutDataModule
+
+TRAINER_DEFAULTS = {
+    "reload_dataloaders_every_n_epochs": 1,  # one epoch == one rollout
+    "use_distributed_sampler": False,  # each rank builds its own shard of whole groups
+    "num_sanity_val_steps": 0,
+    "log_every_n_steps": 1,
+    "logger": lazy_instance(TensorBoardLogger, save_dir="runs"),
+}
+
+
+class AmirCLI(LightningCLI):
+    """LightningCLI with the links the rollout loop needs."""
+
+    def add_arguments_to_parser(self, parser) -> None:  # noqa: D102
+        # The training log-probs must be those of the distribution that was sampled.
+        parser.link_arguments("data.sampling.temperature", "model.temperature")
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults({"checkpoint.save_last": True})
+        parser.add_argument(
+            "--validate_before_fit",
+            type=bool,
+            default=False,
+            help="Run validation once before training (held-out accuracy of the initial policy).",
+        )
+
+    def before_fit(self) -> None:  # noqa: D102
+        if self.config[self.subcommand].get("validate_before_fit"):
+            self.trainer.validate(self.model, datamodule=self.datamodule)
+
+
+def main(args: ArgsType = None) -> None:
+    """Entry point of the ``amir`` console script."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: fast start, no disk sync
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    AmirCLI(
+        AmirGRPOModule,
+        RolloutDataModule,
+        trainer_defaults=TRAINER_DEFAULTS,
+        save_config_kwargs={"overwrite": True},
+        auto_configure_optimizers=False,
+        args=args,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+"""Prompt sources: JSONL files, Hugging Face datasets, procedural generators; and prompt rendering."""
+
+from amir_lightning.data.base import Prompt, PromptSource
+from amir_lightning.data.files import DataFileError, HFDatasetPrompts, JsonlPrompts
+from amir_lightning.data.procedural import ArithmeticPrompts, ReasoningGymPrompts
+from amir_lightning.data.templates import THINK_ANSWER_SYSTEM_PROMPT, render_prompt
+
+__all__ = [
+    "THINK_ANSWER_SYSTEM_PROMPT",
+    "ArithmeticPrompts",
+    "DataFileError",
+    "HFDatasetPrompts",
+    "JsonlPrompts",
+    "Prompt",
+    "PromptSource",
+    "ReasoningGymPrompts",
+    "render_prompt",
+]

@@ -1,0 +1,44 @@
+"""The prompt-source seam: an indexable collection of (question, reference answer) items."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One training or evaluation problem.
+
+    Attributes:
+        question: The user message.
+        answer: The reference answer as the dataset gives it (e.g. GSM8K's ``... #### 72``).
+        meta: Where it came from (file and line, dataset index, generator parameters) for error messages and logs.
+    """
+
+    question: str
+    answer: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class PromptSource(ABC):
+    """An indexable collection of prompts (procedural generators give each index a fresh random problem).
+
+    Attributes:
+        is_random: Consecutive indices are already independent random draws, so the stream need not shuffle.
+    """
+
+    is_random: bool = False
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of prompts (the nominal index space for procedural generators)."""
+
+    @abstractmethod
+    def __getitem__(self, index: int) -> Prompt:
+        """The prompt at ``index`` (deterministic: the same index always gives the same prompt)."""
+
+    def describe(self) -> str:
+        """One line naming the source, for logs and errors."""
+        return type(self).__name__

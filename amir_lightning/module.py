@@ -1,0 +1,265 @@
+"""AmirGRPOModule: the policy, its reference, and the GRPO / AMIR-GRPO objective, trained on rollout batches.
+
+    amir fit --config configs/demo.yaml
+
+One forward per micro-batch gives the completion tokens' log-probs; both the policy-gradient term and the pair
+term read them (the pair term never re-forwards). Optimisation is manual: a rollout step is a set of micro-batches
+of whole groups, and the optimiser steps after the step's last micro-batch, whatever their number.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from lightning import LightningModule
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torchmetrics import MeanMetric
+
+from amir_lightning.models.files import atomic_directory
+from amir_lightning.models.loading import LoraSettings, is_peft, load_policy, load_reference, merged_state
+from amir_lightning.models.sources import ModelSource
+from amir_lightning.objectives import INTENSIVE_STATS, AmirGRPOLoss, GRPOLoss, selective_log_softmax, token_entropy
+from amir_lightning.rollout.batch import RolloutBatch
+
+log = logging.getLogger(__name__)
+
+#: Where each loss stat is logged (TensorBoard groups by the first part).
+STAT_KEYS = {
+    "loss": "train/loss",
+    "pg_loss": "train/pg_loss",
+    "kl": "train/kl",
+    "clip_frac": "train/clip_frac",
+    "clip_frac_low": "train/clip_frac_low",
+    "clip_frac_high": "train/clip_frac_high",
+    "pg_scale": "train/pg_scale",
+    "pair_loss": "amir/pair_loss",
+    "num_pairs": "amir/num_pairs",
+    "pair_acc": "amir/pair_acc",
+    "pair_margin": "amir/pair_margin",
+    "pair_reward_gap": "amir/pair_reward_gap",
+    "pair_term": "amir/pair_term",
+    "lambda": "amir/lambda",
+}
+
+
+def default_optimizer(params) -> torch.optim.Optimizer:
+    """AdamW with the small learning rate RL fine-tuning of a pretrained policy wants (1e-6)."""
+    return torch.optim.AdamW(params, lr=1e-6)
+
+
+class AmirGRPOModule(LightningModule):
+    """Policy, reference and objective.
+
+    Args:
+        policy: Where the policy comes from (``HFModel``, ``BundledSmolLM2``, ``TinyModel``).
+        loss: The objective, ``AmirGRPOLoss`` (default) or ``GRPOLoss``.
+        optimizer: Optimizer factory (default AdamW, lr 1e-6).
+        lr_scheduler: Optional LR scheduler factory, stepped once per optimisation step.
+        dtype: Dtype the policy is loaded in (``float32``; ``bfloat16`` on GPUs).
+        gradient_checkpointing: Recompute activations in the backward pass to save memory.
+        lora: Train LoRA adapters instead of all weights; the reference is then the adapter-free model.
+        temperature: Temperature of the training log-probs; must equal the sampling temperature (linked in the CLI).
+        max_grad_norm: Clip the global gradient norm (``None``: no clipping).
+        logprob_chunk_size: Rows whose log-softmax is materialised at once.
+        log_entropy: Log the mean token entropy (one more softmax pass over the vocabulary).
+        export_dir: Where the trained policy is written at the end of ``fit`` (default ``<log_dir>/policy``).
+    """
+
+    def __init__(
+        self,
+        policy: ModelSource,
+        loss: GRPOLoss | None = None,
+        optimizer: OptimizerCallable = default_optimizer,
+        lr_scheduler: LRSchedulerCallable | None = None,
+        dtype: str = "float32",
+        gradient_checkpointing: bool = False,
+        lora: LoraSettings | None = None,
+        temperature: float = 1.0,
+        max_grad_norm: float | None = 1.0,
+        logprob_chunk_size: int = 4,
+        log_entropy: bool = True,
+        export_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["policy", "loss", "optimizer", "lr_scheduler"])
+        self.automatic_optimization = False
+        self.source, self.loss = policy, loss if loss is not None else AmirGRPOLoss()
+        self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
+        self.dtype_name, self.gradient_checkpointing, self.lora = dtype, gradient_checkpointing, lora
+        self.temperature, self.max_grad_norm = temperature, max_grad_norm
+        self.logprob_chunk_size, self.log_entropy, self.export_dir = logprob_chunk_size, log_entropy, export_dir
+        self.policy = None
+        self._reference: tuple = ()  # not a registered submodule: never trained, never checkpointed
+        self._step_stats: dict[str, torch.Tensor] = {}
+        self._step_norms: dict[str, float] | None = None
+        self.val_accuracy = MeanMetric()
+
+    # ------------------------------------------------------------------ model
+    @cached_property
+    def model_dir(self) -> Path:
+        """Local directory of the initial policy (resolved, downloaded or built once)."""
+        return Path(self.source.resolve())
+
+    @cached_property
+    def tokenizer(self):
+        """The policy's tokenizer."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=self.source.trust_remote_code)
+
+    @property
+    def pad_token_id(self) -> int:
+        """Padding id (the EOS id when the tokenizer has no pad token)."""
+        tok = self.tokenizer
+        return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    def configure_model(self) -> None:  # noqa: D102
+        if self.policy is not None:
+            return
+        self.policy = load_policy(
+            self.model_dir, self.dtype_name, self.gradient_checkpointing, self.lora, self.source.trust_remote_code
+        )
+        if self.loss.needs_reference and not is_peft(self.policy):
+            self._reference = (load_reference(self.model_dir, self.dtype_name, self.source.trust_remote_code),)
+
+    def on_fit_start(self) -> None:  # noqa: D102
+        for ref in self._reference:
+            ref.to(self.device)
+
+    @contextmanager
+    def reference(self) -> Iterator[torch.nn.Module]:
+        """The reference policy: the frozen copy, or the policy with its LoRA adapters disabled."""
+        if self._reference:
+            yield self._reference[0]
+        else:
+            with self.policy.disable_adapter():
+                yield self.policy
+
+    @contextmanager
+    def export_weights(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The policy's full weights under Hugging Face names (LoRA merged in), for the rollout engine."""
+        with merged_state(self.policy) as named:
+            yield named
+
+    # ------------------------------------------------------------------ log-probs
+    def _completion_logps(self, model, batch: RolloutBatch, temperature: float, entropy: bool = False):
+        """``[n, T]`` log-probs of the completion tokens (and their entropies) from one forward."""
+        position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift RoPE
+        width = batch.completion_width
+        logits = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=width + 1,
+            use_cache=False,
+        ).logits[:, :-1]  # [n, T, V]
+        logps = selective_log_softmax(logits, batch.completion_ids, temperature, self.logprob_chunk_size)
+        ent = token_entropy(logits.detach(), temperature, self.logprob_chunk_size) if entropy else None
+        return logps, ent
+
+    @torch.no_grad()
+    def policy_logps(self, batch: RolloutBatch) -> torch.Tensor:
+        """Log-probs of ``batch`` under the current policy, no gradient (the old policy of later passes)."""
+        batch = self.transfer_batch_to_device(batch, self.device, 0)
+        return self._completion_logps(self.policy, batch, self.temperature)[0].cpu()
+
+    @torch.no_grad()
+    def score_tokens(self, prompt: list[int], completion: list[int]) -> list[float]:
+        """Log-probs at temperature 1 of ``completion`` after ``prompt`` (the weight-sync probe)."""
+        ids = torch.tensor([list(prompt) + list(completion)], device=self.device)
+        logits = self.policy(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 : -1].float()
+        return torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None]).squeeze(-1).cpu().tolist()
+
+    # ------------------------------------------------------------------ training
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:  # noqa: D102
+        if self._step_norms is None:  # first micro-batch of an optimisation step
+            self._step_norms = self.loss.step_normalizers(
+                batch.step_lengths, batch.step_rewards, batch.group_size, batch.step_truncated
+            )
+        logps, entropy = self._completion_logps(self.policy, batch, self.temperature, self.log_entropy)
+        ref = None
+        if self.loss.needs_reference:
+            with torch.no_grad(), self.reference() as reference:
+                ref = self._completion_logps(reference, batch, self.temperature)[0]
+        out = self.loss(
+            logps,
+            batch.completion_mask,
+            batch.advantages,
+            batch.rewards,
+            batch.group_size,
+            old_token_logps=batch.old_logps,
+            ref_token_logps=ref,
+            truncated=batch.truncated,
+            **self._step_norms,
+        )
+        if not torch.isfinite(out.loss):
+            raise FloatingPointError(
+                f"non-finite loss {out.loss.item()} at step {self.global_step}: stopping "
+                "before the optimizer applies it"
+            )
+        self.manual_backward(out.loss)
+        self._accumulate(out.stats, entropy, batch.completion_mask)
+        if batch.last_in_step:
+            self._optimizer_step()
+        return out.loss.detach()
+
+    def _accumulate(self, stats: dict[str, torch.Tensor], entropy, mask: torch.Tensor) -> None:
+        for key, value in stats.items():
+            value = value.detach().float()
+            self._step_stats[key] = value if key in INTENSIVE_STATS else self._step_stats.get(key, 0.0) + value
+        if entropy is not None:
+            share = (entropy * mask).sum() / max(self._step_norms["num_tokens"], 1.0)
+            self._step_stats["entropy"] = self._step_stats.get("entropy", 0.0) + share
+
+    def _optimizer_step(self) -> None:
+        optimizer = self.optimizers()
+        params = [p for p in self.policy.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or math.inf)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+        stats, self._step_stats, self._step_norms = self._step_stats, {}, None
+        self.loss.end_step(stats)
+        logged = {STAT_KEYS.get(k, f"train/{k}"): v for k, v in stats.items()}
+        logged["train/grad_norm"] = grad_norm.detach().float()
+        logged["train/lr"] = optimizer.param_groups[0]["lr"]
+        self.log_dict(logged, on_step=True, on_epoch=False, batch_size=1)
+
+    # ------------------------------------------------------------------ evaluation
+    def validation_step(self, batch: dict, batch_idx: int) -> None:  # noqa: D102
+        correct = batch["correct"].float()  # [prompts, samples]
+        self.val_accuracy.update(correct.mean(), weight=correct.numel())
+        self.log("val/accuracy", self.val_accuracy, on_epoch=True, batch_size=correct.numel())
+        self.log("val/length_mean", batch["lengths"].float().mean(), on_epoch=True, batch_size=correct.numel())
+
+    # ------------------------------------------------------------------ optimisation and export
+    def configure_optimizers(self):  # noqa: D102
+        optimizer = self.optimizer_factory([p for p in self.policy.parameters() if p.requires_grad])
+        if self.scheduler_factory is None:
+            return optimizer
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"},
+        }
+
+    def on_fit_end(self) -> None:  # noqa: D102
+        target = Path(self.export_dir or Path(self.trainer.log_dir or ".") / "policy")
+        if self.trainer.is_global_zero:
+            self.export(target)
+
+    def export(self, target: Path) -> Path:
+        """Write the policy (LoRA merged) and tokenizer as a Hugging Face directory, atomically."""
+        with self.export_weights() as named, atomic_directory(Path(target)) as tmp:
+            base = self.policy.get_base_model() if is_peft(self.policy) else self.policy
+            base.save_pretrained(tmp, state_dict={k: v.detach().cpu().contiguous() for k, v in named})
+            self.tokenizer.save_pretrained(tmp)
+        log.warning("exported the trained policy to %s", target)
+        return Path(target)

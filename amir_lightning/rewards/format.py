@@ -1,0 +1,53 @@
+"""Format rewards for the paper's ``<think>...</think><answer>...</answer>`` output format (paper.md 4.2)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from amir_lightning.rewards.base import Reward
+
+_STRICT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+
+
+class ThinkAnswerFormatReward(Reward):
+    """``score`` if the whole completion is ``<think>...</think>`` then ``<answer>...</answer>``, else 0.
+
+    Stricter than the official regex, whose ``re.MULTILINE`` let trailing lines after ``</answer>`` pass.
+
+    Args:
+        weight: Multiplier in the total reward.
+        score: Value for a well-formed completion (official: 0.5).
+        name: Metric name (default ``think_answer_format``).
+    """
+
+    def __init__(self, weight: float = 1.0, score: float = 0.5, name: str | None = None) -> None:
+        super().__init__(weight, name)
+        self.value = score
+
+    def score(self, completions: Sequence[str], answers: Sequence[str]) -> list[float]:  # noqa: D102
+        return [self.value if _STRICT.match(c) else 0.0 for c in completions]
+
+
+class TagCountReward(Reward):
+    """``per_tag`` for each of ``tags`` that appears exactly once (the official ``xmlcount``: 4 x 0.025).
+
+    Args:
+        weight: Multiplier in the total reward.
+        tags: Tags to count.
+        per_tag: Value per tag present exactly once.
+        name: Metric name (default ``tag_count``).
+    """
+
+    def __init__(
+        self,
+        weight: float = 1.0,
+        tags: Sequence[str] = ("<think>", "</think>", "<answer>", "</answer>"),
+        per_tag: float = 0.025,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(weight, name)
+        self.tags, self.per_tag = tuple(tags), per_tag
+
+    def score(self, completions: Sequence[str], answers: Sequence[str]) -> list[float]:  # noqa: D102
+        return [sum(self.per_tag for tag in self.tags if c.count(tag) == 1) for c in completions]

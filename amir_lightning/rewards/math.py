@@ -1,0 +1,56 @@
+"""Math answer correctness, graded by math-verify inside the sandbox (a hard timeout per answer)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from amir_lightning.rewards.base import Reward
+from amir_lightning.rewards.grading import grade_answer
+from amir_lightning.rewards.sandbox import SandboxedGrader
+
+
+class MathAnswerReward(Reward):
+    r"""``correct_score`` if the completion's final answer equals the reference, else ``wrong_score``.
+
+    The final answer is the last ``\\boxed{}``, else the last ``<answer>`` tag, else ``#### N``, else (with
+    ``fallback_last_number``) the last number in the text; equality is math-verify's (``1/2 == 0.5``).
+
+    Args:
+        weight: Multiplier in the total reward.
+        correct_score: Score of a correct answer (the official code uses 2.0).
+        wrong_score: Score of a wrong or missing answer.
+        fallback_last_number: Accept the last number of the text when no answer markup is present.
+        timeout_s: Wall-clock limit per answer in the sandbox; an answer over it scores ``wrong_score``.
+        num_workers: Grading worker processes.
+        memory_mb: Memory cap per worker.
+        name: Metric name (default ``math_answer``).
+    """
+
+    def __init__(
+        self,
+        weight: float = 1.0,
+        correct_score: float = 1.0,
+        wrong_score: float = 0.0,
+        fallback_last_number: bool = True,
+        timeout_s: float = 5.0,
+        num_workers: int = 1,
+        memory_mb: int | None = 2048,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(weight, name)
+        self.correct_score, self.wrong_score = correct_score, wrong_score
+        self.fallback_last_number = fallback_last_number
+        self.grader = SandboxedGrader(timeout_s, num_workers, memory_mb, timeout_score=0.0)
+
+    def correctness(self, completions: Sequence[str], answers: Sequence[str]) -> list[float]:
+        """1.0 / 0.0 per completion."""
+        if len(completions) != len(answers):
+            raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
+        args = [(c, a, self.fallback_last_number) for c, a in zip(completions, answers)]
+        return self.grader.map(grade_answer, args)
+
+    def score(self, completions: Sequence[str], answers: Sequence[str]) -> list[float]:  # noqa: D102
+        return [self.correct_score if ok == 1.0 else self.wrong_score for ok in self.correctness(completions, answers)]
+
+    def close(self) -> None:  # noqa: D102
+        self.grader.close()

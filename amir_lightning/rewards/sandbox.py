@@ -1,0 +1,148 @@
+"""Grade untrusted model output in worker processes with a hard wall-clock timeout and a memory cap.
+
+Model output reaches a sympy parser, and ``9^9^9^9`` or a LaTeX bomb can hang it or eat all memory. math-verify's
+own timeouts use ``signal.alarm``, which only works in the main thread; here every answer is graded in a spawned
+worker process, and a worker that overruns ``timeout_s`` is killed (the answer scores ``timeout_score``) and
+replaced. Workers start lazily, once, and are reused.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, wait
+
+log = logging.getLogger(__name__)
+
+
+def _worker_main(conn: Connection, memory_mb: int | None) -> None:
+    if memory_mb:
+        import resource
+
+        limit = memory_mb * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    try:  # import the grader's heavy dependencies before the first deadline starts
+        import math_verify  # noqa: F401
+    except ImportError:
+        pass
+    conn.send("ready")
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message is None:
+            return
+        index, fn, args = message
+        try:
+            score = float(fn(*args))
+        except MemoryError:
+            score = float("nan")
+        except Exception:  # a grader error on hostile input is a wrong answer, not a crash
+            score = float("nan")
+        conn.send((index, score))
+
+
+class _Worker:
+    def __init__(self, ctx, memory_mb: int | None) -> None:
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker_main, args=(child, memory_mb), daemon=True)
+        self.process.start()
+        child.close()
+        self.job: tuple[int, float] | None = None  # (index, deadline)
+        if not self.conn.poll(120) or self.conn.recv() != "ready":
+            self.kill()
+            raise RuntimeError("a grading worker process failed to start")
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+
+
+class SandboxedGrader:
+    """A small pool of grading processes with a per-answer deadline.
+
+    Args:
+        timeout_s: Wall-clock limit per answer; an answer over it scores ``timeout_score``.
+        num_workers: Worker processes.
+        memory_mb: Address-space cap per worker (``RLIMIT_AS``); ``None`` for no cap.
+        timeout_score: Score of an answer whose grading timed out or crashed.
+    """
+
+    def __init__(
+        self, timeout_s: float = 5.0, num_workers: int = 1, memory_mb: int | None = 2048, timeout_score: float = 0.0
+    ) -> None:
+        if timeout_s <= 0 or num_workers < 1:
+            raise ValueError(f"need timeout_s > 0 and num_workers >= 1, got {timeout_s} and {num_workers}")
+        self.timeout_s, self.num_workers, self.memory_mb = timeout_s, num_workers, memory_mb
+        self.timeout_score = timeout_score
+        self.timeouts = 0
+        self._ctx = mp.get_context("spawn")
+        self._workers: list[_Worker] = []
+
+    def _ensure_workers(self) -> None:
+        self._workers = [w for w in self._workers if w.process.is_alive()]
+        while len(self._workers) < self.num_workers:
+            self._workers.append(_Worker(self._ctx, self.memory_mb))
+
+    def map(self, fn: Callable[..., float], arguments: Sequence[tuple]) -> list[float]:
+        """``[fn(*args) for args in arguments]``, each in a worker under the deadline (``fn`` must be importable)."""
+        self._ensure_workers()
+        results = [self.timeout_score] * len(arguments)
+        pending = list(range(len(arguments)))[::-1]
+        busy: dict[Connection, _Worker] = {}
+        while pending or busy:
+            for worker in self._workers:
+                if worker.job is None and pending:
+                    index = pending.pop()
+                    # The deadline starts when the worker gets the job, so queueing never eats into it.
+                    worker.job = (index, time.monotonic() + self.timeout_s)
+                    worker.conn.send((index, fn, arguments[index]))
+                    busy[worker.conn] = worker
+            if not busy:
+                break
+            deadline = min(w.job[1] for w in busy.values())
+            for conn in wait(list(busy), timeout=max(0.0, deadline - time.monotonic())):
+                worker = busy.pop(conn)
+                try:
+                    index, score = conn.recv()
+                except (EOFError, OSError):  # the worker died (e.g. its memory cap): replace it
+                    index, score = worker.job[0], float("nan")
+                    self._replace(worker)
+                results[index] = self.timeout_score if score != score else score
+                worker.job = None
+            now = time.monotonic()
+            for conn, worker in list(busy.items()):
+                if worker.job[1] <= now:
+                    self.timeouts += 1
+                    results[worker.job[0]] = self.timeout_score
+                    busy.pop(conn)
+                    self._replace(worker)
+        return results
+
+    def _replace(self, worker: _Worker) -> None:
+        worker.kill()
+        self._workers.remove(worker)
+        self._workers.append(_Worker(self._ctx, self.memory_mb))
+
+    def close(self) -> None:
+        """Stop the workers."""
+        for worker in self._workers:
+            try:
+                worker.conn.send(None)
+            except OSError:
+                pass
+            worker.process.join(timeout=2)
+            if worker.process.is_alive():
+                worker.kill()
+        self._workers = []
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

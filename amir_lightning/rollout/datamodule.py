@@ -1,0 +1,269 @@
+"""RolloutDataModule: one epoch is one rollout, from weight sync to micro-batches of whole groups (design.md 2).
+
+Each epoch syncs the policy into the engine, samples G completions for the next B prompts, scores them, and
+yields micro-batches of whole groups.
+
+The weight sync sits at the top of ``train_dataloader()``: Lightning reloads the dataloader *before*
+``on_train_epoch_start``, so a callback there would generate with stale weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Literal
+
+import torch
+from lightning import LightningDataModule
+from torch.utils.data import DataLoader
+
+from amir_lightning.data.base import Prompt, PromptSource
+from amir_lightning.data.templates import render_prompt
+from amir_lightning.objectives.advantages import group_advantages
+from amir_lightning.rewards.base import Reward
+from amir_lightning.rewards.math import MathAnswerReward
+from amir_lightning.rollout.batch import Group, build_micro_batches, repeat_passes
+from amir_lightning.rollout.engine import RolloutEngine, SamplingConfig
+from amir_lightning.rollout.scoring import score_completions
+from amir_lightning.rollout.sync import sync_and_verify
+
+log = logging.getLogger(__name__)
+
+
+def _identity(batch):
+    return batch
+
+
+class RolloutDataModule(LightningDataModule):
+    """On-policy rollouts from a prompt source through a rollout engine, scored by rewards.
+
+    Args:
+        prompts: Training prompt source.
+        engine: Rollout engine (``VLLMEngine`` or ``HFEngine``).
+        rewards: Rewards summed with their weights; default a ``MathAnswerReward``.
+        group_size: ``G``, completions per prompt (>= 2).
+        prompts_per_epoch: ``B``, prompts per rollout (one epoch).
+        micro_batch_groups: Groups per micro-batch (gradient accumulation splits a step into micro-batches).
+        steps_per_rollout: Optimisation steps per rollout, each on its share of the groups.
+        mu: Passes over the rollout (PPO-style); > 1 makes later steps off-policy (ratios and clipping act).
+        sampling: Sampling settings for training rollouts.
+        system_prompt: System message prepended to every prompt (e.g. ``THINK_ANSWER_SYSTEM_PROMPT``).
+        advantage_scale: ``group``, ``batch`` or ``none`` (see ``group_advantages``).
+        drop_zero_std_groups: Skip groups whose rewards are all equal (they carry no policy gradient).
+        shuffle: Shuffle a finite prompt source once per pass over it.
+        max_prompt_tokens: Longest allowed prompt after the chat template.
+        sync_tolerance: Largest allowed |engine - trainer| log-prob on the sync probe before stopping.
+        val_prompts: Held-out prompts for ``validate`` and validation during ``fit``.
+        val_size: Held-out prompts evaluated (the first ``val_size`` of ``val_prompts``).
+        val_samples: Samples per held-out prompt.
+        val_sampling: Sampling for evaluation (default: the paper's temperature 0.6, same length limit).
+        seed: Seed of prompt shuffling and the engine.
+    """
+
+    def __init__(
+        self,
+        prompts: PromptSource,
+        engine: RolloutEngine,
+        rewards: list[Reward] | None = None,
+        group_size: int = 8,
+        prompts_per_epoch: int = 16,
+        micro_batch_groups: int = 2,
+        steps_per_rollout: int = 1,
+        mu: int = 1,
+        sampling: SamplingConfig = SamplingConfig(),  # noqa: B008 (a frozen-by-convention config, never mutated)
+        system_prompt: str | None = None,
+        advantage_scale: Literal["group", "batch", "none"] = "group",
+        drop_zero_std_groups: bool = False,
+        shuffle: bool = True,
+        max_prompt_tokens: int = 512,
+        sync_tolerance: float = 1e-3,
+        val_prompts: PromptSource | None = None,
+        val_size: int = 64,
+        val_samples: int = 4,
+        val_sampling: SamplingConfig | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        errors = []
+        if group_size < 2:
+            errors.append(f"data.group_size must be >= 2 (advantages and pairs compare completions), got {group_size}")
+        for key, value in (
+            ("prompts_per_epoch", prompts_per_epoch),
+            ("micro_batch_groups", micro_batch_groups),
+            ("steps_per_rollout", steps_per_rollout),
+            ("mu", mu),
+            ("val_size", val_size),
+            ("val_samples", val_samples),
+            ("max_prompt_tokens", max_prompt_tokens),
+        ):
+            if value < 1:
+                errors.append(f"data.{key} must be >= 1, got {value}")
+        if steps_per_rollout > prompts_per_epoch:
+            errors.append(
+                f"data.steps_per_rollout ({steps_per_rollout}) > data.prompts_per_epoch ({prompts_per_epoch})"
+            )
+        if sync_tolerance <= 0:
+            errors.append(f"data.sync_tolerance must be > 0, got {sync_tolerance}")
+        if errors:
+            raise ValueError("; ".join(errors))
+        self.prompts, self.engine = prompts, engine
+        self.rewards = list(rewards) if rewards else [MathAnswerReward()]
+        self.group_size, self.prompts_per_epoch = group_size, prompts_per_epoch
+        self.micro_batch_groups, self.steps_per_rollout, self.mu = micro_batch_groups, steps_per_rollout, mu
+        self.sampling = sampling
+        self.system_prompt, self.advantage_scale = system_prompt, advantage_scale
+        self.drop_zero_std_groups, self.shuffle = drop_zero_std_groups, shuffle
+        self.max_prompt_tokens, self.sync_tolerance = max_prompt_tokens, sync_tolerance
+        self.val_prompts, self.val_size, self.val_samples = val_prompts, val_size, val_samples
+        self.val_sampling = val_sampling or SamplingConfig(temperature=0.6, max_new_tokens=self.sampling.max_new_tokens)
+        self.seed = seed
+        self.cursor = 0  # prompts consumed so far (saved in checkpoints: resume continues the stream)
+        self._order: tuple[int, list[int]] = (-1, [])
+        self.last_rollout: list[Group] = []
+        self.synced_at_step: int | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self, stage: str) -> None:  # noqa: D102
+        if stage == "fit" and self.trainer.reload_dataloaders_every_n_epochs != 1:
+            raise ValueError(
+                "trainer.reload_dataloaders_every_n_epochs must be 1: every epoch is a fresh rollout "
+                f"(got {self.trainer.reload_dataloaders_every_n_epochs})"
+            )
+        module = self.trainer.lightning_module
+        if not self.engine.started:
+            self.engine.start(module.model_dir, seed=self.seed + self.trainer.global_rank)
+
+    def state_dict(self) -> dict:  # noqa: D102
+        return {"cursor": self.cursor}
+
+    def load_state_dict(self, state_dict: dict) -> None:  # noqa: D102
+        self.cursor = int(state_dict["cursor"])
+
+    def teardown(self, stage: str) -> None:  # noqa: D102
+        for reward in self.rewards:
+            reward.close()
+
+    # ------------------------------------------------------------------ prompts
+    def _prompt_at(self, position: int) -> Prompt:
+        size = len(self.prompts)
+        if not self.shuffle or self.prompts.is_random:
+            return self.prompts[position % size]
+        data_epoch, offset = divmod(position, size)
+        if self._order[0] != data_epoch:  # a fresh permutation per pass over a finite source
+            order = list(range(size))
+            random.Random(self.seed * 7919 + data_epoch).shuffle(order)
+            self._order = (data_epoch, order)
+        return self.prompts[self._order[1][offset]]
+
+    def next_prompts(self) -> list[Prompt]:
+        """The next ``prompts_per_epoch`` prompts of the stream (advances the cursor)."""
+        batch = [self._prompt_at(self.cursor + i) for i in range(self.prompts_per_epoch)]
+        self.cursor += self.prompts_per_epoch
+        return batch
+
+    def tokenize(self, prompts: list[Prompt]) -> list[list[int]]:
+        """Chat-templated token ids; a prompt over ``max_prompt_tokens`` is an error naming it."""
+        tokenizer = self.trainer.lightning_module.tokenizer
+        out = []
+        for prompt in prompts:
+            ids = render_prompt(tokenizer, prompt, self.system_prompt)
+            if len(ids) > self.max_prompt_tokens:
+                raise ValueError(
+                    f"prompt from {prompt.meta.get('source', self.prompts.describe())} has {len(ids)} tokens after "
+                    f"the chat template, over data.max_prompt_tokens={self.max_prompt_tokens}"
+                )
+            out.append(ids)
+        return out
+
+    # ------------------------------------------------------------------ loaders
+    def sync(self, probe_prompt: list[int], probe_answer: str) -> float:
+        """Push the policy into the engine (once per optimisation step) and verify it; returns the probe diff."""
+        step = self.trainer.global_step
+        if self.synced_at_step == step:
+            return 0.0
+        diff = sync_and_verify(
+            self.trainer.lightning_module, self.engine, probe_prompt, probe_answer, self.sync_tolerance
+        )
+        self.synced_at_step = step
+        self._log({"rollout/sync_logp_diff": diff})
+        return diff
+
+    def train_dataloader(self) -> DataLoader:  # noqa: D102
+        prompts = self.next_prompts()
+        prompt_ids = self.tokenize(prompts)
+        start = time.perf_counter()
+        self.sync(prompt_ids[0], prompts[0].answer)
+        sync_s = time.perf_counter() - start
+        start = time.perf_counter()
+        completions = self.engine.generate(prompt_ids, self.group_size, self.sampling)
+        gen_s = time.perf_counter() - start
+        start = time.perf_counter()
+        rewards, metrics = score_completions(self.rewards, prompts, completions)
+        score_s = time.perf_counter() - start
+        advantages = group_advantages(rewards, self.group_size, self.advantage_scale)
+        G = self.group_size
+        groups = [
+            Group(
+                prompt_ids[i],
+                completions[i],
+                rewards[i * G : (i + 1) * G],
+                advantages[i * G : (i + 1) * G],
+                prompts[i].answer,
+            )
+            for i in range(len(prompts))
+        ]
+        zero_std = [bool((g.rewards == g.rewards[0]).all()) for g in groups]
+        self.last_rollout = groups
+        kept = [g for g, z in zip(groups, zero_std) if not (self.drop_zero_std_groups and z)]
+        tokens = sum(len(c.token_ids) for group in completions for c in group)
+        metrics.update(
+            {
+                "rollout/zero_std_frac": sum(zero_std) / len(groups),
+                "rollout/tokens_per_s": tokens / max(gen_s, 1e-9),
+                "rollout/generate_s": gen_s,
+                "rollout/sync_s": sync_s,
+                "rollout/score_s": score_s,
+                "rollout/groups_kept": float(len(kept)),
+            }
+        )
+        self._log(metrics)
+        log.info(
+            "epoch %d: reward %.3f +- %.3f, %d/%d groups with variance, %.0f tokens/s, length %.1f (%.0f%% truncated)",
+            self.trainer.current_epoch,
+            metrics["rollout/reward_mean"],
+            metrics["rollout/reward_std"],
+            len(groups) - sum(zero_std),
+            len(groups),
+            metrics["rollout/tokens_per_s"],
+            metrics["length/mean"],
+            100 * metrics["length/truncated_frac"],
+        )
+        pad = self.trainer.lightning_module.pad_token_id
+        batches = build_micro_batches(kept, self.micro_batch_groups, self.steps_per_rollout, pad)
+        if batches and (self.mu > 1 or self.steps_per_rollout > 1):
+            # Later steps see an updated policy: their ratios need the sampling policy's log-probs, from the
+            # trainer (the engine's differ in the last bits), taken before any update.
+            for batch in batches:
+                batch.old_logps = self.trainer.lightning_module.policy_logps(batch)
+        return DataLoader(repeat_passes(batches, self.mu), batch_size=None, collate_fn=_identity)
+
+    def val_dataloader(self) -> DataLoader | list:  # noqa: D102
+        if self.val_prompts is None:
+            return []
+        prompts = [self.val_prompts[i] for i in range(min(self.val_size, len(self.val_prompts)))]
+        prompt_ids = self.tokenize(prompts)
+        self.sync(prompt_ids[0], prompts[0].answer)
+        completions = self.engine.generate(prompt_ids, self.val_samples, self.val_sampling)
+        grader = next((r for r in self.rewards if isinstance(r, MathAnswerReward)), None) or MathAnswerReward()
+        texts = [c.text for group in completions for c in group]
+        answers = [p.answer for p in prompts for _ in range(self.val_samples)]
+        correct = torch.tensor(grader.correctness(texts, answers)).view(len(prompts), self.val_samples)
+        lengths = torch.tensor([len(c.token_ids) for g in completions for c in g], dtype=torch.float)
+        batch = {"correct": correct, "lengths": lengths.view(len(prompts), self.val_samples)}
+        return DataLoader([batch], batch_size=None, collate_fn=_identity)
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        logger = self.trainer.logger
+        if logger is not None and self.trainer.is_global_zero:
+            logger.log_metrics(metrics, step=self.trainer.global_step)

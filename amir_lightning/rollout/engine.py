@@ -1,0 +1,90 @@
+"""The rollout-engine seam: generation with per-token sampling log-probs, weight loading, and probe scoring."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class SamplingConfig:
+    """How completions are sampled.
+
+    Attributes:
+        temperature: Sampling temperature; the trainer's log-probs use the same one.
+        top_p: Nucleus sampling threshold (1.0 = off). The trainer's log-probs ignore it, as TRL's do.
+        top_k: Top-k truncation (0 = off).
+        max_new_tokens: Completion length limit; a completion that reaches it is ``truncated``.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.temperature <= 0:
+            errors.append(f"sampling.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            errors.append(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            errors.append(f"sampling.top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            errors.append(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if errors:
+            raise ValueError("; ".join(errors))
+
+
+@dataclass
+class Completion:
+    """One sampled completion.
+
+    Attributes:
+        token_ids: Generated tokens, including the EOS token when generation stopped on it.
+        text: Decoded text (special tokens skipped).
+        logprobs: Per-token log-probabilities under the sampling distribution (temperature applied).
+        finish_reason: ``stop`` (EOS) or ``length`` (hit ``max_new_tokens``).
+    """
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: str
+
+    @property
+    def truncated(self) -> bool:
+        """Whether the completion was cut by the length limit."""
+        return self.finish_reason == "length"
+
+
+class RolloutEngine(ABC):
+    """Generates completions for the trainer and follows its weights."""
+
+    @abstractmethod
+    def start(self, model_dir: Path, seed: int) -> None:
+        """Load the policy from ``model_dir`` (a Hugging Face directory); called once before generating."""
+
+    @abstractmethod
+    def generate(self, prompts: Sequence[list[int]], n: int, sampling: SamplingConfig) -> list[list[Completion]]:
+        """``n`` completions for each tokenised prompt, in prompt order."""
+
+    @abstractmethod
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the engine's weights with the trainer's (Hugging Face parameter names)."""
+
+    @abstractmethod
+    def score(self, prompt: list[int], completion: list[int]) -> list[float]:
+        """Log-probabilities (temperature 1) of ``completion`` after ``prompt``: the weight-sync probe."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release the engine."""
+
+    @property
+    def started(self) -> bool:
+        """Whether ``start`` has run."""
+        return getattr(self, "_started", False)

@@ -1,0 +1,116 @@
+"""Rollout engine on transformers' ``generate``: slow, but needs nothing beyond transformers (parity, no-vLLM hosts)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig
+
+
+class HFEngine(RolloutEngine):
+    """Sample with ``model.generate`` from the engine's own copy of the policy.
+
+    Args:
+        batch_size: Sequences generated together (prompts x samples).
+        dtype: Dtype of the engine's copy (``float32``, ``bfloat16``).
+        device: Where the copy lives; ``None`` picks CUDA when available.
+        progress: Show a progress bar over generation batches.
+    """
+
+    def __init__(
+        self, batch_size: int = 64, dtype: str = "float32", device: str | None = None, progress: bool = True
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"engine.batch_size must be >= 1, got {batch_size}")
+        self.batch_size, self.dtype, self.progress = batch_size, dtype, progress
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = None
+        self.calls = 0
+
+    def start(self, model_dir: Path, seed: int) -> None:  # noqa: D102
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, self.dtype))
+        self.model.to(self.device).eval().requires_grad_(False)
+        self.seed = seed
+        self._started = True
+
+    @torch.no_grad()
+    def generate(  # noqa: D102
+        self, prompts: Sequence[list[int]], n: int, sampling: SamplingConfig
+    ) -> list[list[Completion]]:
+        rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(n)]
+        out: list[list[Completion]] = [[] for _ in prompts]
+        batches = range(0, len(rows), self.batch_size)
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            batches = tqdm(batches, desc="HF generate", unit="batch", leave=False)
+        self.calls += 1
+        # Private RNG stream: sampling is reproducible and leaves the trainer's random state untouched.
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(self.seed * 1_000_003 + self.calls)
+            for start in batches:
+                chunk = rows[start : start + self.batch_size]
+                for (index, _), completion in zip(chunk, self._generate_batch([p for _, p in chunk], sampling)):
+                    out[index].append(completion)
+        return out
+
+    def _generate_batch(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        eos = self.tokenizer.eos_token_id
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):  # left padding: every prompt ends at the same column
+            input_ids[row, width - len(p) :] = torch.tensor(p)
+            attention[row, width - len(p) :] = 1
+        result = self.model.generate(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention.to(self.device),
+            do_sample=True,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k or None,
+            max_new_tokens=sampling.max_new_tokens,
+            return_dict_in_generate=True,
+            output_logits=True,
+            pad_token_id=pad,
+            eos_token_id=eos,
+        )
+        generated = result.sequences[:, width:].cpu()  # [b, T']
+        logits = torch.stack(result.logits, dim=1).float()  # [b, T', V] raw logits
+        logps = torch.log_softmax(logits / sampling.temperature, dim=-1)
+        picked = logps.gather(-1, generated.to(logps.device).unsqueeze(-1)).squeeze(-1).cpu()  # [b, T']
+        completions = []
+        for row in range(len(prompts)):
+            ids = generated[row].tolist()
+            stop = ids.index(eos) + 1 if eos in ids else None
+            ids = ids[:stop] if stop else ids
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            reason = "stop" if stop else "length"
+            completions.append(Completion(ids, text, picked[row, : len(ids)].tolist(), reason))
+        return completions
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:  # noqa: D102
+        state = {name: tensor.detach() for name, tensor in named_tensors}
+        if not state:
+            raise ValueError("load_weights got no tensors: the engine would keep stale weights")
+        own = self.model.state_dict()
+        unknown = sorted(set(state) - set(own))
+        if unknown:
+            raise KeyError(f"the engine's model has no parameters named {unknown[:5]}")
+        for name, tensor in state.items():
+            own[name].copy_(tensor.to(own[name].device, own[name].dtype))
+
+    @torch.no_grad()
+    def score(self, prompt: list[int], completion: list[int]) -> list[float]:  # noqa: D102
+        ids = torch.tensor([list(prompt) + list(completion)], device=self.device)
+        logits = self.model(ids).logits[0, len(prompt) - 1 : -1].float()  # predicts the completion tokens
+        picked = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)
+        return picked.cpu().tolist()
