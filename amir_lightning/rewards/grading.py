@@ -1,11 +1,11 @@
 r"""Answer extraction and math grading (math-verify). Runs inside sandbox worker processes, never in the trainer.
 
 Extraction order for a completion (the first that matches wins):
-1. the last ``\\boxed{...}`` (brace-matched, nested braces allowed);
+1. the last ``\boxed{...}`` (brace-matched, nested braces allowed);
 2. the content of the last ``<answer>...</answer>`` (or what follows a last, unclosed ``<answer>``);
 3. the number after the last ``#### `` (GSM8K style);
 4. optionally (``fallback_last_number``) the last number in the text.
-The candidate is then compared with the reference by ``math_verify.verify`` (so ``\\boxed{1/2}`` equals ``0.5``).
+The candidate is then compared with the reference by ``math_verify.verify`` (so ``\boxed{1/2}`` equals ``0.5``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ MAX_CANDIDATE_CHARS = 512  # a longer "answer" is not an answer; keeps sympy awa
 
 
 def last_boxed(text: str) -> str | None:
-    r"""Content of the last ``\\boxed{...}`` or ``\\fbox{...}`` with balanced braces, or ``None``."""
+    r"""Content of the last ``\boxed{...}`` or ``\fbox{...}`` with balanced braces, or ``None``."""
     start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
     if start < 0:
         return None

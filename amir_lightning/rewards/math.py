@@ -12,7 +12,7 @@ from amir_lightning.rewards.sandbox import SandboxedGrader
 class MathAnswerReward(Reward):
     r"""``correct_score`` if the completion's final answer equals the reference, else ``wrong_score``.
 
-    The final answer is the last ``\\boxed{}``, else the last ``<answer>`` tag, else ``#### N``, else (with
+    The final answer is the last ``\boxed{}``, else the last ``<answer>`` tag, else ``#### N``, else (with
     ``fallback_last_number``) the last number in the text; equality is math-verify's (``1/2 == 0.5``).
 
     Args:
