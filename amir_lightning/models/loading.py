@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,16 +85,29 @@ def _base_name(name: str) -> str:
 
 
 @contextmanager
-def merged_state(model) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Full weights under the base model's parameter names; LoRA adapters merged in for the duration.
+def merged_state(model) -> Iterator[Iterable[tuple[str, torch.Tensor]]]:
+    """Full weights under the base model's parameter names, with LoRA deltas added in.
 
-    vLLM knows nothing of adapter names, so the sync sends merged weights (merge, push, unmerge: design.md 2).
+    vLLM knows nothing of adapter names, so the engine gets merged weights (design.md 2). They are computed out of
+    place, one matrix at a time: peft's in-place merge/unmerge would round the frozen base weights a little at
+    every sync, and a lazily merged stream never holds a second copy of the model.
     """
     if not is_peft(model):
         yield list(model.state_dict().items())
         return
-    model.merge_adapter()
-    try:
-        yield [(_base_name(k), v) for k, v in model.state_dict().items() if "lora_" not in k]
-    finally:
-        model.unmerge_adapter()
+    yield _merged_weights(model)
+
+
+def _merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+    from peft.tuners.lora import LoraLayer
+
+    layers = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    for key, tensor in model.state_dict().items():
+        if "lora_" in key:
+            continue
+        if ".base_layer." in key and key.endswith(".weight"):
+            layer = layers[key[: key.index(".base_layer.")]]
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A:
+                    tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
+        yield _base_name(key), tensor.detach()

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from amir_lightning.rewards.base import Reward
 
 _STRICT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_DIGIT = re.compile(r"\d")
 
 
 class ThinkAnswerFormatReward(Reward):
@@ -51,3 +53,24 @@ class TagCountReward(Reward):
 
     def score(self, completions: Sequence[str], answers: Sequence[str]) -> list[float]:  # noqa: D102
         return [sum(self.per_tag for tag in self.tags if c.count(tag) == 1) for c in completions]
+
+
+class AnswerNumberReward(Reward):
+    """``score`` if the first ``<answer>...</answer>`` holds a number (the official ``int_reward_func``: 0.2).
+
+    Args:
+        weight: Multiplier in the total reward.
+        score: Value when a number is present.
+        name: Metric name (default ``answer_number``).
+    """
+
+    def __init__(self, weight: float = 1.0, score: float = 0.2, name: str | None = None) -> None:
+        super().__init__(weight, name)
+        self.value = score
+
+    def score(self, completions: Sequence[str], answers: Sequence[str]) -> list[float]:  # noqa: D102
+        out = []
+        for c in completions:
+            match = _ANSWER.search(c)
+            out.append(self.value if match and _DIGIT.search(match.group(1)) else 0.0)
+        return out

@@ -8,6 +8,7 @@ data module verifies every sync with a probe.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -123,9 +124,12 @@ class VLLMEngine(RolloutEngine):
         return result
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:  # noqa: D102
-        weights = [(name, tensor.detach()) for name, tensor in named_tensors]
-        if not weights:
+        stream = iter(named_tensors)
+        first = next(stream, None)
+        if first is None:
             raise ValueError("load_weights got no tensors: the engine would keep stale weights")
+        # A lazy stream: merged LoRA weights are computed one matrix at a time as vLLM consumes them.
+        weights = itertools.chain([first], ((name, tensor.detach()) for name, tensor in stream))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
 

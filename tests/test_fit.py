@@ -1,0 +1,95 @@
+"""End to end: ``amir fit`` on the tiny config with real vLLM learns, checkpoints, and exports a loadable policy."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import read_scalars, run_amir
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fit")
+    run_amir(["fit", "--config", str(ROOT / "configs" / "tiny.yaml")], tmp)
+    return tmp / "runs" / "tiny" / "version_0"
+
+
+def test_reward_improves_on_a_learnable_task(tiny_run):
+    """Random init copies a digit 4% of the time; after 30 rollouts the logged reward must have risen clearly."""
+    scalars = read_scalars(tiny_run)
+    reward = scalars["rollout/reward_mean"]
+    assert len(reward) == 30
+    first, last = sum(reward[:3]) / 3, sum(reward[-5:]) / 5
+    assert last > first + 0.15, f"reward did not improve: first epochs {reward[:3]}, last {reward[-5:]}"
+    accuracy = scalars["val/accuracy"]
+    assert accuracy[-1] > accuracy[0]
+    for key in (
+        "train/loss",
+        "train/pg_loss",
+        "train/entropy",
+        "train/grad_norm",
+        "amir/pair_loss",
+        "amir/num_pairs",
+        "amir/lambda",
+        "amir/pair_acc",
+        "amir/pair_margin",
+        "rollout/sync_logp_diff",
+        "rollout/tokens_per_s",
+        "rollout/zero_std_frac",
+        "rollout/reward_std",
+        "length/mean",
+    ):
+        assert key in scalars and all(torch.isfinite(torch.tensor(scalars[key]))), key
+    assert max(scalars["rollout/sync_logp_diff"]) < 1e-3
+
+
+def test_checkpoint_and_export_load_in_transformers_and_vllm(tiny_run):
+    assert (tiny_run / "checkpoints" / "last.ckpt").is_file()
+    export = tiny_run / "policy"
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in export.iterdir()}
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(export)
+    model = AutoModelForCausalLM.from_pretrained(export)
+    out = model.generate(**tok("7=", return_tensors="pt"), max_new_tokens=3, do_sample=False)
+    assert out.shape[1] > 2
+    code = (
+        "from vllm import LLM, SamplingParams; "
+        f"llm = LLM(model={str(export)!r}, dtype='float32', enforce_eager=True, max_model_len=64, "
+        "kv_cache_memory_bytes=32 << 20); "
+        "o = llm.generate(['7='], SamplingParams(max_tokens=3, temperature=0)); "
+        "print('GENERATED', len(o[0].outputs[0].token_ids))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "GENERATED" in result.stdout, result.stderr[-3000:]
+
+
+def test_cli_swaps_loss_and_engine(tmp_path):
+    """The same YAML with the GRPO objective and the HF engine swapped in from the command line."""
+    run_amir(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "tiny.yaml"),
+            "--trainer.max_epochs",
+            "2",
+            "--model.loss",
+            "amir_lightning.objectives.GRPOLoss",
+            "--data.engine",
+            "amir_lightning.rollout.HFEngine",
+            "--data.engine.init_args.progress",
+            "false",
+            "--trainer.check_val_every_n_epoch",
+            "1",
+        ],
+        tmp_path,
+    )
+    scalars = read_scalars(tmp_path / "runs" / "tiny" / "version_0")
+    assert len(scalars["train/loss"]) == 2 and len(scalars["val/accuracy"]) == 2
+    assert not any(key.startswith("amir/") for key in scalars)  # no pair term in a GRPO run
+    assert max(scalars["rollout/sync_logp_diff"]) < 1e-4

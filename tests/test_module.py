@@ -1,0 +1,103 @@
+"""The module's log-probs through a real (tiny) model: padding-independent, and micro-batching-independent."""
+
+import pytest
+import torch
+
+from amir_lightning.models import HFModel, build_tiny_model
+from amir_lightning.module import AmirGRPOModule
+from amir_lightning.objectives import AmirGRPOLoss, group_advantages
+from amir_lightning.rollout.batch import Group, build_micro_batches
+from amir_lightning.rollout.engine import Completion
+
+G = 4
+
+
+@pytest.fixture(scope="module")
+def module(tmp_path_factory):
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=2)
+    mod = AmirGRPOModule(
+        policy=HFModel(str(model_dir)),
+        loss=AmirGRPOLoss(lambda_=0.5, lambda_max=1.0, lambda_schedule="fixed", beta=0.0),
+        temperature=0.9,
+    )
+    mod.configure_model()
+    return mod
+
+
+def make_groups(module, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    eos, groups = module.tokenizer.eos_token_id, []
+    for g, text in enumerate(["3=", "12+4=", "7*8-1=", "9="]):
+        prompt = module.tokenizer(text)["input_ids"]
+        completions = []
+        for _ in range(G):
+            length = int(torch.randint(1, 6, (1,), generator=gen))
+            ids = torch.randint(3, 20, (length,), generator=gen).tolist() + [eos]
+            completions.append(Completion(ids, "", [0.0] * len(ids), "stop"))
+        rewards = torch.randint(0, 3, (G,), generator=gen).float()
+        groups.append(Group(prompt, completions, rewards, group_advantages(rewards, G)))
+    return groups
+
+
+def test_logps_do_not_depend_on_padding(module):
+    groups = make_groups(module)
+    batch = build_micro_batches(groups, micro_batch_groups=4, steps_per_rollout=1, pad_id=module.pad_token_id)[0]
+    logps = module.policy_logps(batch)
+    row = 0
+    for group in groups:
+        for c in group.completions:
+            ids = torch.tensor([group.prompt_ids + c.token_ids])
+            with torch.no_grad():
+                logits = module.policy(ids).logits[0, len(group.prompt_ids) - 1 : -1] / 0.9
+            expected = torch.log_softmax(logits, -1).gather(-1, ids[0, len(group.prompt_ids) :, None]).squeeze(-1)
+            torch.testing.assert_close(logps[row, : len(c.token_ids)], expected, atol=1e-5, rtol=1e-5)
+            row += 1
+
+
+def step_gradient(module, groups, micro_batch_groups):
+    module.policy.zero_grad(set_to_none=True)
+    batches = build_micro_batches(groups, micro_batch_groups, steps_per_rollout=1, pad_id=module.pad_token_id)
+    norms = module.loss.step_normalizers(batches[0].step_lengths, batches[0].step_rewards, G)
+    for batch in batches:
+        logps, _ = module._completion_logps(module.policy, batch, module.temperature)
+        out = module.loss(logps, batch.completion_mask, batch.advantages, batch.rewards, G, **norms)
+        out.loss.backward()
+    return torch.cat([p.grad.flatten() for p in module.policy.parameters()])
+
+
+def test_step_gradient_does_not_depend_on_micro_batching(module):
+    groups = make_groups(module, seed=1)
+    whole = step_gradient(module, groups, micro_batch_groups=4)
+    assert whole.abs().sum() > 0
+    for micro in (1, 2):
+        torch.testing.assert_close(step_gradient(module, groups, micro), whole, atol=1e-6, rtol=1e-4)
+
+
+def test_export_weights_match_policy(module):
+    with module.export_weights() as named:
+        state = dict(named)
+    assert set(state) == set(module.policy.state_dict())
+
+
+def test_lora_export_merges_out_of_place(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from amir_lightning.models import LoraSettings
+
+    model_dir = build_tiny_model(tmp_path / "model", seed=3)
+    mod = AmirGRPOModule(policy=HFModel(str(model_dir)), lora=LoraSettings(r=4, alpha=8))
+    mod.configure_model()
+    with torch.no_grad():
+        for name, p in mod.policy.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    before = {k: v.clone() for k, v in mod.policy.state_dict().items()}
+    with mod.export_weights() as named:
+        merged = dict(named)
+    assert all(torch.equal(before[k], v) for k, v in mod.policy.state_dict().items())  # no rounding drift
+    assert set(merged) == set(AutoModelForCausalLM.from_pretrained(model_dir).state_dict())
+    export = mod.export(tmp_path / "export")
+    plain = AutoModelForCausalLM.from_pretrained(export)
+    ids = torch.tensor([mod.tokenizer("12+4=33")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, mod.policy(input_ids=ids).logits, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,78 @@
+"""Rewards: answer extraction, math-verify equality, the sandbox timeout, and the format rewards."""
+
+import time
+
+import pytest
+
+from amir_lightning.rewards import MathAnswerReward, SandboxedGrader, TagCountReward, ThinkAnswerFormatReward
+from amir_lightning.rewards.grading import extract_answer, grade_answer
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("so the answer is \\boxed{\\frac{1}{2}} done", "\\frac{1}{2}"),
+        ("\\boxed{1} then \\boxed{x^{2}}", "x^{2}"),  # last box, nested braces
+        ("<think>7?</think><answer> 42 </answer>", "42"),
+        ("<answer>\\boxed{3}</answer> and then 5", "3"),
+        ("blah #### 1,234", "1,234"),
+        ("3 + 4 = 7.", "7"),
+        ("no digits here", None),
+        ("\\boxed{unclosed", None),
+    ],
+)
+def test_extract_answer(completion, expected):
+    assert extract_answer(completion) == expected
+
+
+def test_extract_without_number_fallback():
+    assert extract_answer("3 + 4 = 7.", fallback_last_number=False) is None
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "score"),
+    [
+        ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("The total is 72.", "Natalia sold 48/2 = 24 clips.\n#### 72", 1.0),
+        ("#### 1,234", "1234", 1.0),
+        ("\\boxed{2^{10}}", "1024", 1.0),
+        ("\\boxed{71}", "#### 72", 0.0),
+        ("I don't know", "5", 0.0),
+    ],
+)
+def test_grade_answer(completion, answer, score):
+    assert grade_answer(completion, answer) == score
+
+
+def test_pathological_answer_times_out_to_zero_within_the_limit():
+    reward = MathAnswerReward(timeout_s=1.0)
+    try:
+        reward.correctness(["\\boxed{1}"], ["1"])  # workers up before timing
+        start = time.monotonic()
+        scores = reward.correctness(["\\boxed{9^{9^{9^{9^{9}}}}}", "\\boxed{7}"], ["7", "7"])
+        elapsed = time.monotonic() - start
+        assert scores == [0.0, 1.0]
+        assert reward.grader.timeouts == 1
+        assert elapsed < 1.0 + 5.0  # the limit plus a worker restart, never the hours sympy would take
+    finally:
+        reward.close()
+
+
+def _crash(_):
+    raise RuntimeError("grader bug")
+
+
+def test_sandbox_survives_a_crashing_grader():
+    grader = SandboxedGrader(timeout_s=5.0, timeout_score=-1.0)
+    try:
+        assert grader.map(_crash, [(1,), (2,)]) == [-1.0, -1.0]
+    finally:
+        grader.close()
+
+
+def test_format_rewards():
+    good = "<think>4 and 3</think>\n<answer>\\boxed{7}</answer>"
+    assert ThinkAnswerFormatReward().score([good, good + "\ntrailing", "7"], ["7"] * 3) == [0.5, 0.0, 0.0]
+    assert TagCountReward().score([good, "<think><think>"], ["7"] * 2) == [pytest.approx(0.1), 0.0]
+    assert MathAnswerReward().name == "math_answer" and TagCountReward().name == "tag_count"
