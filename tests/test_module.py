@@ -27,7 +27,7 @@ def module(tmp_path_factory):
 def make_groups(module, seed=0):
     gen = torch.Generator().manual_seed(seed)
     eos, groups = module.tokenizer.eos_token_id, []
-    for g, text in enumerate(["3=", "12+4=", "7*8-1=", "9="]):
+    for text in ["3=", "12+4=", "7*8-1=", "9="]:
         prompt = module.tokenizer(text)["input_ids"]
         completions = []
         for _ in range(G):
