@@ -98,7 +98,7 @@ class AmirGRPOModule(LightningModule):
         self._reference: tuple = ()  # not a registered submodule: never trained, never checkpointed
         self._step_stats: dict[str, torch.Tensor] = {}
         self._step_norms: dict[str, float] | None = None
-        self.val_accuracy = MeanMetric()
+        self.val_accuracy, self.test_accuracy = MeanMetric(), MeanMetric()
 
     # ------------------------------------------------------------------ model
     @cached_property
@@ -235,10 +235,22 @@ class AmirGRPOModule(LightningModule):
 
     # ------------------------------------------------------------------ evaluation
     def validation_step(self, batch: dict, batch_idx: int) -> None:  # noqa: D102
+        self._evaluation_step(batch, "val", self.val_accuracy)
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:  # noqa: D102
+        self._evaluation_step(batch, "test", self.test_accuracy)
+
+    def _evaluation_step(self, batch: dict, stage: str, metric: MeanMetric) -> None:
         correct = batch["correct"].float()  # [prompts, samples]
-        self.val_accuracy.update(correct.mean(), weight=correct.numel())
-        self.log("val/accuracy", self.val_accuracy, on_epoch=True, batch_size=correct.numel())
-        self.log("val/length_mean", batch["lengths"].float().mean(), on_epoch=True, batch_size=correct.numel())
+        metric.update(correct.mean(), weight=correct.numel())
+        self.log(f"{stage}/accuracy", metric, on_epoch=True, batch_size=correct.numel())
+        self.log(
+            f"{stage}/length_mean",
+            batch["lengths"].float().mean(),
+            on_epoch=True,
+            batch_size=correct.numel(),
+            sync_dist=True,
+        )
 
     # ------------------------------------------------------------------ optimisation and export
     def configure_optimizers(self):  # noqa: D102

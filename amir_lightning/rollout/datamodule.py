@@ -263,6 +263,10 @@ class RolloutDataModule(LightningDataModule):
         batch = {"correct": correct, "lengths": lengths.view(len(prompts), self.val_samples)}
         return DataLoader([batch], batch_size=None, collate_fn=_identity)
 
+    def test_dataloader(self) -> DataLoader | list:
+        """The held-out evaluation of ``val_prompts`` (``amir test``)."""
+        return self.val_dataloader()
+
     def _log(self, metrics: dict[str, float]) -> None:
         logger = self.trainer.logger
         if logger is not None and self.trainer.is_global_zero:
