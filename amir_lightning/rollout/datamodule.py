@@ -122,6 +122,7 @@ class RolloutDataModule(LightningDataModule):
         self._order: tuple[int, list[int]] = (-1, [])
         self.last_rollout: list[Group] = []
         self.synced_at_step: int | None = None
+        self._eval_grader: MathAnswerReward | None = None
 
     # ------------------------------------------------------------------ set-up
     def setup(self, stage: str) -> None:  # noqa: D102
@@ -141,8 +142,9 @@ class RolloutDataModule(LightningDataModule):
         self.cursor = int(state_dict["cursor"])
 
     def teardown(self, stage: str) -> None:  # noqa: D102
-        for reward in self.rewards:
-            reward.close()
+        for reward in [*self.rewards, self._eval_grader]:
+            if reward is not None:
+                reward.close()
 
     # ------------------------------------------------------------------ prompts
     def _prompt_at(self, position: int) -> Prompt:
@@ -255,13 +257,22 @@ class RolloutDataModule(LightningDataModule):
         prompt_ids = self.tokenize(prompts)
         self.sync(prompt_ids[0], prompts[0].answer)
         completions = self.engine.generate(prompt_ids, self.val_samples, self.val_sampling)
-        grader = next((r for r in self.rewards if isinstance(r, MathAnswerReward)), None) or MathAnswerReward()
+        grader = self._grader()
         texts = [c.text for group in completions for c in group]
         answers = [p.answer for p in prompts for _ in range(self.val_samples)]
         correct = torch.tensor(grader.correctness(texts, answers)).view(len(prompts), self.val_samples)
         lengths = torch.tensor([len(c.token_ids) for g in completions for c in g], dtype=torch.float)
         batch = {"correct": correct, "lengths": lengths.view(len(prompts), self.val_samples)}
         return DataLoader([batch], batch_size=None, collate_fn=_identity)
+
+    def _grader(self) -> MathAnswerReward:
+        """The correctness check of evaluation: the first ``MathAnswerReward`` of the rewards, or a default one."""
+        found = next((r for r in self.rewards if isinstance(r, MathAnswerReward)), None)
+        if found is None:
+            if self._eval_grader is None:
+                self._eval_grader = MathAnswerReward()
+            found = self._eval_grader
+        return found
 
     def test_dataloader(self) -> DataLoader | list:
         """The held-out evaluation of ``val_prompts`` (``amir test``)."""
