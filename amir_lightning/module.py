@@ -39,13 +39,12 @@ STAT_KEYS = {
     "clip_frac_high": "train/clip_frac_high",
     "pg_scale": "train/pg_scale",
     "pair_loss": "amir/pair_loss",
-    "num_pairs": "amir/num_pairs",
-    "pair_acc": "amir/pair_acc",
-    "pair_margin": "amir/pair_margin",
-    "pair_reward_gap": "amir/pair_reward_gap",
     "pair_term": "amir/pair_term",
     "lambda": "amir/lambda",
+    "pair_acc": "amir/implicit_acc",  # z > 0, reference included; the PairMarginMonitor logs amir/pair_acc
 }
+#: Loss stats the PairMarginMonitor measures for GRPO and AMIR runs alike (under amir/...); not logged twice.
+MONITORED_STATS = frozenset({"num_pairs", "pair_margin", "pair_reward_gap"})
 
 
 def default_optimizer(params) -> torch.optim.Optimizer:
@@ -177,7 +176,7 @@ class AmirGRPOModule(LightningModule):
         return torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None]).squeeze(-1).cpu().tolist()
 
     # ------------------------------------------------------------------ training
-    def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:  # noqa: D102
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> dict[str, torch.Tensor]:  # noqa: D102
         if self._step_norms is None:  # first micro-batch of an optimisation step
             self._step_norms = self.loss.step_normalizers(
                 batch.step_lengths, batch.step_rewards, batch.group_size, batch.step_truncated
@@ -207,7 +206,8 @@ class AmirGRPOModule(LightningModule):
         self._accumulate(out.stats, entropy, batch.completion_mask)
         if batch.last_in_step:
             self._optimizer_step()
-        return out.loss.detach()
+        # Read-only monitors (callbacks) get the log-probs through ``outputs``: no second forward for them either.
+        return {"loss": out.loss.detach(), "logps": logps.detach()}
 
     def _accumulate(self, stats: dict[str, torch.Tensor], entropy, mask: torch.Tensor) -> None:
         for key, value in stats.items():
@@ -228,7 +228,7 @@ class AmirGRPOModule(LightningModule):
             scheduler.step()
         stats, self._step_stats, self._step_norms = self._step_stats, {}, None
         self.loss.end_step(stats)
-        logged = {STAT_KEYS.get(k, f"train/{k}"): v for k, v in stats.items()}
+        logged = {STAT_KEYS.get(k, f"train/{k}"): v for k, v in stats.items() if k not in MONITORED_STATS}
         logged["train/grad_norm"] = grad_norm.detach().float()
         logged["train/lr"] = optimizer.param_groups[0]["lr"]
         self.log_dict(logged, on_step=True, on_epoch=False, batch_size=1)

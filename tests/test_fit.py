@@ -10,6 +10,40 @@ from conftest import read_scalars, run_amir
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[1]
+# Logged by the module and the rollout for every run.
+CORE_KEYS = {
+    "train/loss",
+    "train/pg_loss",
+    "train/entropy",
+    "train/grad_norm",
+    "train/lr",
+    "rollout/sync_logp_diff",
+    "rollout/tokens_per_s",
+    "rollout/zero_std_frac",
+    "rollout/reward_mean",
+    "rollout/reward_std",
+    "rollout/accuracy",
+    "length/mean",
+    "length/truncated_frac",
+    "val/accuracy",
+}
+# Logged by the pair term of AMIR-GRPO only.
+AMIR_KEYS = {"amir/pair_loss", "amir/lambda", "amir/pair_term", "amir/implicit_acc"}
+# Logged by the monitors (configs/tiny*.yaml attach them) for GRPO and AMIR runs alike.
+MONITOR_KEYS = {
+    "amir/pair_margin",
+    "amir/pair_margin_median",
+    "amir/pair_acc",
+    "amir/num_pairs",
+    "length/correct_mean",
+    "length/incorrect_mean",
+    "length/gap",
+    "length/corr_advantage",
+    "length/neg_token_weight_pg",
+    "throughput/generate_tokens_per_s",
+    "throughput/train_tokens_per_s",
+    "throughput/train_frac",
+}
 
 
 @pytest.fixture(scope="module")
@@ -91,5 +125,7 @@ def test_cli_swaps_loss_and_engine(tmp_path):
     )
     scalars = read_scalars(tmp_path / "runs" / "tiny" / "version_0")
     assert len(scalars["train/loss"]) == 2 and len(scalars["val/accuracy"]) == 2
-    assert not any(key.startswith("amir/") for key in scalars)  # no pair term in a GRPO run
+    assert not AMIR_KEYS & set(scalars)  # no pair term in a GRPO run ...
+    for key in CORE_KEYS | MONITOR_KEYS:  # ... but the same measurements, so GRPO and AMIR runs compare
+        assert key in scalars and all(torch.isfinite(torch.tensor(scalars[key]))), key
     assert max(scalars["rollout/sync_logp_diff"]) < 1e-4

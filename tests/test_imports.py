@@ -7,9 +7,8 @@ import sys
 import tomllib
 from pathlib import Path
 
-import amir_lightning.callbacks
-
 import amir_lightning
+import amir_lightning.callbacks
 
 ROOT = Path(__file__).parents[1]
 

@@ -4,7 +4,7 @@ from amir_lightning.objectives.advantages import group_advantages
 from amir_lightning.objectives.amir import AmirGRPOLoss
 from amir_lightning.objectives.base import INTENSIVE_STATS, LossOutput
 from amir_lightning.objectives.logprobs import selective_log_softmax, sequence_logps, token_entropy
-from amir_lightning.objectives.pairs import mine_pairs
+from amir_lightning.objectives.pairs import mine_pairs, pair_mask
 from amir_lightning.objectives.policy import GRPOLoss
 from amir_lightning.objectives.preference import pair_logits, preference_loss
 
@@ -15,6 +15,7 @@ __all__ = [
     "LossOutput",
     "group_advantages",
     "mine_pairs",
+    "pair_mask",
     "pair_logits",
     "preference_loss",
     "selective_log_softmax",

@@ -18,14 +18,18 @@ class Group:
         completions: The G completions.
         rewards: ``[G]`` total (weighted) rewards.
         advantages: ``[G]`` group advantages.
+        correct: ``[G]`` 1.0 / 0.0 answer correctness (NaN when no reward grades correctness).
         answer: Reference answer of the prompt.
+        question: The prompt's question text.
     """
 
     prompt_ids: list[int]
     completions: list[Completion]
     rewards: torch.Tensor
     advantages: torch.Tensor
+    correct: torch.Tensor | None = None
     answer: str = ""
+    question: str = ""
 
 
 @dataclass
@@ -39,6 +43,7 @@ class RolloutBatch:
         advantages: ``[n]``.
         rewards: ``[n]`` raw total rewards (pairs are mined from these).
         truncated: ``[n]`` bool, completion hit the length limit.
+        correct: ``[n]`` 1.0 / 0.0 answer correctness (NaN when unknown), for the monitors.
         sampling_logps: ``[n, T]`` the engine's log-probs of the sampled tokens.
         step_lengths: ``[N]`` completion lengths of every completion of the optimisation step.
         step_rewards: ``[N]`` rewards of the step.
@@ -55,6 +60,7 @@ class RolloutBatch:
     advantages: torch.Tensor
     rewards: torch.Tensor
     truncated: torch.Tensor
+    correct: torch.Tensor
     sampling_logps: torch.Tensor
     step_lengths: torch.Tensor
     step_rewards: torch.Tensor
@@ -103,7 +109,12 @@ def collate_groups(groups: list[Group], pad_id: int) -> dict[str, torch.Tensor]:
         "advantages": torch.cat([g.advantages for g in groups]).float(),
         "rewards": torch.cat([g.rewards for g in groups]).float(),
         "truncated": torch.tensor([c.truncated for _, c in rows]),
+        "correct": torch.cat([_correct(g) for g in groups]).float(),
     }
+
+
+def _correct(group: Group) -> torch.Tensor:
+    return group.correct if group.correct is not None else torch.full((len(group.completions),), float("nan"))
 
 
 def build_micro_batches(

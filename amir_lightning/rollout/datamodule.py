@@ -120,7 +120,8 @@ class RolloutDataModule(LightningDataModule):
         self.seed = seed
         self.cursor = 0  # prompts consumed so far (saved in checkpoints: resume continues the stream)
         self._order: tuple[int, list[int]] = (-1, [])
-        self.last_rollout: list[Group] = []
+        self.last_rollout: list[Group] = []  # read by the monitors (callbacks)
+        self.last_timing: dict[str, float] = {}
         self.synced_at_step: int | None = None
         self._eval_grader: MathAnswerReward | None = None
 
@@ -201,7 +202,7 @@ class RolloutDataModule(LightningDataModule):
         completions = self.engine.generate(prompt_ids, self.group_size, self.sampling)
         gen_s = time.perf_counter() - start
         start = time.perf_counter()
-        rewards, metrics = score_completions(self.rewards, prompts, completions)
+        rewards, metrics, correct = score_completions(self.rewards, prompts, completions)
         score_s = time.perf_counter() - start
         advantages = group_advantages(rewards, self.group_size, self.advantage_scale)
         G = self.group_size
@@ -211,14 +212,17 @@ class RolloutDataModule(LightningDataModule):
                 completions[i],
                 rewards[i * G : (i + 1) * G],
                 advantages[i * G : (i + 1) * G],
+                correct[i * G : (i + 1) * G],
                 prompts[i].answer,
+                prompts[i].question,
             )
             for i in range(len(prompts))
         ]
         zero_std = [bool((g.rewards == g.rewards[0]).all()) for g in groups]
         self.last_rollout = groups
-        kept = [g for g, z in zip(groups, zero_std) if not (self.drop_zero_std_groups and z)]
         tokens = sum(len(c.token_ids) for group in completions for c in group)
+        self.last_timing = {"sync_s": sync_s, "generate_s": gen_s, "score_s": score_s, "tokens": float(tokens)}
+        kept = [g for g, z in zip(groups, zero_std) if not (self.drop_zero_std_groups and z)]
         metrics.update(
             {
                 "rollout/zero_std_frac": sum(zero_std) / len(groups),

@@ -1,0 +1,66 @@
+"""Shared plumbing of the step monitors: torchmetrics aggregation over a step's micro-batches, TensorBoard extras."""
+
+from __future__ import annotations
+
+import torch
+from lightning import Callback
+from torchmetrics import CatMetric, MeanMetric, SumMetric
+
+
+class StepMonitor(Callback):
+    """Aggregates per-micro-batch values with torchmetrics (synced across processes) and logs them once per step.
+
+    Subclasses call ``self.mean``, ``self.sum`` and ``self.cat`` from ``on_train_batch_end``
+    and get everything flushed by ``self.flush(trainer, pl_module)`` after the step's last micro-batch.
+    """
+
+    def __init__(self) -> None:
+        self._means: dict[str, MeanMetric] = {}
+        self._sums: dict[str, SumMetric] = {}
+        self._cats: dict[str, CatMetric] = {}
+
+    def mean(self, key: str, values: torch.Tensor, weight: torch.Tensor | float = 1.0) -> None:
+        """Accumulate a (weighted) mean for ``key``."""
+        if key not in self._means:
+            self._means[key] = MeanMetric(nan_strategy="ignore").to(values.device)
+        if values.numel():
+            self._means[key].update(values.float(), weight)
+
+    def sum(self, key: str, value: float, device: torch.device) -> None:
+        """Accumulate a sum for ``key``."""
+        if key not in self._sums:
+            self._sums[key] = SumMetric().to(device)
+        self._sums[key].update(torch.tensor(float(value), device=device))
+
+    def cat(self, key: str, values: torch.Tensor) -> None:
+        """Accumulate raw values for ``key`` (medians, histograms)."""
+        if key not in self._cats:
+            self._cats[key] = CatMetric(nan_strategy="ignore").to(values.device)
+        if values.numel():
+            self._cats[key].update(values.float().flatten())
+
+    def computed(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The step's means and sums, and its concatenated values (empty where nothing was seen); then reset."""
+        means = {k: m.compute() for k, m in self._means.items() if m.update_count}
+        means.update({k: m.compute() for k, m in self._sums.items() if m.update_count})
+        cats = {}
+        for key, metric in self._cats.items():
+            value = metric.compute() if metric.update_count else torch.zeros(0)
+            cats[key] = torch.atleast_1d(value) if isinstance(value, torch.Tensor) else torch.cat(value)
+        for metric in [*self._means.values(), *self._sums.values(), *self._cats.values()]:
+            metric.reset()
+        return means, cats
+
+
+def histogram(trainer, tag: str, values: torch.Tensor) -> None:
+    """Write a histogram to TensorBoard (other loggers are skipped)."""
+    experiment = getattr(trainer.logger, "experiment", None)
+    if values.numel() and trainer.is_global_zero and hasattr(experiment, "add_histogram"):
+        experiment.add_histogram(tag, values.detach().float().cpu(), trainer.global_step)
+
+
+def text(trainer, tag: str, content: str) -> None:
+    """Write markdown text to TensorBoard (other loggers are skipped)."""
+    experiment = getattr(trainer.logger, "experiment", None)
+    if trainer.is_global_zero and hasattr(experiment, "add_text"):
+        experiment.add_text(tag, content, trainer.global_step)

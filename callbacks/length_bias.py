@@ -1,0 +1,107 @@
+"""LengthBiasMonitor: the length-bias and penalty-dilution numbers the AMIR-GRPO paper argues about (paper.md 6).
+
+Per optimisation step:
+- ``length/correct_mean``, ``length/incorrect_mean`` and their gap ``length/gap`` (incorrect minus correct): the
+  length-bias story predicts wrong answers growing longer under GRPO;
+- ``length/corr_advantage``: the within-group Spearman correlation of length with advantage, averaged over groups
+  where both vary;
+- ``length/neg_token_weight_pg``: the mean per-token gradient weight a negative-advantage completion gets from the
+  policy-gradient term under the loss's aggregation (``|A| / (N |o|)`` for ``grpo``: diluted by length), and,
+  for AMIR-GRPO, ``length/neg_token_weight_pair``, the per-token push-down of the pair term on the same
+  completions (``lambda beta / P * sum_i sigmoid(-z_ij) / |o_j|``), and their ratio ``length/pair_to_pg``;
+- histograms of correct and incorrect lengths. (The truncation rate is ``length/truncated_frac`` of the rollout.)
+
+These metrics are proposals of paper.md 6.3, not the paper's own definitions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from amir_lightning.callbacks._base import StepMonitor, histogram
+from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, pair_mask, sequence_logps
+
+
+def _ranks(x: torch.Tensor) -> torch.Tensor:
+    """Average ranks along the last dimension (ties share their mean rank)."""
+    order = x.argsort(dim=-1)
+    ranks = torch.empty_like(x)
+    ranks.scatter_(-1, order, torch.arange(x.shape[-1], dtype=x.dtype, device=x.device).expand_as(x))
+    equal = x.unsqueeze(-1) == x.unsqueeze(-2)  # [..., G, G]
+    return (equal.to(x.dtype) @ ranks.unsqueeze(-1)).squeeze(-1) / equal.sum(-1)
+
+
+def spearman_per_group(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Spearman correlation of ``x`` and ``y`` ``[B, G]`` per group; NaN where either is constant."""
+    rx, ry = _ranks(x.float()), _ranks(y.float())
+    rx, ry = rx - rx.mean(-1, keepdim=True), ry - ry.mean(-1, keepdim=True)
+    denom = (rx.square().sum(-1) * ry.square().sum(-1)).sqrt()
+    return torch.where(denom > 0, (rx * ry).sum(-1) / denom.clamp(min=1e-12), torch.nan)
+
+
+class LengthBiasMonitor(StepMonitor):
+    """Length statistics of correct and incorrect completions and the per-token weights of the penalties.
+
+    Args:
+        histogram: Write length histograms (``length/hist_correct``, ``length/hist_incorrect``).
+    """
+
+    def __init__(self, histogram: bool = True) -> None:
+        super().__init__()
+        self.write_histogram = histogram
+
+    @torch.no_grad()
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: D102
+        G = batch.group_size
+        lengths = batch.completion_mask.sum(-1)  # [n]
+        correct = batch.correct
+        known = ~correct.isnan()
+        self.mean("correct", lengths[known & (correct == 1)])
+        self.mean("incorrect", lengths[known & (correct == 0)])
+        self.cat("hist_correct", lengths[known & (correct == 1)])
+        self.cat("hist_incorrect", lengths[known & (correct == 0)])
+        self.mean("corr_advantage", spearman_per_group(lengths.view(-1, G), batch.advantages.view(-1, G)))
+        loss = getattr(pl_module, "loss", None)
+        if isinstance(loss, GRPOLoss):
+            self._token_weights(loss, batch, lengths, outputs)
+        if batch.last_in_step:
+            self._flush(trainer, pl_module)
+
+    def _token_weights(self, loss: GRPOLoss, batch, lengths: torch.Tensor, outputs) -> None:
+        norms = loss.step_normalizers(batch.step_lengths, batch.step_rewards, batch.group_size, batch.step_truncated)
+        weights = loss._row_weights(lengths, norms)  # [n] weight of each token in the step loss
+        negative = batch.advantages < 0
+        self.mean("neg_pg", (batch.advantages.abs() * weights)[negative])
+        if not isinstance(loss, AmirGRPOLoss) or not isinstance(outputs, dict) or "logps" not in outputs:
+            return
+        G = batch.group_size
+        seq = sequence_logps(outputs["logps"].float(), batch.completion_mask, loss.reduction).view(-1, G)  # [B, G]
+        valid = pair_mask(batch.rewards, G, loss.margin, loss.pair_mode, loss.max_pairs_per_group)  # [B, G, G]
+        z = loss.pair_beta * (seq.unsqueeze(2) - seq.unsqueeze(1))  # [B, G, G] z_ij
+        push = (torch.sigmoid(-z) * valid).sum(1).view(-1)  # [n] sum over the pairs each completion loses
+        per_token = float(loss.lambda_value) * loss.pair_beta / max(norms["num_pairs"], 1.0) * push
+        if loss.reduction == "mean":
+            per_token = per_token / lengths.clamp(min=1.0)
+        self.mean("neg_pair", per_token[negative])
+
+    def _flush(self, trainer, pl_module) -> None:
+        means, cats = self.computed()
+        logged = {}
+        if "correct" in means:
+            logged["length/correct_mean"] = means["correct"]
+        if "incorrect" in means:
+            logged["length/incorrect_mean"] = means["incorrect"]
+        if "correct" in means and "incorrect" in means:
+            logged["length/gap"] = means["incorrect"] - means["correct"]
+        if "corr_advantage" in means and not means["corr_advantage"].isnan():
+            logged["length/corr_advantage"] = means["corr_advantage"]
+        if "neg_pg" in means:
+            logged["length/neg_token_weight_pg"] = means["neg_pg"]
+        if "neg_pair" in means:
+            logged["length/neg_token_weight_pair"] = means["neg_pair"]
+            logged["length/pair_to_pg"] = means["neg_pair"] / means["neg_pg"].clamp(min=1e-12)
+        if logged:
+            pl_module.log_dict(logged, on_step=True, on_epoch=False, batch_size=1)
+        if self.write_histogram:
+            histogram(trainer, "length/hist_correct", cats.get("hist_correct", torch.zeros(0)))
+            histogram(trainer, "length/hist_incorrect", cats.get("hist_incorrect", torch.zeros(0)))

@@ -1,0 +1,48 @@
+"""RolloutSampleLogger: a few prompts with their completions and rewards, as TensorBoard text."""
+
+from __future__ import annotations
+
+from lightning import Callback
+
+from amir_lightning.callbacks._base import text
+
+
+class RolloutSampleLogger(Callback):
+    """Every ``every_n_epochs`` rollouts, write ``num_prompts`` prompts with all their completions and rewards.
+
+    Args:
+        every_n_epochs: Rollouts between two samples.
+        num_prompts: Prompts (groups) shown.
+        max_chars: Completions are cut to this many characters.
+    """
+
+    def __init__(self, every_n_epochs: int = 1, num_prompts: int = 2, max_chars: int = 600) -> None:
+        if every_n_epochs < 1 or num_prompts < 1 or max_chars < 1:
+            raise ValueError("RolloutSampleLogger needs every_n_epochs, num_prompts and max_chars >= 1")
+        self.every_n_epochs, self.num_prompts, self.max_chars = every_n_epochs, num_prompts, max_chars
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:  # noqa: D102
+        # Runs after train_dataloader(): the epoch's rollout is in the data module.
+        groups = getattr(trainer.datamodule, "last_rollout", None)
+        if not groups or trainer.current_epoch % self.every_n_epochs:
+            return
+        text(trainer, "rollout/samples", self.render(groups[: self.num_prompts]))
+
+    def render(self, groups) -> str:
+        """Markdown for ``groups``: question, reference answer, then each completion with reward and advantage."""
+        parts = []
+        for g in groups:
+            parts.append(f"**Q:** {_escape(g.question)}  \n**reference:** {_escape(g.answer)[:200]}\n")
+            for k, c in enumerate(g.completions):
+                flag = "" if g.correct is None or g.correct[k].isnan() else (" ✓" if g.correct[k] == 1 else " ✗")
+                body = _escape(c.text[: self.max_chars]) + (" …" if len(c.text) > self.max_chars else "")
+                parts.append(
+                    f"- reward {float(g.rewards[k]):.3f}, advantage {float(g.advantages[k]):+.2f}, "
+                    f"{len(c.token_ids)} tokens{' (truncated)' if c.truncated else ''}{flag}: `{body}`"
+                )
+            parts.append("")
+        return "\n".join(parts)
+
+
+def _escape(s: str) -> str:
+    return s.replace("`", "'").replace("\n", " ⏎ ")

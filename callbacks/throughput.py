@@ -1,0 +1,48 @@
+"""ThroughputMonitor: where an epoch's time goes: weight sync, generation, scoring, training."""
+
+from __future__ import annotations
+
+import time
+
+from lightning import Callback
+
+
+class ThroughputMonitor(Callback):
+    """Per epoch: generation and training throughput, sync time, and each phase's share of the epoch.
+
+    Keys: ``throughput/generate_tokens_per_s``, ``throughput/train_tokens_per_s`` (prompt and completion tokens
+    through forward and backward), ``throughput/sync_s``, ``throughput/{sync,generate,score,train}_frac``.
+    """
+
+    def __init__(self) -> None:
+        self._start: float | None = None
+        self._train_s = 0.0
+        self._train_tokens = 0.0
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:  # noqa: D102
+        self._train_s, self._train_tokens = 0.0, 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: D102
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: D102
+        if self._start is not None:
+            self._train_s += time.perf_counter() - self._start
+            self._train_tokens += float(batch.attention_mask.sum())
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:  # noqa: D102
+        timing = getattr(trainer.datamodule, "last_timing", {})
+        if not timing:
+            return
+        phases = {
+            "sync": timing["sync_s"],
+            "generate": timing["generate_s"],
+            "score": timing["score_s"],
+            "train": self._train_s,
+        }
+        total = max(sum(phases.values()), 1e-9)
+        logged = {f"throughput/{name}_frac": seconds / total for name, seconds in phases.items()}
+        logged["throughput/generate_tokens_per_s"] = timing["tokens"] / max(timing["generate_s"], 1e-9)
+        logged["throughput/train_tokens_per_s"] = self._train_tokens / max(self._train_s, 1e-9)
+        logged["throughput/sync_s"] = timing["sync_s"]
+        pl_module.log_dict(logged, on_step=False, on_epoch=True, batch_size=1)

@@ -1,0 +1,112 @@
+"""The monitors on synthetic micro-batches: values against direct computations; they only read."""
+
+import math
+
+import torch
+
+from amir_lightning.callbacks import LengthBiasMonitor, PairMarginMonitor, RolloutSampleLogger
+from amir_lightning.callbacks.length_bias import spearman_per_group
+from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages
+from amir_lightning.rollout.batch import Group, build_micro_batches
+from amir_lightning.rollout.engine import Completion
+
+G = 4
+
+
+class FakeModule:
+    def __init__(self, loss):
+        self.loss, self.logged = loss, {}
+
+    def log_dict(self, values, **kwargs):
+        self.logged.update({k: float(v) for k, v in values.items()})
+
+
+class FakeTrainer:
+    logger = None
+    is_global_zero = True
+    global_step = 0
+
+
+def make_step():
+    """Two groups: lengths 1..4, rewards [1, 0, 1, 0] (first) and [0, 0, 1, 1] (second); correct = reward."""
+    groups = []
+    for rewards in ([1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 1.0, 1.0]):
+        r = torch.tensor(rewards)
+        completions = [Completion([5] * (k + 1), "x", [0.0] * (k + 1), "stop") for k in range(G)]
+        groups.append(
+            Group([1, 2], completions, r, group_advantages(r, G), correct=r.clone(), question="q", answer="a")
+        )
+    batches = build_micro_batches(groups, micro_batch_groups=1, steps_per_rollout=1, pad_id=0)
+    # token log-probs: completion k of every group has mean log-prob -(k + 1) / 10
+    logps = [torch.tensor([[-(k + 1) / 10] * 4 for k in range(G)]) * b.completion_mask for b in batches]
+    return groups, batches, logps
+
+
+def run(monitor, loss, batches, logps):
+    module = FakeModule(loss)
+    for i, (batch, lp) in enumerate(zip(batches, logps)):
+        monitor.on_train_batch_end(FakeTrainer(), module, {"logps": lp}, batch, i)
+    return module.logged
+
+
+def test_pair_margin_monitor_matches_direct_computation():
+    """Group 1 pairs (0,1), (0,3), (2,1), (2,3): margins -0.1 + 0.1 ... = l_c - l_r with l_k = -(k + 1) / 10.
+
+    (0,1): -0.1 + 0.2 = 0.1; (0,3): 0.3; (2,1): -0.1; (2,3): 0.1. Group 2 pairs (2,0): -0.2, (2,1): -0.1,
+    (3,0): -0.3, (3,1): -0.2. Mean = -0.0375 * 8 / 8 = (0.4 - 0.8) / 8 = -0.05; median of 8 sorted values
+    [-0.3, -0.2, -0.2, -0.1, -0.1, 0.1, 0.1, 0.3] = -0.1 (torch takes the lower middle); acc = 3 / 8.
+    """
+    _, batches, logps = make_step()
+    logged = run(PairMarginMonitor(histogram=False), GRPOLoss(), batches, logps)
+    assert logged["amir/num_pairs"] == 8
+    assert math.isclose(logged["amir/pair_margin"], -0.05, abs_tol=1e-6)
+    assert math.isclose(logged["amir/pair_margin_median"], -0.1, abs_tol=1e-6)
+    assert math.isclose(logged["amir/pair_acc"], 3 / 8)
+    assert math.isclose(logged["amir/pair_reward_gap"], 1.0)
+
+
+def test_pair_margin_monitor_uses_the_amir_loss_mining():
+    _, batches, logps = make_step()
+    logged = run(PairMarginMonitor(histogram=False), AmirGRPOLoss(pair_mode="top1"), batches, logps)
+    assert logged["amir/num_pairs"] == 4  # top1: the best of each group (index 0 and index 2) against its losers
+
+
+def test_length_bias_monitor():
+    """Correct lengths: group 1 -> 1, 3; group 2 -> 3, 4: mean 2.75. Incorrect: 2, 4, 1, 2: mean 2.25."""
+    groups, batches, logps = make_step()
+    logged = run(LengthBiasMonitor(histogram=False), AmirGRPOLoss(lambda_=0.05), batches, logps)
+    assert math.isclose(logged["length/correct_mean"], 2.75) and math.isclose(logged["length/incorrect_mean"], 2.25)
+    assert math.isclose(logged["length/gap"], -0.5)
+    lengths = torch.arange(1.0, 5.0)
+    expected = spearman_per_group(torch.stack([lengths, lengths]), torch.stack([g.advantages for g in groups]))
+    assert math.isclose(logged["length/corr_advantage"], expected.mean().item(), rel_tol=1e-6)
+    # grpo aggregation: a negative-advantage token weighs |A| / (N |o|), N = 8
+    negative = [(a.abs().item(), n) for g in groups for a, n in zip(g.advantages, lengths.tolist()) if a < 0]
+    expected_pg = sum(a / (8 * n) for a, n in negative) / len(negative)
+    assert math.isclose(logged["length/neg_token_weight_pg"], expected_pg, rel_tol=1e-6)
+    assert logged["length/neg_token_weight_pair"] > 0 and "length/pair_to_pg" in logged
+
+
+def test_spearman_hand_computed():
+    """x = [1, 2, 3, 4], y = [1, 3, 2, 4]: d = [0, 1, 1, 0], rho = 1 - 6 * 2 / (4 * 15) = 0.8. Ties: average ranks."""
+    rho = spearman_per_group(torch.tensor([[1.0, 2, 3, 4], [1, 1, 1, 1]]), torch.tensor([[1.0, 3, 2, 4], [1, 2, 3, 4]]))
+    assert math.isclose(rho[0].item(), 0.8, rel_tol=1e-6) and rho[1].isnan()
+    tied = spearman_per_group(torch.tensor([[1.0, 1, 2, 3]]), torch.tensor([[1.0, 2, 3, 4]]))
+    assert math.isclose(tied.item(), 0.9486833, rel_tol=1e-5)  # Pearson of ranks [1.5, 1.5, 3, 4] with [1, 2, 3, 4]
+
+
+def test_monitors_only_read():
+    _, batches, logps = make_step()
+    before = [(b.rewards.clone(), b.advantages.clone(), lp.clone()) for b, lp in zip(batches, logps)]
+    rng = torch.get_rng_state()
+    for monitor in (PairMarginMonitor(), LengthBiasMonitor()):
+        run(monitor, AmirGRPOLoss(), batches, logps)
+    assert torch.equal(rng, torch.get_rng_state())
+    for (r, a, lp), b, lp_now in zip(before, batches, logps):
+        assert torch.equal(r, b.rewards) and torch.equal(a, b.advantages) and torch.equal(lp, lp_now)
+
+
+def test_sample_logger_renders_groups():
+    groups, _, _ = make_step()
+    md = RolloutSampleLogger(num_prompts=1).render(groups[:1])
+    assert md.count("- reward") == G and "✓" in md and "✗" in md and "**Q:** q" in md
