@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from jsonargparse import lazy_instance
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -48,7 +49,12 @@ class AmirCLI(LightningCLI):
 
 
 def main(args: ArgsType = None) -> None:
-    """Entry point of the ``amir`` console script."""
+    """Entry point of the ``amir`` console script (LightningCLI subcommands, plus ``amir compare``)."""
+    argv = list(args) if isinstance(args, list | tuple) else (sys.argv[1:] if args is None else None)
+    if argv and argv[0] == "compare":
+        from amir_lightning.evaluation.compare import main as compare_main
+
+        return compare_main(argv[1:])
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: fast start, no disk sync
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="%(message)s")

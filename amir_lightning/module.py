@@ -21,6 +21,7 @@ from lightning import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics import MeanMetric
 
+from amir_lightning.evaluation.report import benchmark_report
 from amir_lightning.models.files import atomic_directory
 from amir_lightning.models.loading import LoraSettings, is_peft, load_policy, load_reference, merged_state
 from amir_lightning.models.sources import ModelSource
@@ -97,7 +98,7 @@ class AmirGRPOModule(LightningModule):
         self._reference: tuple = ()  # not a registered submodule: never trained, never checkpointed
         self._step_stats: dict[str, torch.Tensor] = {}
         self._step_norms: dict[str, float] | None = None
-        self.val_accuracy, self.test_accuracy = MeanMetric(), MeanMetric()
+        self.val_accuracy = MeanMetric()
 
     # ------------------------------------------------------------------ model
     @cached_property
@@ -163,10 +164,10 @@ class AmirGRPOModule(LightningModule):
         return logps, ent
 
     @torch.no_grad()
-    def policy_logps(self, batch: RolloutBatch) -> torch.Tensor:
-        """Log-probs of ``batch`` under the current policy, no gradient (the old policy of later passes)."""
+    def policy_logps(self, batch: RolloutBatch, temperature: float | None = None) -> torch.Tensor:
+        """Log-probs of ``batch`` under the current policy, no gradient (old policy of later passes, evaluation)."""
         batch = self.transfer_batch_to_device(batch, self.device, 0)
-        return self._completion_logps(self.policy, batch, self.temperature)[0].cpu()
+        return self._completion_logps(self.policy, batch, temperature or self.temperature)[0].cpu()
 
     @torch.no_grad()
     def score_tokens(self, prompt: list[int], completion: list[int]) -> list[float]:
@@ -235,22 +236,22 @@ class AmirGRPOModule(LightningModule):
 
     # ------------------------------------------------------------------ evaluation
     def validation_step(self, batch: dict, batch_idx: int) -> None:  # noqa: D102
-        self._evaluation_step(batch, "val", self.val_accuracy)
-
-    def test_step(self, batch: dict, batch_idx: int) -> None:  # noqa: D102
-        self._evaluation_step(batch, "test", self.test_accuracy)
-
-    def _evaluation_step(self, batch: dict, stage: str, metric: MeanMetric) -> None:
         correct = batch["correct"].float()  # [prompts, samples]
-        metric.update(correct.mean(), weight=correct.numel())
-        self.log(f"{stage}/accuracy", metric, on_epoch=True, batch_size=correct.numel())
+        self.val_accuracy.update(correct.mean(), weight=correct.numel())
+        self.log("val/accuracy", self.val_accuracy, on_epoch=True, batch_size=correct.numel())
         self.log(
-            f"{stage}/length_mean",
+            "val/length_mean",
             batch["lengths"].float().mean(),
             on_epoch=True,
             batch_size=correct.numel(),
             sync_dist=True,
         )
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        """One benchmark: unbiased pass@k (``eval/<benchmark>/pass@k``) and ``<log_dir>/eval/<benchmark>.json``."""
+        ks = getattr(self.trainer.datamodule, "eval_ks", [1])
+        out_dir = Path(self.trainer.log_dir) / "eval" if self.trainer.log_dir else None
+        self.log_dict(benchmark_report(self, batch, ks, out_dir), batch_size=1)
 
     # ------------------------------------------------------------------ optimisation and export
     def configure_optimizers(self):  # noqa: D102

@@ -1,5 +1,7 @@
 """End to end: ``amir fit`` on the tiny config with real vLLM learns, checkpoints, and exports a loadable policy."""
 
+import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +131,41 @@ def test_cli_swaps_loss_and_engine(tmp_path):
     for key in CORE_KEYS | MONITOR_KEYS:  # ... but the same measurements, so GRPO and AMIR runs compare
         assert key in scalars and all(torch.isfinite(torch.tensor(scalars[key]))), key
     assert max(scalars["rollout/sync_logp_diff"]) < 1e-4
+
+
+def test_amir_test_reports_pass_at_k_and_compare_writes_the_analyses(tiny_run, tmp_path):
+    """``amir test`` of the trained export and of the untrained model on a digit-copy benchmark, then compare."""
+    fixture = ROOT / "tests" / "fixtures" / "benchmarks" / "tiny_gsm8k.jsonl"
+    bench = f"[{{class_path: amir_lightning.evaluation.BenchmarkPrompts, init_args: {{name: gsm8k, path: {fixture}}}}}]"
+    common = ["test", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.benchmarks", bench]
+    run_amir(
+        [
+            *common,
+            "--model.policy",
+            "amir_lightning.models.HFModel",
+            "--model.policy.init_args.name_or_path",
+            str(tiny_run / "policy"),
+            "--trainer.logger.init_args.name",
+            "trained",
+        ],
+        tmp_path,
+    )
+    run_amir([*common, "--trainer.logger.init_args.name", "initial"], tmp_path)
+    runs = {name: tmp_path / "runs" / name / "version_0" for name in ("trained", "initial")}
+    reports = {name: json.loads((run / "eval" / "gsm8k.json").read_text()) for name, run in runs.items()}
+    for name, report in reports.items():
+        assert report["samples"] == 8 and len(report["problems"]) == 10
+        scalars = read_scalars(runs[name])
+        for k in (1, 2, 4):
+            value = scalars[f"eval/gsm8k/pass@{k}"][-1]
+            assert math.isclose(value, report["pass@k"][str(k)], abs_tol=1e-6)
+        assert all(len(p["mean_logp"]) == 8 and all(lp <= 0 for lp in p["mean_logp"]) for p in report["problems"])
+    assert reports["trained"]["pass@k"]["1"] > reports["initial"]["pass@k"]["1"]
+    out = tmp_path / "compare"
+    result = run_amir(
+        ["compare", str(runs["trained"]), str(runs["initial"]), "--labels", "trained", "initial", "--out", str(out)],
+        tmp_path,
+    )
+    assert "compare.md" in result.stdout
+    text = (out / "compare.md").read_text()
+    assert "## gsm8k" in text and text.count("| ✓ | ✓ |") == 1 and (out / "margins_gsm8k.png").is_file()

@@ -10,16 +10,16 @@ The weight sync sits at the top of ``train_dataloader()``: Lightning reloads the
 from __future__ import annotations
 
 import logging
-import random
 import time
 from typing import Literal
 
-import torch
 from lightning import LightningDataModule
 from torch.utils.data import DataLoader
 
 from amir_lightning.data.base import Prompt, PromptSource
+from amir_lightning.data.stream import PromptStream
 from amir_lightning.data.templates import render_prompt
+from amir_lightning.evaluation.rollout import evaluate_prompts
 from amir_lightning.objectives.advantages import group_advantages
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rewards.math import MathAnswerReward
@@ -58,6 +58,10 @@ class RolloutDataModule(LightningDataModule):
         val_size: Held-out prompts evaluated (the first ``val_size`` of ``val_prompts``).
         val_samples: Samples per held-out prompt.
         val_sampling: Sampling for evaluation (default: the paper's temperature 0.6, same length limit).
+        benchmarks: Benchmarks for ``amir test`` (``BenchmarkPrompts``); default: the held-out prompts.
+        eval_samples: Samples per problem in ``amir test`` (the paper: 8).
+        eval_sampling: Sampling in ``amir test`` (default: the paper's temperature 0.6, top_p 1.0).
+        eval_ks: The k of ``eval/<benchmark>/pass@k`` (the paper: 1, 2, 4); each must be <= ``eval_samples``.
         seed: Seed of prompt shuffling and the engine.
     """
 
@@ -82,6 +86,10 @@ class RolloutDataModule(LightningDataModule):
         val_size: int = 64,
         val_samples: int = 4,
         val_sampling: SamplingConfig | None = None,
+        benchmarks: list[PromptSource] | None = None,
+        eval_samples: int = 8,
+        eval_sampling: SamplingConfig | None = None,
+        eval_ks: list[int] | None = None,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -95,6 +103,7 @@ class RolloutDataModule(LightningDataModule):
             ("mu", mu),
             ("val_size", val_size),
             ("val_samples", val_samples),
+            ("eval_samples", eval_samples),
             ("max_prompt_tokens", max_prompt_tokens),
         ):
             if value < 1:
@@ -103,6 +112,9 @@ class RolloutDataModule(LightningDataModule):
             errors.append(
                 f"data.steps_per_rollout ({steps_per_rollout}) > data.prompts_per_epoch ({prompts_per_epoch})"
             )
+        eval_ks = list(eval_ks or [1, 2, 4])
+        if min(eval_ks) < 1 or max(eval_ks) > eval_samples:
+            errors.append(f"data.eval_ks {eval_ks} must lie in [1, data.eval_samples={eval_samples}] for pass@k")
         if sync_tolerance <= 0:
             errors.append(f"data.sync_tolerance must be > 0, got {sync_tolerance}")
         if errors:
@@ -116,10 +128,12 @@ class RolloutDataModule(LightningDataModule):
         self.drop_zero_std_groups, self.shuffle = drop_zero_std_groups, shuffle
         self.max_prompt_tokens, self.sync_tolerance = max_prompt_tokens, sync_tolerance
         self.val_prompts, self.val_size, self.val_samples = val_prompts, val_size, val_samples
-        self.val_sampling = val_sampling or SamplingConfig(temperature=0.6, max_new_tokens=self.sampling.max_new_tokens)
+        paper_eval = SamplingConfig(temperature=0.6, top_p=1.0, max_new_tokens=self.sampling.max_new_tokens)
+        self.val_sampling = val_sampling or paper_eval
+        self.benchmarks, self.eval_samples, self.eval_ks = list(benchmarks or []), eval_samples, eval_ks
+        self.eval_sampling = eval_sampling or paper_eval
         self.seed = seed
-        self.cursor = 0  # prompts consumed so far (saved in checkpoints: resume continues the stream)
-        self._order: tuple[int, list[int]] = (-1, [])
+        self.stream = PromptStream(prompts, shuffle, seed)  # its position is saved in checkpoints
         self.last_rollout: list[Group] = []  # read by the monitors (callbacks)
         self.last_timing: dict[str, float] = {}
         self.synced_at_step: int | None = None
@@ -137,10 +151,10 @@ class RolloutDataModule(LightningDataModule):
             self.engine.start(module.model_dir, seed=self.seed + self.trainer.global_rank)
 
     def state_dict(self) -> dict:  # noqa: D102
-        return {"cursor": self.cursor}
+        return {"cursor": self.stream.position}
 
     def load_state_dict(self, state_dict: dict) -> None:  # noqa: D102
-        self.cursor = int(state_dict["cursor"])
+        self.stream.position = int(state_dict["cursor"])
 
     def teardown(self, stage: str) -> None:  # noqa: D102
         for reward in [*self.rewards, self._eval_grader]:
@@ -148,22 +162,9 @@ class RolloutDataModule(LightningDataModule):
                 reward.close()
 
     # ------------------------------------------------------------------ prompts
-    def _prompt_at(self, position: int) -> Prompt:
-        size = len(self.prompts)
-        if not self.shuffle or self.prompts.is_random:
-            return self.prompts[position % size]
-        data_epoch, offset = divmod(position, size)
-        if self._order[0] != data_epoch:  # a fresh permutation per pass over a finite source
-            order = list(range(size))
-            random.Random(self.seed * 7919 + data_epoch).shuffle(order)
-            self._order = (data_epoch, order)
-        return self.prompts[self._order[1][offset]]
-
     def next_prompts(self) -> list[Prompt]:
-        """The next ``prompts_per_epoch`` prompts of the stream (advances the cursor)."""
-        batch = [self._prompt_at(self.cursor + i) for i in range(self.prompts_per_epoch)]
-        self.cursor += self.prompts_per_epoch
-        return batch
+        """The next ``prompts_per_epoch`` prompts of the stream."""
+        return self.stream.take(self.prompts_per_epoch)
 
     def tokenize(self, prompts: list[Prompt]) -> list[list[int]]:
         """Chat-templated token ids; a prompt over ``max_prompt_tokens`` is an error naming it."""
@@ -258,18 +259,23 @@ class RolloutDataModule(LightningDataModule):
         if self.val_prompts is None:
             return []
         prompts = [self.val_prompts[i] for i in range(min(self.val_size, len(self.val_prompts)))]
-        prompt_ids = self.tokenize(prompts)
-        self.sync(prompt_ids[0], prompts[0].answer)
-        completions = self.engine.generate(prompt_ids, self.val_samples, self.val_sampling)
-        grader = self._grader()
-        texts = [c.text for group in completions for c in group]
-        answers = [p.answer for p in prompts for _ in range(self.val_samples)]
-        correct = torch.tensor(grader.correctness(texts, answers)).view(len(prompts), self.val_samples)
-        lengths = torch.tensor([len(c.token_ids) for g in completions for c in g], dtype=torch.float)
-        batch = {"correct": correct, "lengths": lengths.view(len(prompts), self.val_samples)}
+        batch = evaluate_prompts(self, "heldout", prompts, self.val_samples, self.val_sampling)
         return DataLoader([batch], batch_size=None, collate_fn=_identity)
 
-    def _grader(self) -> MathAnswerReward:
+    def test_dataloader(self) -> DataLoader | list:
+        """``amir test``: every benchmark of ``benchmarks`` (else the held-out prompts), one batch each."""
+        sources = self.benchmarks or ([self.val_prompts] if self.val_prompts is not None else [])
+        if not sources:
+            raise ValueError("amir test needs data.benchmarks or data.val_prompts")
+        batches = []
+        for source in sources:
+            name = getattr(source, "name", "heldout")
+            size = len(source) if self.benchmarks else min(self.val_size, len(source))
+            prompts = [source[i] for i in range(size)]
+            batches.append(evaluate_prompts(self, name, prompts, self.eval_samples, self.eval_sampling))
+        return DataLoader(batches, batch_size=None, collate_fn=_identity)
+
+    def grader(self) -> MathAnswerReward:
         """The correctness check of evaluation: the first ``MathAnswerReward`` of the rewards, or a default one."""
         found = next((r for r in self.rewards if isinstance(r, MathAnswerReward)), None)
         if found is None:
@@ -277,10 +283,6 @@ class RolloutDataModule(LightningDataModule):
                 self._eval_grader = MathAnswerReward()
             found = self._eval_grader
         return found
-
-    def test_dataloader(self) -> DataLoader | list:
-        """The held-out evaluation of ``val_prompts`` (``amir test``)."""
-        return self.val_dataloader()
 
     def _log(self, metrics: dict[str, float]) -> None:
         logger = self.trainer.logger
