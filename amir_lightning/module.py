@@ -21,9 +21,17 @@ from lightning import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics import MeanMetric
 
+from amir_lightning.distributed import all_reduce, sum_shares, world_size
 from amir_lightning.evaluation.report import benchmark_report
 from amir_lightning.models.files import atomic_directory
-from amir_lightning.models.loading import LoraSettings, is_peft, load_policy, load_reference, merged_state
+from amir_lightning.models.loading import (
+    LoraSettings,
+    is_peft,
+    load_policy,
+    load_reference,
+    merged_state,
+    shard_fsdp2,
+)
 from amir_lightning.models.sources import ModelSource
 from amir_lightning.objectives import INTENSIVE_STATS, AmirGRPOLoss, GRPOLoss, selective_log_softmax, token_entropy
 from amir_lightning.rollout.batch import RolloutBatch
@@ -125,6 +133,9 @@ class AmirGRPOModule(LightningModule):
         self.policy = load_policy(
             self.model_dir, self.dtype_name, self.gradient_checkpointing, self.lora, self.source.trust_remote_code
         )
+        mesh = getattr(self, "device_mesh", None)  # set by ModelParallelStrategy: shard with FSDP2
+        if mesh is not None:
+            shard_fsdp2(self.policy, mesh)
         if self.loss.needs_reference and not is_peft(self.policy):
             self._reference = (load_reference(self.model_dir, self.dtype_name, self.source.trust_remote_code),)
 
@@ -178,10 +189,11 @@ class AmirGRPOModule(LightningModule):
 
     # ------------------------------------------------------------------ training
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> dict[str, torch.Tensor]:  # noqa: D102
-        if self._step_norms is None:  # first micro-batch of an optimisation step
-            self._step_norms = self.loss.step_normalizers(
+        if self._step_norms is None:  # first micro-batch of an optimisation step: normalisers of the global step
+            local = self.loss.step_normalizers(
                 batch.step_lengths, batch.step_rewards, batch.group_size, batch.step_truncated
             )
+            self._step_norms = self.loss.global_normalizers(local, world_size(), self._all_reduce)
         logps, entropy = self._completion_logps(self.policy, batch, self.temperature, self.log_entropy)
         ref = None
         if self.loss.needs_reference:
@@ -203,7 +215,8 @@ class AmirGRPOModule(LightningModule):
                 f"non-finite loss {out.loss.item()} at step {self.global_step}: stopping "
                 "before the optimizer applies it"
             )
-        self.manual_backward(out.loss)
+        # Data parallelism averages gradients over processes; each process's loss is a share of the global loss.
+        self.manual_backward(out.loss * world_size())
         self._accumulate(out.stats, entropy, batch.completion_mask)
         if batch.last_in_step:
             self._optimizer_step()
@@ -218,6 +231,9 @@ class AmirGRPOModule(LightningModule):
             share = (entropy * mask).sum() / max(self._step_norms["num_tokens"], 1.0)
             self._step_stats["entropy"] = self._step_stats.get("entropy", 0.0) + share
 
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        return all_reduce(tensor, op, self.device)
+
     def _optimizer_step(self) -> None:
         optimizer = self.optimizers()
         params = [p for p in self.policy.parameters() if p.grad is not None]
@@ -227,7 +243,9 @@ class AmirGRPOModule(LightningModule):
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
-        stats, self._step_stats, self._step_norms = self._step_stats, {}, None
+        # Each process holds its share of every extensive stat: the step's value is their sum.
+        stats = sum_shares(self._step_stats, INTENSIVE_STATS, self.device)
+        self._step_stats, self._step_norms = {}, None
         self.loss.end_step(stats)
         logged = {STAT_KEYS.get(k, f"train/{k}"): v for k, v in stats.items() if k not in MONITORED_STATS}
         logged["train/grad_norm"] = grad_norm.detach().float()

@@ -84,30 +84,67 @@ def _base_name(name: str) -> str:
     return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
+def shard_fsdp2(model, mesh) -> None:
+    """Shard ``model`` with FSDP2 ``fully_shard``: each decoder layer, then the root (ModelParallelStrategy)."""
+    from torch.distributed.fsdp import fully_shard
+
+    if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names:
+        mesh = mesh["data_parallel"]
+    layer_types = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_types]
+    if not layers:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard (_no_split_modules)")
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def is_sharded(model) -> bool:
+    """Whether ``model``'s parameters are FSDP2 shards (DTensors)."""
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
+def full_state_dict(model) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict on every process; a plain ``state_dict()`` when not sharded."""
+    if not is_sharded(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # Every rank needs the whole model for its own engine; cpu_offload would leave ranks > 0 empty (design.md 5).
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+
+
 @contextmanager
 def merged_state(model) -> Iterator[Iterable[tuple[str, torch.Tensor]]]:
-    """Full weights under the base model's parameter names, with LoRA deltas added in.
+    """Full weights under the base model's parameter names, with LoRA deltas added in; gathered under FSDP2.
 
     vLLM knows nothing of adapter names, so the engine gets merged weights (design.md 2). They are computed out of
     place, one matrix at a time: peft's in-place merge/unmerge would round the frozen base weights a little at
     every sync, and a lazily merged stream never holds a second copy of the model.
     """
+    state = full_state_dict(model)
     if not is_peft(model):
-        yield list(model.state_dict().items())
+        yield list(state.items())
         return
-    yield _merged_weights(model)
+    yield _merged_weights(model, state)
 
 
-def _merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+def _merged_weights(model, state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer
 
     layers = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
-    for key, tensor in model.state_dict().items():
+    for key, tensor in state.items():
         if "lora_" in key:
             continue
         if ".base_layer." in key and key.endswith(".weight"):
-            layer = layers[key[: key.index(".base_layer.")]]
+            prefix = key[: key.index(".base_layer.")]
+            layer = layers[prefix]
+            if not isinstance(layer, LoraLinear) or layer.fan_in_fan_out:
+                raise NotImplementedError(f"merging LoRA into {type(layer).__name__} ({prefix}) for the engine")
             for adapter in layer.active_adapters:
-                if adapter in layer.lora_A:
-                    tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
+                a, b = state.get(f"{prefix}.lora_A.{adapter}.weight"), state.get(f"{prefix}.lora_B.{adapter}.weight")
+                if a is not None and b is not None:  # W + scale * B @ A, in float32, cast back
+                    delta = (b.float() @ a.float()) * layer.scaling[adapter]
+                    tensor = tensor + delta.to(tensor.dtype)
         yield _base_name(key), tensor.detach()

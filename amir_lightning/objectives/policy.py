@@ -6,7 +6,8 @@
 
 Aggregation of the per-token loss ``c`` over one optimisation step of N completions:
     grpo     (1/N) sum_i (1/|o_i|) sum_t c_i,t              mean over sequences of the per-sequence token mean
-    bnpo     sum_i,t c_i,t / sum_i |o_i|                    token mean over this process's step batch
+    bnpo     sum_i,t c_i,t / sum_i |o_i|                    token mean over this process's step batch, then the
+                                                            mean over processes
     dapo     sum_i,t c_i,t / sum_i |o_i|                    token mean over the global step batch (all processes)
     dr_grpo  sum_i,t c_i,t / (N * L)                        L = max_completion_length (or the step's longest)
 
@@ -22,6 +23,7 @@ Deliberate deviations from TRL:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -113,6 +115,31 @@ class GRPOLoss(nn.Module):
             "num_tokens": float(lengths.sum().item()),
             "max_length": float(max(max_length, 1)),
         }
+
+    def global_normalizers(
+        self, local: dict[str, float], world_size: int, all_reduce: Callable[[torch.Tensor, str], torch.Tensor]
+    ) -> dict[str, float]:
+        """Normalisers of the step across ``world_size`` processes, from each process's ``step_normalizers``.
+
+        Counts are summed and ``max_length`` maximised over processes, so every process's micro-batch losses are
+        shares of one global loss; data-parallel training averages gradients over processes, so the caller scales
+        its loss by ``world_size``. ``bnpo`` keeps a per-process token mean (TRL's semantics): its token count is
+        the local one times ``world_size``, which the scaling cancels.
+
+        Args:
+            local: This process's normalisers.
+            world_size: Number of processes.
+            all_reduce: ``(tensor, op) -> tensor`` with ``op`` ``"sum"`` or ``"max"`` over processes.
+        """
+        if world_size == 1:
+            return dict(local)
+        keys = sorted(k for k in local if k != "max_length")
+        summed = all_reduce(torch.tensor([local[k] for k in keys], dtype=torch.float64), "sum")
+        out = {k: float(v) for k, v in zip(keys, summed.tolist())}
+        out["max_length"] = float(all_reduce(torch.tensor([local["max_length"]], dtype=torch.float64), "max")[0])
+        if self.aggregation == "bnpo":
+            out["num_tokens"] = local["num_tokens"] * world_size
+        return out
 
     def _row_weights(self, lengths: torch.Tensor, norms: dict[str, float]) -> torch.Tensor:
         """``[N]`` weight of each token of row i in the step loss: ``loss = sum_i w_i sum_t mask_it c_it``."""

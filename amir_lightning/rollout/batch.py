@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from amir_lightning.data.base import Prompt
 from amir_lightning.rollout.engine import Completion
 
 
@@ -79,6 +80,30 @@ class RolloutBatch:
     def completion_ids(self) -> torch.Tensor:
         """``[n, T]``."""
         return self.input_ids[:, -self.completion_width :]
+
+
+def make_groups(
+    prompts: list[Prompt],
+    prompt_ids: list[list[int]],
+    completions: list[list[Completion]],
+    rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    correct: torch.Tensor,
+) -> list[Group]:
+    """One ``Group`` per prompt from the rollout's flat ``[B * G]`` tensors."""
+    G = len(completions[0]) if completions else 0
+    return [
+        Group(
+            ids,
+            comps,
+            rewards[i * G : (i + 1) * G],
+            advantages[i * G : (i + 1) * G],
+            correct[i * G : (i + 1) * G],
+            p.answer,
+            p.question,
+        )
+        for i, (p, ids, comps) in enumerate(zip(prompts, prompt_ids, completions))
+    ]
 
 
 def collate_groups(groups: list[Group], pad_id: int) -> dict[str, torch.Tensor]:

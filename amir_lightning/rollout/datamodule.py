@@ -13,17 +13,19 @@ import logging
 import time
 from typing import Literal
 
+import torch
 from lightning import LightningDataModule
 from torch.utils.data import DataLoader
 
 from amir_lightning.data.base import Prompt, PromptSource
 from amir_lightning.data.stream import PromptStream
 from amir_lightning.data.templates import render_prompt
+from amir_lightning.distributed import all_reduce
 from amir_lightning.evaluation.rollout import evaluate_prompts
 from amir_lightning.objectives.advantages import group_advantages
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rewards.math import MathAnswerReward
-from amir_lightning.rollout.batch import Group, build_micro_batches, repeat_passes
+from amir_lightning.rollout.batch import Group, build_micro_batches, make_groups, repeat_passes
 from amir_lightning.rollout.engine import RolloutEngine, SamplingConfig
 from amir_lightning.rollout.scoring import score_completions
 from amir_lightning.rollout.sync import sync_and_verify
@@ -43,7 +45,7 @@ class RolloutDataModule(LightningDataModule):
         engine: Rollout engine (``VLLMEngine`` or ``HFEngine``).
         rewards: Rewards summed with their weights; default a ``MathAnswerReward``.
         group_size: ``G``, completions per prompt (>= 2).
-        prompts_per_epoch: ``B``, prompts per rollout (one epoch).
+        prompts_per_epoch: ``B``, prompts per rollout (one epoch) and process; the global batch is B x processes.
         micro_batch_groups: Groups per micro-batch (gradient accumulation splits a step into micro-batches).
         steps_per_rollout: Optimisation steps per rollout, each on its share of the groups.
         mu: Passes over the rollout (PPO-style); > 1 makes later steps off-policy (ratios and clipping act).
@@ -146,6 +148,11 @@ class RolloutDataModule(LightningDataModule):
                 "trainer.reload_dataloaders_every_n_epochs must be 1: every epoch is a fresh rollout "
                 f"(got {self.trainer.reload_dataloaders_every_n_epochs})"
             )
+        if self.drop_zero_std_groups and self.trainer.world_size > 1:
+            raise ValueError(
+                "data.drop_zero_std_groups needs a single process: processes would run different numbers of "
+                "micro-batches and data-parallel backward passes would wait on each other"
+            )
         module = self.trainer.lightning_module
         if not self.engine.started:
             self.engine.start(module.model_dir, seed=self.seed + self.trainer.global_rank)
@@ -163,8 +170,14 @@ class RolloutDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------ prompts
     def next_prompts(self) -> list[Prompt]:
-        """The next ``prompts_per_epoch`` prompts of the stream."""
-        return self.stream.take(self.prompts_per_epoch)
+        """This process's ``prompts_per_epoch`` prompts.
+
+        Every process takes the same slice of the stream and keeps its own share, so groups never span processes
+        and the stream position stays in step everywhere.
+        """
+        ranks, rank = self.trainer.world_size, self.trainer.global_rank
+        batch = self.stream.take(self.prompts_per_epoch * ranks)
+        return batch[rank * self.prompts_per_epoch : (rank + 1) * self.prompts_per_epoch]
 
     def tokenize(self, prompts: list[Prompt]) -> list[list[int]]:
         """Chat-templated token ids; a prompt over ``max_prompt_tokens`` is an error naming it."""
@@ -190,7 +203,7 @@ class RolloutDataModule(LightningDataModule):
             self.trainer.lightning_module, self.engine, probe_prompt, probe_answer, self.sync_tolerance
         )
         self.synced_at_step = step
-        self._log({"rollout/sync_logp_diff": diff})
+        self._log({"rollout/sync_logp_diff": diff}, op="max")
         return diff
 
     def train_dataloader(self) -> DataLoader:  # noqa: D102
@@ -206,19 +219,7 @@ class RolloutDataModule(LightningDataModule):
         rewards, metrics, correct = score_completions(self.rewards, prompts, completions)
         score_s = time.perf_counter() - start
         advantages = group_advantages(rewards, self.group_size, self.advantage_scale)
-        G = self.group_size
-        groups = [
-            Group(
-                prompt_ids[i],
-                completions[i],
-                rewards[i * G : (i + 1) * G],
-                advantages[i * G : (i + 1) * G],
-                correct[i * G : (i + 1) * G],
-                prompts[i].answer,
-                prompts[i].question,
-            )
-            for i in range(len(prompts))
-        ]
+        groups = make_groups(prompts, prompt_ids, completions, rewards, advantages, correct)
         zero_std = [bool((g.rewards == g.rewards[0]).all()) for g in groups]
         self.last_rollout = groups
         tokens = sum(len(c.token_ids) for group in completions for c in group)
@@ -284,7 +285,10 @@ class RolloutDataModule(LightningDataModule):
             found = self._eval_grader
         return found
 
-    def _log(self, metrics: dict[str, float]) -> None:
+    def _log(self, metrics: dict[str, float], op: str = "mean") -> None:
+        """Log rollout metrics reduced over processes (``mean`` or ``max``); every process must call it."""
+        keys = sorted(metrics)
+        values = all_reduce(torch.tensor([float(metrics[k]) for k in keys]), op, self.trainer.lightning_module.device)
         logger = self.trainer.logger
         if logger is not None and self.trainer.is_global_zero:
-            logger.log_metrics(metrics, step=self.trainer.global_step)
+            logger.log_metrics(dict(zip(keys, values.tolist())), step=self.trainer.global_step)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from amir_lightning.distributed import world_size
 from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,17 @@ class VLLMEngine(RolloutEngine):
             max_num_seqs=self.max_num_seqs,
             logprobs_mode="processed_logprobs",  # log-probs of the sampling distribution (after temperature)
         )
+        if world_size() > 1:
+            # One engine per process, each on its own prompt shard (design.md 5): vLLM joins the launched processes
+            # instead of spawning workers, and needs the rank variables Lightning's launcher does not set.
+            import torch.distributed as dist
+
+            os.environ.update(
+                RANK=str(dist.get_rank()),
+                WORLD_SIZE=str(dist.get_world_size()),
+                LOCAL_RANK=os.environ.get("LOCAL_RANK", str(dist.get_rank())),
+            )
+            kwargs["distributed_executor_backend"] = "external_launcher"
         if on_gpu:
             kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
         else:

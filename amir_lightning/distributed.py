@@ -1,0 +1,38 @@
+"""Process-group helpers: reductions that are no-ops in a single process."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def world_size() -> int:
+    """Processes in the default group (1 when torch.distributed is not initialised)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", device: torch.device | None = None) -> torch.Tensor:
+    """Reduce ``tensor`` over all processes (``sum``, ``max``, ``min`` or ``mean``); returns a new CPU tensor.
+
+    ``device`` is where the collective runs (CUDA for NCCL); defaults to the tensor's device.
+    """
+    if world_size() == 1:
+        return tensor.detach().clone().cpu()
+    out = tensor.detach().clone().to(device or tensor.device)
+    dist.all_reduce(out, op=_OPS["sum" if op == "mean" else op])
+    if op == "mean":
+        out /= world_size()
+    return out.cpu()
+
+
+def sum_shares(
+    stats: dict[str, torch.Tensor], keep: frozenset[str], device: torch.device | None = None
+) -> dict[str, torch.Tensor]:
+    """Sum scalar ``stats`` over processes (one collective), except the keys in ``keep``."""
+    keys = sorted(k for k in stats if k not in keep)
+    if world_size() == 1 or not keys:
+        return dict(stats)
+    summed = all_reduce(torch.stack([torch.as_tensor(stats[k]).float().cpu() for k in keys]), "sum", device)
+    return {**stats, **dict(zip(keys, summed))}
