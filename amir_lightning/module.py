@@ -23,9 +23,9 @@ from torchmetrics import MeanMetric
 
 from amir_lightning.distributed import all_reduce, sum_shares, world_size
 from amir_lightning.evaluation.report import benchmark_report
-from amir_lightning.models.files import atomic_directory
 from amir_lightning.models.loading import (
     LoraSettings,
+    export_policy,
     is_peft,
     load_policy,
     load_reference,
@@ -133,6 +133,7 @@ class AmirGRPOModule(LightningModule):
         self.policy = load_policy(
             self.model_dir, self.dtype_name, self.gradient_checkpointing, self.lora, self.source.trust_remote_code
         )
+        self.policy.train()  # dropout is disabled at load time, so train mode changes nothing but intent
         mesh = getattr(self, "device_mesh", None)  # set by ModelParallelStrategy: shard with FSDP2
         if mesh is not None:
             shard_fsdp2(self.policy, mesh)
@@ -282,16 +283,15 @@ class AmirGRPOModule(LightningModule):
         }
 
     def on_fit_end(self) -> None:  # noqa: D102
-        target = Path(self.export_dir or Path(self.trainer.log_dir or ".") / "policy")
-        if self.trainer.is_global_zero:
-            self.export(target)
+        self.export(Path(self.export_dir or Path(self.trainer.log_dir or ".") / "policy"))
 
     def export(self, target: Path) -> Path:
-        """Write the policy (LoRA merged) and tokenizer as a Hugging Face directory, atomically."""
-        with self.export_weights() as named, atomic_directory(Path(target)) as tmp:
-            base = self.policy.get_base_model() if is_peft(self.policy) else self.policy
-            state = {k: v.detach().cpu().contiguous() for k, v in named}
-            base.save_pretrained(tmp, state_dict=state)
-            self.tokenizer.save_pretrained(tmp)
-        log.warning("exported the trained policy to %s", target)
+        """Write the policy (LoRA merged) and tokenizer as a Hugging Face directory, atomically.
+
+        Every process must call it (gathering sharded weights is collective); the global-zero process writes.
+        """
+        write = getattr(self, "_trainer", None) is None or self.trainer.is_global_zero
+        export_policy(self.policy, self.tokenizer, Path(target), write)
+        if write:
+            log.warning("exported the trained policy to %s", target)
         return Path(target)

@@ -14,8 +14,11 @@ from amir_lightning.rollout.batch import build_micro_batches
 
 
 @torch.no_grad()
-def sample_logps(module, groups, chunk_groups: int = 8) -> torch.Tensor:
-    """``[P, n]`` mean token log-prob (temperature 1) of every evaluation sample under the module's policy."""
+def sample_logps(module, groups, chunk_groups: int = 1) -> torch.Tensor:
+    """``[P, n]`` mean token log-prob (temperature 1) of every evaluation sample under the module's policy.
+
+    One group per forward by default: the logits of a chunk are ``[rows, T, vocabulary]`` floats.
+    """
     out = []
     for start in range(0, len(groups), chunk_groups):
         chunk = groups[start : start + chunk_groups]

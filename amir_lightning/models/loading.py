@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from amir_lightning.models.files import atomic_directory
+
 
 @dataclass
 class LoraSettings:
@@ -46,6 +48,10 @@ def load_policy(
         raise ValueError(f"model.dtype must be a torch dtype name like float32 or bfloat16, got {dtype!r}")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     model.config.use_cache = False
+    # RL log-prob ratios assume the forward that scores is the one that sampled: no dropout (TRL does the same).
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora is not None:
@@ -148,3 +154,22 @@ def _merged_weights(model, state: dict[str, torch.Tensor]) -> Iterator[tuple[str
                     delta = (b.float() @ a.float()) * layer.scaling[adapter]
                     tensor = tensor + delta.to(tensor.dtype)
         yield _base_name(key), tensor.detach()
+
+
+def export_policy(model, tokenizer, target: Path, write: bool = True) -> None:
+    """Save ``model`` (LoRA merged, gathered if sharded) with ``tokenizer`` as a Hugging Face directory, atomically.
+
+    Every process calls it when the model is sharded (the gather is collective); only ``write`` ones save.
+    """
+    with merged_state(model) as named:
+        state = {k: v.detach().cpu().contiguous() for k, v in named}
+    if not write:
+        return
+    base = model.get_base_model() if is_peft(model) else model
+    if is_sharded(base):  # a sharded module cannot save itself: a plain model of its config takes the state
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_config(base.config)
+    with atomic_directory(target) as tmp:
+        base.save_pretrained(tmp, state_dict=state)
+        tokenizer.save_pretrained(tmp)

@@ -1,0 +1,98 @@
+"""One optimisation step of AmirGRPOModule on fixed rollouts, on 1 or 2 CPU processes; rank 0 saves the policy.
+
+    python tests/helpers/dp_step.py MODEL_DIR OUT.pt --devices 2 --strategy ddp --aggregation dapo --loss amir
+
+The global batch is the same whatever the number of processes: 4 groups of 4 completions, split into equal
+per-process shares of whole groups, each process accumulating over micro-batches of one group.
+"""
+
+import argparse
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from amir_lightning.models import HFModel
+from amir_lightning.module import AmirGRPOModule
+from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages
+from amir_lightning.rollout.batch import Group, build_micro_batches
+from amir_lightning.rollout.engine import Completion
+
+G, GROUPS = 4, 4
+
+
+def fixed_groups(tokenizer):
+    gen = torch.Generator().manual_seed(0)
+    eos, groups = tokenizer.eos_token_id, []
+    for text in ["3=", "12+4=", "7*8-1=", "9="][:GROUPS]:
+        prompt = tokenizer(text)["input_ids"]
+        completions = []
+        for _ in range(G):
+            length = int(torch.randint(1, 7, (1,), generator=gen))
+            ids = torch.randint(3, 20, (length,), generator=gen).tolist() + [eos]
+            completions.append(Completion(ids, "", [0.0] * len(ids), "stop"))
+        rewards = torch.randint(0, 3, (G,), generator=gen).float()
+        groups.append(Group(prompt, completions, rewards, group_advantages(rewards, G), rewards.clone()))
+    return groups
+
+
+class FixedRollouts(L.LightningDataModule):
+    def train_dataloader(self):
+        module = self.trainer.lightning_module
+        groups = fixed_groups(module.tokenizer)
+        share = GROUPS // self.trainer.world_size
+        mine = groups[self.trainer.global_rank * share : (self.trainer.global_rank + 1) * share]
+        batches = build_micro_batches(mine, micro_batch_groups=1, steps_per_rollout=1, pad_id=module.pad_token_id)
+        return DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_dir")
+    parser.add_argument("out")
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--aggregation", default="grpo")
+    parser.add_argument("--loss", default="amir")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    if args.loss == "amir":
+        loss = AmirGRPOLoss(aggregation=args.aggregation, lambda_=0.5, lambda_max=1.0, lambda_schedule="fixed")
+    else:
+        loss = GRPOLoss(aggregation=args.aggregation)
+    module = AmirGRPOModule(
+        policy=HFModel(args.model_dir),
+        loss=loss,
+        max_grad_norm=None,
+        optimizer=lambda params: torch.optim.SGD(params, lr=1.0),
+        log_entropy=False,
+    )
+    strategy = args.strategy
+    if strategy == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    elif args.devices == 1:
+        strategy = "auto"
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        reload_dataloaders_every_n_epochs=1,
+    )
+    trainer.fit(module, FixedRollouts())
+    from amir_lightning.models.loading import full_state_dict
+
+    state = {k: v.detach().cpu().clone() for k, v in full_state_dict(module.policy).items()}
+    if trainer.is_global_zero:
+        torch.save(state, args.out)
+
+
+if __name__ == "__main__":
+    main()
