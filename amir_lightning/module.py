@@ -35,6 +35,7 @@ from amir_lightning.models.loading import (
 from amir_lightning.models.sources import ModelSource
 from amir_lightning.objectives import INTENSIVE_STATS, AmirGRPOLoss, GRPOLoss, selective_log_softmax, token_entropy
 from amir_lightning.rollout.batch import RolloutBatch
+from amir_lightning.tracking import log_metrics
 
 log = logging.getLogger(__name__)
 
@@ -251,26 +252,28 @@ class AmirGRPOModule(LightningModule):
         logged = {STAT_KEYS.get(k, f"train/{k}"): v for k, v in stats.items() if k not in MONITORED_STATS}
         logged["train/grad_norm"] = grad_norm.detach().float()
         logged["train/lr"] = optimizer.param_groups[0]["lr"]
-        self.log_dict(logged, on_step=True, on_epoch=False, batch_size=1)
+        log_metrics(self.trainer, logged)
 
     # ------------------------------------------------------------------ evaluation
     def validation_step(self, batch: dict, batch_idx: int) -> None:  # noqa: D102
         correct = batch["correct"].float()  # [prompts, samples]
         self.val_accuracy.update(correct.mean(), weight=correct.numel())
-        self.log("val/accuracy", self.val_accuracy, on_epoch=True, batch_size=correct.numel())
-        self.log(
-            "val/length_mean",
-            batch["lengths"].float().mean(),
-            on_epoch=True,
-            batch_size=correct.numel(),
-            sync_dist=True,
-        )
+
+    def on_validation_epoch_end(self) -> None:  # noqa: D102
+        if not self.val_accuracy.update_count:
+            return
+        accuracy = self.val_accuracy.compute()  # synced over processes
+        self.val_accuracy.reset()
+        log_metrics(self.trainer, {"val/accuracy": accuracy})
+        self.log("val/accuracy", accuracy, logger=False)  # Lightning's printed table and callbacks
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
         """One benchmark: unbiased pass@k (``eval/<benchmark>/pass@k``) and ``<log_dir>/eval/<benchmark>.json``."""
         ks = getattr(self.trainer.datamodule, "eval_ks", [1])
         out_dir = Path(self.trainer.log_dir) / "eval" if self.trainer.log_dir else None
-        self.log_dict(benchmark_report(self, batch, ks, out_dir), batch_size=1)
+        results = benchmark_report(self, batch, ks, out_dir)
+        log_metrics(self.trainer, results)
+        self.log_dict(results, logger=False, batch_size=1)
 
     # ------------------------------------------------------------------ optimisation and export
     def configure_optimizers(self):  # noqa: D102

@@ -20,6 +20,7 @@ import torch
 
 from amir_lightning.callbacks._base import StepMonitor, histogram
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, pair_mask, sequence_logps
+from amir_lightning.tracking import log_metrics
 
 
 def _ranks(x: torch.Tensor) -> torch.Tensor:
@@ -101,7 +102,7 @@ class LengthBiasMonitor(StepMonitor):
             logged["length/neg_token_weight_pair"] = means["neg_pair"]
             logged["length/pair_to_pg"] = means["neg_pair"] / means["neg_pg"].clamp(min=1e-12)
         if logged:
-            pl_module.log_dict(logged, on_step=True, on_epoch=False, batch_size=1)
+            log_metrics(trainer, logged)
         if self.write_histogram:
             histogram(trainer, "length/hist_correct", cats.get("hist_correct", torch.zeros(0)))
             histogram(trainer, "length/hist_incorrect", cats.get("hist_incorrect", torch.zeros(0)))

@@ -12,6 +12,7 @@ import torch
 
 from amir_lightning.callbacks._base import StepMonitor, histogram
 from amir_lightning.objectives import AmirGRPOLoss, mine_pairs, sequence_logps
+from amir_lightning.tracking import log_metrics
 
 
 class PairMarginMonitor(StepMonitor):
@@ -77,6 +78,6 @@ class PairMarginMonitor(StepMonitor):
                     "amir/pair_reward_gap": means["reward_gap"],
                 }
             )
-        pl_module.log_dict(logged, on_step=True, on_epoch=False, batch_size=1)
+        log_metrics(trainer, logged)
         if self.write_histogram:
             histogram(trainer, "amir/pair_margin_hist", margins)

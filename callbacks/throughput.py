@@ -6,6 +6,8 @@ import time
 
 from lightning import Callback
 
+from amir_lightning.tracking import log_metrics
+
 
 class ThroughputMonitor(Callback):
     """Per epoch: generation and training throughput, sync time, and each phase's share of the epoch.
@@ -45,4 +47,4 @@ class ThroughputMonitor(Callback):
         logged["throughput/generate_tokens_per_s"] = timing["tokens"] / max(timing["generate_s"], 1e-9)
         logged["throughput/train_tokens_per_s"] = self._train_tokens / max(self._train_s, 1e-9)
         logged["throughput/sync_s"] = timing["sync_s"]
-        pl_module.log_dict(logged, on_step=False, on_epoch=True, batch_size=1)
+        log_metrics(trainer, logged)

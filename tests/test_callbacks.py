@@ -15,16 +15,23 @@ G = 4
 
 class FakeModule:
     def __init__(self, loss):
-        self.loss, self.logged = loss, {}
+        self.loss = loss
 
-    def log_dict(self, values, **kwargs):
-        self.logged.update({k: float(v) for k, v in values.items()})
+
+class FakeLogger:
+    def __init__(self):
+        self.logged = {}
+
+    def log_metrics(self, metrics, step):
+        self.logged.update(metrics)
 
 
 class FakeTrainer:
-    logger = None
     is_global_zero = True
     global_step = 0
+
+    def __init__(self):
+        self.logger = FakeLogger()
 
 
 def make_step():
@@ -43,10 +50,10 @@ def make_step():
 
 
 def run(monitor, loss, batches, logps):
-    module = FakeModule(loss)
+    module, trainer = FakeModule(loss), FakeTrainer()
     for i, (batch, lp) in enumerate(zip(batches, logps)):
-        monitor.on_train_batch_end(FakeTrainer(), module, {"logps": lp}, batch, i)
-    return module.logged
+        monitor.on_train_batch_end(trainer, module, {"logps": lp}, batch, i)
+    return trainer.logger.logged
 
 
 def test_pair_margin_monitor_matches_direct_computation():

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import read_scalars, run_amir
 
 from amir_lightning.models import build_tiny_model
 
@@ -57,3 +58,36 @@ def test_two_processes_make_the_same_update_as_one(model_dir, tmp_path, strategy
     assert largest > 1e-3  # the step moved the weights
     for key in single:
         torch.testing.assert_close(double[key], single[key], atol=1e-5 * largest, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "strategy", ["ddp", "{class_path: lightning.pytorch.strategies.ModelParallelStrategy}"], ids=["ddp", "fsdp2"]
+)
+def test_two_process_fit_with_an_engine_per_rank(tmp_path, strategy):
+    """``amir fit`` on 2 CPU processes, each with its own vLLM engine and prompt shard; FSDP2 also resumes from its
+    distributed checkpoint and continues the step count, the prompt stream and the logged curves."""
+    config = str(ROOT / "configs" / "tiny.yaml")
+    common = [
+        "fit",
+        "--config",
+        config,
+        "--trainer.devices",
+        "2",
+        "--trainer.strategy",
+        strategy,
+        "--trainer.check_val_every_n_epoch",
+        "2",
+    ]
+    run_amir([*common, "--trainer.max_epochs", "2"], tmp_path)
+    first = tmp_path / "runs" / "tiny" / "version_0"
+    scalars = read_scalars(first)
+    assert len(scalars["rollout/reward_mean"]) == 2 and len(scalars["train/loss"]) == 2
+    assert max(scalars["rollout/sync_logp_diff"]) < 1e-3 and "val/accuracy" in scalars
+    assert (first / "policy" / "model.safetensors").is_file()
+    if "ModelParallel" not in strategy:
+        return
+    checkpoint = first / "checkpoints" / "last.ckpt"
+    assert checkpoint.is_dir() and any(checkpoint.glob("*.distcp"))  # a sharded (distributed) checkpoint
+    run_amir([*common, "--trainer.max_epochs", "3", "--ckpt_path", str(checkpoint)], tmp_path)
+    resumed = read_scalars(tmp_path / "runs" / "tiny" / "version_1")
+    assert len(resumed["rollout/reward_mean"]) == 1 and len(resumed["train/loss"]) == 1  # only epoch 2 ran

@@ -169,3 +169,21 @@ def test_amir_test_reports_pass_at_k_and_compare_writes_the_analyses(tiny_run, t
     assert "compare.md" in result.stdout
     text = (out / "compare.md").read_text()
     assert "## gsm8k" in text and text.count("| ✓ | ✓ |") == 1 and (out / "margins_gsm8k.png").is_file()
+
+
+def test_resume_continues_with_the_next_rollout(tiny_run, tmp_path):
+    """Resuming the 30-epoch run from last.ckpt for one more epoch runs exactly one rollout and one step."""
+    run_amir(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "tiny.yaml"),
+            "--trainer.max_epochs",
+            "31",
+            "--ckpt_path",
+            str(tiny_run / "checkpoints" / "last.ckpt"),
+        ],
+        tmp_path,
+    )
+    resumed = read_scalars(tmp_path / "runs" / "tiny" / "version_0")
+    assert len(resumed["rollout/reward_mean"]) == 1 and len(resumed["train/loss"]) == 1

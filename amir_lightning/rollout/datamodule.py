@@ -29,6 +29,7 @@ from amir_lightning.rollout.batch import Group, build_micro_batches, make_groups
 from amir_lightning.rollout.engine import RolloutEngine, SamplingConfig
 from amir_lightning.rollout.scoring import score_completions
 from amir_lightning.rollout.sync import sync_and_verify
+from amir_lightning.tracking import log_metrics
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +208,14 @@ class RolloutDataModule(LightningDataModule):
         return diff
 
     def train_dataloader(self) -> DataLoader:  # noqa: D102
+        loop = self.trainer.fit_loop
+        done = loop.epoch_loop.batch_progress.current.ready
+        if loop.restarting and loop.epoch_progress.current.started > loop.epoch_progress.current.completed and done:
+            # Resuming from a checkpoint written inside this epoch (at its end, or after its validation): Lightning
+            # reloads only to see that the epoch's batches are done and skips them. A new rollout would be wasted
+            # and skip prompts, so it gets placeholders it never reads (a checkpoint taken in the middle of a
+            # rollout resumes at the next rollout).
+            return DataLoader([None] * done, batch_size=None, collate_fn=_identity)
         prompts = self.next_prompts()
         prompt_ids = self.tokenize(prompts)
         start = time.perf_counter()
@@ -235,18 +244,19 @@ class RolloutDataModule(LightningDataModule):
                 "rollout/groups_kept": float(len(kept)),
             }
         )
-        self._log(metrics)
-        log.info(
-            "epoch %d: reward %.3f +- %.3f, %d/%d groups with variance, %.0f tokens/s, length %.1f (%.0f%% truncated)",
-            self.trainer.current_epoch,
-            metrics["rollout/reward_mean"],
-            metrics["rollout/reward_std"],
-            len(groups) - sum(zero_std),
-            len(groups),
-            metrics["rollout/tokens_per_s"],
-            metrics["length/mean"],
-            100 * metrics["length/truncated_frac"],
-        )
+        reduced = self._log(metrics)
+        if self.trainer.is_global_zero:
+            log.info(
+                "epoch %d: reward %.3f +- %.3f, %.0f%% of groups with reward variance, %.0f tokens/s, length %.1f "
+                "(%.0f%% truncated)",
+                self.trainer.current_epoch,
+                reduced["rollout/reward_mean"],
+                reduced["rollout/reward_std"],
+                100 * (1 - reduced["rollout/zero_std_frac"]),
+                reduced["rollout/tokens_per_s"],
+                reduced["length/mean"],
+                100 * reduced["length/truncated_frac"],
+            )
         pad = self.trainer.lightning_module.pad_token_id
         batches = build_micro_batches(kept, self.micro_batch_groups, self.steps_per_rollout, pad)
         if batches and (self.mu > 1 or self.steps_per_rollout > 1):
@@ -285,10 +295,10 @@ class RolloutDataModule(LightningDataModule):
             found = self._eval_grader
         return found
 
-    def _log(self, metrics: dict[str, float], op: str = "mean") -> None:
+    def _log(self, metrics: dict[str, float], op: str = "mean") -> dict[str, float]:
         """Log rollout metrics reduced over processes (``mean`` or ``max``); every process must call it."""
         keys = sorted(metrics)
         values = all_reduce(torch.tensor([float(metrics[k]) for k in keys]), op, self.trainer.lightning_module.device)
-        logger = self.trainer.logger
-        if logger is not None and self.trainer.is_global_zero:
-            logger.log_metrics(dict(zip(keys, values.tolist())), step=self.trainer.global_step)
+        reduced = dict(zip(keys, values.tolist()))
+        log_metrics(self.trainer, reduced)
+        return reduced
