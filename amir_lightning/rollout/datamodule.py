@@ -21,10 +21,11 @@ from amir_lightning.data.base import Prompt, PromptSource
 from amir_lightning.data.stream import PromptStream
 from amir_lightning.data.templates import render_prompt
 from amir_lightning.distributed import all_reduce
-from amir_lightning.evaluation.rollout import evaluate_prompts
+from amir_lightning.evaluation.rollout import test_batches, validation_batches
 from amir_lightning.objectives.advantages import group_advantages
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rewards.math import MathAnswerReward
+from amir_lightning.rollout.arguments import check_arguments
 from amir_lightning.rollout.batch import Group, build_micro_batches, make_groups, repeat_passes
 from amir_lightning.rollout.engine import RolloutEngine, SamplingConfig
 from amir_lightning.rollout.scoring import score_completions
@@ -96,32 +97,20 @@ class RolloutDataModule(LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        errors = []
-        if group_size < 2:
-            errors.append(f"data.group_size must be >= 2 (advantages and pairs compare completions), got {group_size}")
-        for key, value in (
-            ("prompts_per_epoch", prompts_per_epoch),
-            ("micro_batch_groups", micro_batch_groups),
-            ("steps_per_rollout", steps_per_rollout),
-            ("mu", mu),
-            ("val_size", val_size),
-            ("val_samples", val_samples),
-            ("eval_samples", eval_samples),
-            ("max_prompt_tokens", max_prompt_tokens),
-        ):
-            if value < 1:
-                errors.append(f"data.{key} must be >= 1, got {value}")
-        if steps_per_rollout > prompts_per_epoch:
-            errors.append(
-                f"data.steps_per_rollout ({steps_per_rollout}) > data.prompts_per_epoch ({prompts_per_epoch})"
-            )
         eval_ks = list(eval_ks or [1, 2, 4])
-        if min(eval_ks) < 1 or max(eval_ks) > eval_samples:
-            errors.append(f"data.eval_ks {eval_ks} must lie in [1, data.eval_samples={eval_samples}] for pass@k")
-        if sync_tolerance <= 0:
-            errors.append(f"data.sync_tolerance must be > 0, got {sync_tolerance}")
-        if errors:
-            raise ValueError("; ".join(errors))
+        check_arguments(
+            group_size,
+            prompts_per_epoch,
+            micro_batch_groups,
+            steps_per_rollout,
+            mu,
+            val_size,
+            val_samples,
+            eval_samples,
+            eval_ks,
+            max_prompt_tokens,
+            sync_tolerance,
+        )
         self.prompts, self.engine = prompts, engine
         self.rewards = list(rewards) if rewards else [MathAnswerReward()]
         self.group_size, self.prompts_per_epoch = group_size, prompts_per_epoch
@@ -195,6 +184,19 @@ class RolloutDataModule(LightningDataModule):
         return out
 
     # ------------------------------------------------------------------ loaders
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingConfig, purpose: int):
+        """Sample with a seed fixed by (seed, optimisation step, rank, purpose), in a forked RNG.
+
+        A rollout is then a function of the weights and its place in the run, not of hidden engine state: a resumed
+        run draws the same rollouts as an uninterrupted one, and the trainer's random stream is untouched.
+        """
+        rank = self.trainer.global_rank
+        seed = ((self.seed * 1_000_003 + self.trainer.global_step) * 65_537 + rank) * 8 + purpose
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed % 2**63)
+            return self.engine.generate(prompt_ids, n, sampling)
+
     def sync(self, probe_prompt: list[int], probe_answer: str) -> float:
         """Push the policy into the engine (once per optimisation step) and verify it; returns the probe diff."""
         step = self.trainer.global_step
@@ -222,7 +224,7 @@ class RolloutDataModule(LightningDataModule):
         self.sync(prompt_ids[0], prompts[0].answer)
         sync_s = time.perf_counter() - start
         start = time.perf_counter()
-        completions = self.engine.generate(prompt_ids, self.group_size, self.sampling)
+        completions = self.generate(prompt_ids, self.group_size, self.sampling, purpose=0)
         gen_s = time.perf_counter() - start
         start = time.perf_counter()
         rewards, metrics, correct = score_completions(self.rewards, prompts, completions)
@@ -267,24 +269,12 @@ class RolloutDataModule(LightningDataModule):
         return DataLoader(repeat_passes(batches, self.mu), batch_size=None, collate_fn=_identity)
 
     def val_dataloader(self) -> DataLoader | list:  # noqa: D102
-        if self.val_prompts is None:
-            return []
-        prompts = [self.val_prompts[i] for i in range(min(self.val_size, len(self.val_prompts)))]
-        batch = evaluate_prompts(self, "heldout", prompts, self.val_samples, self.val_sampling)
-        return DataLoader([batch], batch_size=None, collate_fn=_identity)
+        batches = validation_batches(self)
+        return DataLoader(batches, batch_size=None, collate_fn=_identity) if batches else []
 
-    def test_dataloader(self) -> DataLoader | list:
+    def test_dataloader(self) -> DataLoader:
         """``amir test``: every benchmark of ``benchmarks`` (else the held-out prompts), one batch each."""
-        sources = self.benchmarks or ([self.val_prompts] if self.val_prompts is not None else [])
-        if not sources:
-            raise ValueError("amir test needs data.benchmarks or data.val_prompts")
-        batches = []
-        for source in sources:
-            name = getattr(source, "name", "heldout")
-            size = len(source) if self.benchmarks else min(self.val_size, len(source))
-            prompts = [source[i] for i in range(size)]
-            batches.append(evaluate_prompts(self, name, prompts, self.eval_samples, self.eval_sampling))
-        return DataLoader(batches, batch_size=None, collate_fn=_identity)
+        return DataLoader(test_batches(self), batch_size=None, collate_fn=_identity)
 
     def grader(self) -> MathAnswerReward:
         """The correctness check of evaluation: the first ``MathAnswerReward`` of the rewards, or a default one."""

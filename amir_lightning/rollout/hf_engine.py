@@ -28,7 +28,6 @@ class HFEngine(RolloutEngine):
         self.batch_size, self.dtype, self.progress = batch_size, dtype, progress
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = None
-        self.calls = 0
 
     def start(self, model_dir: Path, seed: int) -> None:  # noqa: D102
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -36,7 +35,7 @@ class HFEngine(RolloutEngine):
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, self.dtype))
         self.model.to(self.device).eval().requires_grad_(False)
-        self.seed = seed
+        torch.manual_seed(seed)
         self._started = True
 
     @torch.no_grad()
@@ -50,14 +49,11 @@ class HFEngine(RolloutEngine):
             from tqdm.auto import tqdm
 
             batches = tqdm(batches, desc="HF generate", unit="batch", leave=False)
-        self.calls += 1
-        # Private RNG stream: sampling is reproducible and leaves the trainer's random state untouched.
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(self.seed * 1_000_003 + self.calls)
-            for start in batches:
-                chunk = rows[start : start + self.batch_size]
-                for (index, _), completion in zip(chunk, self._generate_batch([p for _, p in chunk], sampling)):
-                    out[index].append(completion)
+        # Sampling draws from the global RNG, which the rollout data module seeds (forked) before every rollout.
+        for start in batches:
+            chunk = rows[start : start + self.batch_size]
+            for (index, _), completion in zip(chunk, self._generate_batch([p for _, p in chunk], sampling)):
+                out[index].append(completion)
         return out
 
     def _generate_batch(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
