@@ -18,6 +18,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from amir_lightning.module import AmirGRPOModule
 from amir_lightning.rollout.datamodule import RolloutDataModule
+from amir_lightning.rollout.sync import StaleEngineError
 
 TRAINER_DEFAULTS = {
     "reload_dataloaders_every_n_epochs": 1,  # one epoch == one rollout
@@ -26,6 +27,31 @@ TRAINER_DEFAULTS = {
     "log_every_n_steps": 1,
     "logger": lazy_instance(TensorBoardLogger, save_dir="runs"),
 }
+
+
+#: Exceptions that mean "the input is wrong" (configuration, data files, paths, missing extras, a stale engine).
+USER_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    NotADirectoryError,
+    PermissionError,
+    ModuleNotFoundError,
+    StaleEngineError,
+)
+
+
+def user_message(err: BaseException) -> str:
+    """The useful lines of an input error.
+
+    jsonargparse reports a failing optional component as a Union mismatch listing every alternative and the whole
+    given value; only the component's own complaint is kept.
+    """
+    text = str(err)
+    if "Does not validate against any of the Union subtypes" not in text:
+        return text
+    reasons = [line.strip()[2:] for line in text.splitlines() if line.strip().startswith("- ")]
+    reasons = [r for r in reasons if not r.startswith("Expected a <class 'NoneType'>")]
+    return "; ".join(reasons) or text
 
 
 class AmirCLI(LightningCLI):
@@ -58,14 +84,21 @@ def main(args: ArgsType = None) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: fast start, no disk sync
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    AmirCLI(
-        AmirGRPOModule,
-        RolloutDataModule,
-        trainer_defaults=TRAINER_DEFAULTS,
-        save_config_kwargs={"overwrite": True},
-        auto_configure_optimizers=False,
-        args=args,
-    )
+    try:
+        AmirCLI(
+            AmirGRPOModule,
+            RolloutDataModule,
+            trainer_defaults=TRAINER_DEFAULTS,
+            save_config_kwargs={"overwrite": True},
+            auto_configure_optimizers=False,
+            args=args,
+        )
+    except USER_ERRORS as err:
+        # Bad input is reported in one line that names the key or file; AMIR_DEBUG=1 shows the traceback.
+        if os.environ.get("AMIR_DEBUG"):
+            raise
+        sys.stderr.write(f"amir: error: {user_message(err)}\n(set AMIR_DEBUG=1 for the traceback)\n")
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 from lightning import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
-from amir_lightning.distributed import all_reduce, sum_shares, world_size
+from amir_lightning.distributed import world_size
 from amir_lightning.evaluation.report import benchmark_report
 from amir_lightning.models.loading import (
     LoraSettings,
@@ -33,28 +34,12 @@ from amir_lightning.models.loading import (
     shard_fsdp2,
 )
 from amir_lightning.models.sources import ModelSource
-from amir_lightning.objectives import INTENSIVE_STATS, AmirGRPOLoss, GRPOLoss, selective_log_softmax, token_entropy
+from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, selective_log_softmax, token_entropy
 from amir_lightning.rollout.batch import RolloutBatch
+from amir_lightning.step import StepAccumulator, metric_names
 from amir_lightning.tracking import log_metrics
 
 log = logging.getLogger(__name__)
-
-#: Where each loss stat is logged (TensorBoard groups by the first part).
-STAT_KEYS = {
-    "loss": "train/loss",
-    "pg_loss": "train/pg_loss",
-    "kl": "train/kl",
-    "clip_frac": "train/clip_frac",
-    "clip_frac_low": "train/clip_frac_low",
-    "clip_frac_high": "train/clip_frac_high",
-    "pg_scale": "train/pg_scale",
-    "pair_loss": "amir/pair_loss",
-    "pair_term": "amir/pair_term",
-    "lambda": "amir/lambda",
-    "pair_acc": "amir/implicit_acc",  # z > 0, reference included; the PairMarginMonitor logs amir/pair_acc
-}
-#: Loss stats the PairMarginMonitor measures for GRPO and AMIR runs alike (under amir/...); not logged twice.
-MONITORED_STATS = frozenset({"num_pairs", "pair_margin", "pair_reward_gap"})
 
 
 def default_optimizer(params) -> torch.optim.Optimizer:
@@ -78,6 +63,7 @@ class AmirGRPOModule(LightningModule):
         logprob_chunk_size: Rows whose log-softmax is materialised at once.
         log_entropy: Log the mean token entropy (one more softmax pass over the vocabulary).
         export_dir: Where the trained policy is written at the end of ``fit`` (default ``<log_dir>/policy``).
+        max_bad_steps: Stop after this many optimisation steps in a row skipped for a non-finite loss or gradient.
     """
 
     def __init__(
@@ -94,6 +80,7 @@ class AmirGRPOModule(LightningModule):
         logprob_chunk_size: int = 4,
         log_entropy: bool = True,
         export_dir: str | None = None,
+        max_bad_steps: int = 3,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["policy", "loss", "optimizer", "lr_scheduler"])
@@ -103,10 +90,13 @@ class AmirGRPOModule(LightningModule):
         self.dtype_name, self.gradient_checkpointing, self.lora = dtype, gradient_checkpointing, lora
         self.temperature, self.max_grad_norm = temperature, max_grad_norm
         self.logprob_chunk_size, self.log_entropy, self.export_dir = logprob_chunk_size, log_entropy, export_dir
+        if max_bad_steps < 1:
+            raise ValueError(f"model.max_bad_steps must be >= 1, got {max_bad_steps}")
+        self.max_bad_steps = max_bad_steps
         self.policy = None
         self._reference: tuple = ()  # not a registered submodule: never trained, never checkpointed
-        self._step_stats: dict[str, torch.Tensor] = {}
-        self._step_norms: dict[str, float] | None = None
+        self._step = StepAccumulator()
+        self._bad_steps = self._skipped_steps = 0
         self.val_accuracy = MeanMetric()
 
     # ------------------------------------------------------------------ model
@@ -191,11 +181,7 @@ class AmirGRPOModule(LightningModule):
 
     # ------------------------------------------------------------------ training
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> dict[str, torch.Tensor]:  # noqa: D102
-        if self._step_norms is None:  # first micro-batch of an optimisation step: normalisers of the global step
-            local = self.loss.step_normalizers(
-                batch.step_lengths, batch.step_rewards, batch.group_size, batch.step_truncated
-            )
-            self._step_norms = self.loss.global_normalizers(local, world_size(), self._all_reduce)
+        norms = self._step.normalizers(self.loss, batch, self.device)
         logps, entropy = self._completion_logps(self.policy, batch, self.temperature, self.log_entropy)
         ref = None
         if self.loss.needs_reference:
@@ -210,49 +196,54 @@ class AmirGRPOModule(LightningModule):
             old_token_logps=batch.old_logps,
             ref_token_logps=ref,
             truncated=batch.truncated,
-            **self._step_norms,
+            **norms,
         )
-        if not torch.isfinite(out.loss):
-            raise FloatingPointError(
-                f"non-finite loss {out.loss.item()} at step {self.global_step}: stopping "
-                "before the optimizer applies it"
-            )
+        ok = bool(torch.isfinite(out.loss))
         # Data parallelism averages gradients over processes; each process's loss is a share of the global loss.
-        self.manual_backward(out.loss * world_size())
-        self._accumulate(out.stats, entropy, batch.completion_mask)
+        # A non-finite loss still runs a zero backward, so processes stay in step; its optimiser step is skipped.
+        self.manual_backward(out.loss * world_size() if ok else logps.sum() * 0.0)
+        self._step.add(out.stats, entropy, batch.completion_mask, ok)
         if batch.last_in_step:
             self._optimizer_step()
         # Read-only monitors (callbacks) get the log-probs through ``outputs``: no second forward for them either.
         return {"loss": out.loss.detach(), "logps": logps.detach()}
 
-    def _accumulate(self, stats: dict[str, torch.Tensor], entropy, mask: torch.Tensor) -> None:
-        for key, value in stats.items():
-            value = value.detach().float()
-            self._step_stats[key] = value if key in INTENSIVE_STATS else self._step_stats.get(key, 0.0) + value
-        if entropy is not None:
-            share = (entropy * mask).sum() / max(self._step_norms["num_tokens"], 1.0)
-            self._step_stats["entropy"] = self._step_stats.get("entropy", 0.0) + share
-
-    def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        return all_reduce(tensor, op, self.device)
-
     def _optimizer_step(self) -> None:
         optimizer = self.optimizers()
         params = [p for p in self.policy.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or math.inf)
+        stats, bad = self._step.finish(self.device, grad_norm)
+        if bad:  # never apply a NaN or inf gradient
+            optimizer.zero_grad(set_to_none=True)
+            self._skip_step()
+            return
+        self._bad_steps = 0
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
-        # Each process holds its share of every extensive stat: the step's value is their sum.
-        stats = sum_shares(self._step_stats, INTENSIVE_STATS, self.device)
-        self._step_stats, self._step_norms = {}, None
         self.loss.end_step(stats)
-        logged = {STAT_KEYS.get(k, f"train/{k}"): v for k, v in stats.items() if k not in MONITORED_STATS}
+        logged = metric_names(stats)
         logged["train/grad_norm"] = grad_norm.detach().float()
         logged["train/lr"] = optimizer.param_groups[0]["lr"]
+        logged["train/skipped_steps"] = self._skipped_steps
         log_metrics(self.trainer, logged)
+
+    def _skip_step(self) -> None:
+        self._bad_steps += 1
+        self._skipped_steps += 1
+        log_metrics(self.trainer, {"train/skipped_steps": self._skipped_steps})
+        if self._bad_steps >= self.max_bad_steps:
+            raise FloatingPointError(
+                f"{self._bad_steps} optimisation steps in a row had a non-finite loss or gradient (model.max_bad_steps="
+                f"{self.max_bad_steps}); stopped at step {self.global_step} before applying any. Lower the learning "
+                "rate, check the rewards, or resume from the last checkpoint."
+            )
+        rank_zero_warn(
+            f"skipped optimisation step {self.global_step}: non-finite loss or gradient "
+            f"({self._bad_steps} in a row, model.max_bad_steps={self.max_bad_steps})"
+        )
 
     # ------------------------------------------------------------------ evaluation
     def validation_step(self, batch: dict, batch_idx: int) -> None:  # noqa: D102

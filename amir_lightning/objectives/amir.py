@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from amir_lightning.objectives.pairs import PairMode, mine_pairs, pair_mask_and_gaps
 from amir_lightning.objectives.policy import Aggregation, GRPOLoss, ImportanceSampling, LossOutput
 
+#: Where these arguments live in a YAML config, for error messages.
+_KEY = "model.loss.init_args"
 LambdaSchedule = Literal["fixed", "adaptive"]
 
 
@@ -98,27 +100,27 @@ class AmirGRPOLoss(GRPOLoss):
         )
         errors = []
         if lambda_ < 0:
-            errors.append(f"lambda_ must be >= 0, got {lambda_}")
+            errors.append(f"{_KEY}.lambda_ must be >= 0, got {lambda_}")
         if pair_beta <= 0:
-            errors.append(f"pair_beta must be > 0, got {pair_beta}")
+            errors.append(f"{_KEY}.pair_beta must be > 0, got {pair_beta}")
         if margin < 0:
-            errors.append(f"margin must be >= 0 (pairs are strictly ordered by reward), got {margin}")
+            errors.append(f"{_KEY}.margin must be >= 0 (pairs are strictly ordered by reward), got {margin}")
         if pair_mode not in ("all", "top1"):
-            errors.append(f"pair_mode must be 'all' or 'top1', got {pair_mode!r}")
+            errors.append(f"{_KEY}.pair_mode must be 'all' or 'top1', got {pair_mode!r}")
         if max_pairs_per_group is not None and max_pairs_per_group < 1:
-            errors.append(f"max_pairs_per_group must be >= 1 or null, got {max_pairs_per_group}")
+            errors.append(f"{_KEY}.max_pairs_per_group must be >= 1 or null, got {max_pairs_per_group}")
         if reduction not in ("mean", "sum"):
-            errors.append(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+            errors.append(f"{_KEY}.reduction must be 'mean' or 'sum', got {reduction!r}")
         if lambda_schedule not in ("fixed", "adaptive"):
-            errors.append(f"lambda_schedule must be 'fixed' or 'adaptive', got {lambda_schedule!r}")
+            errors.append(f"{_KEY}.lambda_schedule must be 'fixed' or 'adaptive', got {lambda_schedule!r}")
         if not 0 < lambda_min <= lambda_max:
-            errors.append(f"need 0 < lambda_min <= lambda_max, got {lambda_min} and {lambda_max}")
+            errors.append(f"{_KEY}: need 0 < lambda_min <= lambda_max, got {lambda_min} and {lambda_max}")
         if not 0 <= ratio_low < ratio_high:
-            errors.append(f"need 0 <= ratio_low < ratio_high, got {ratio_low} and {ratio_high}")
+            errors.append(f"{_KEY}: need 0 <= ratio_low < ratio_high, got {ratio_low} and {ratio_high}")
         if not (lambda_up > 1 and 0 < lambda_down < 1):
-            errors.append(f"need lambda_up > 1 and 0 < lambda_down < 1, got {lambda_up} and {lambda_down}")
+            errors.append(f"{_KEY}: need lambda_up > 1 and 0 < lambda_down < 1, got {lambda_up} and {lambda_down}")
         if not 0 <= scale_ema < 1:
-            errors.append(f"scale_ema must be in [0, 1), got {scale_ema}")
+            errors.append(f"{_KEY}.scale_ema must be in [0, 1), got {scale_ema}")
         if errors:
             raise ValueError("; ".join(errors))
         self.pair_beta = pair_beta

@@ -31,6 +31,8 @@ from torch import nn
 
 from amir_lightning.objectives.base import LossOutput, WithGrad
 
+#: Where these arguments live in a YAML config, for error messages.
+_KEY = "model.loss.init_args"
 Aggregation = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 ImportanceSampling = Literal["token", "sequence"]
 
@@ -62,17 +64,17 @@ class GRPOLoss(nn.Module):
         super().__init__()
         errors = []
         if aggregation not in ("grpo", "bnpo", "dr_grpo", "dapo"):
-            errors.append(f"aggregation must be one of grpo, bnpo, dr_grpo, dapo, got {aggregation!r}")
+            errors.append(f"{_KEY}.aggregation must be one of grpo, bnpo, dr_grpo, dapo, got {aggregation!r}")
         if importance_sampling not in ("token", "sequence"):
-            errors.append(f"importance_sampling must be 'token' or 'sequence', got {importance_sampling!r}")
+            errors.append(f"{_KEY}.importance_sampling must be 'token' or 'sequence', got {importance_sampling!r}")
         if not 0 <= epsilon < 1:
-            errors.append(f"epsilon must be in [0, 1), got {epsilon}")
+            errors.append(f"{_KEY}.epsilon must be in [0, 1), got {epsilon}")
         if epsilon_high is not None and epsilon_high < 0:
-            errors.append(f"epsilon_high must be >= 0, got {epsilon_high}")
+            errors.append(f"{_KEY}.epsilon_high must be >= 0, got {epsilon_high}")
         if beta < 0:
-            errors.append(f"beta (KL coefficient) must be >= 0, got {beta}")
+            errors.append(f"{_KEY}.beta (KL coefficient) must be >= 0, got {beta}")
         if max_completion_length is not None and max_completion_length < 1:
-            errors.append(f"max_completion_length must be >= 1, got {max_completion_length}")
+            errors.append(f"{_KEY}.max_completion_length must be >= 1, got {max_completion_length}")
         if errors:
             raise ValueError("; ".join(errors))
         self.aggregation = aggregation
