@@ -28,7 +28,7 @@ from amir_lightning.rewards.math import MathAnswerReward
 from amir_lightning.rollout.arguments import check_arguments
 from amir_lightning.rollout.batch import Group, build_micro_batches, make_groups, repeat_passes
 from amir_lightning.rollout.engine import RolloutEngine, SamplingConfig
-from amir_lightning.rollout.scoring import score_completions
+from amir_lightning.rollout.scoring import RewardGuard, score_completions
 from amir_lightning.rollout.sync import sync_and_verify
 from amir_lightning.tracking import log_metrics
 
@@ -66,6 +66,7 @@ class RolloutDataModule(LightningDataModule):
         eval_samples: Samples per problem in ``amir test`` (the paper: 8).
         eval_sampling: Sampling in ``amir test`` (default: the paper's temperature 0.6, top_p 1.0).
         eval_ks: The k of ``eval/<benchmark>/pass@k`` (the paper: 1, 2, 4); each must be <= ``eval_samples``.
+        max_bad_rollouts: Stop after this many rollouts in a row with NaN or inf rewards.
         seed: Seed of prompt shuffling and the engine.
     """
 
@@ -94,6 +95,7 @@ class RolloutDataModule(LightningDataModule):
         eval_samples: int = 8,
         eval_sampling: SamplingConfig | None = None,
         eval_ks: list[int] | None = None,
+        max_bad_rollouts: int = 3,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -124,7 +126,7 @@ class RolloutDataModule(LightningDataModule):
         self.val_sampling = val_sampling or paper_eval
         self.benchmarks, self.eval_samples, self.eval_ks = list(benchmarks or []), eval_samples, eval_ks
         self.eval_sampling = eval_sampling or paper_eval
-        self.seed = seed
+        self.seed, self.reward_guard = seed, RewardGuard(max_bad_rollouts)
         self.stream = PromptStream(prompts, shuffle, seed)  # its position is saved in checkpoints
         self.last_rollout: list[Group] = []  # read by the monitors (callbacks)
         self.last_timing: dict[str, float] = {}
@@ -229,7 +231,9 @@ class RolloutDataModule(LightningDataModule):
         start = time.perf_counter()
         rewards, metrics, correct = score_completions(self.rewards, prompts, completions)
         score_s = time.perf_counter() - start
-        advantages = group_advantages(rewards, self.group_size, self.advantage_scale)
+        # A group with a non-finite reward carries no signal (zero advantage, no pairs): see score_completions.
+        advantages = group_advantages(rewards, self.group_size, self.advantage_scale).nan_to_num(nan=0.0)
+        self.reward_guard.check(metrics)
         groups = make_groups(prompts, prompt_ids, completions, rewards, advantages, correct)
         zero_std = [bool((g.rewards == g.rewards[0]).all()) for g in groups]
         self.last_rollout = groups
