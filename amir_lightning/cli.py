@@ -40,6 +40,22 @@ USER_ERRORS = (
 )
 
 
+def _check_config_files(argv: list[str]) -> None:
+    """Parse every ``--config`` file first, so that a YAML error names the file (jsonargparse names a string)."""
+    import yaml
+
+    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                yaml.safe_load(fh)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"config file {path} does not exist") from None
+        except yaml.YAMLError as err:
+            raise ValueError(f"config file {path} is not valid YAML: {err}") from None
+
+
 def user_message(err: BaseException) -> str:
     """The useful lines of an input error.
 
@@ -85,6 +101,7 @@ def main(args: ArgsType = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
+        _check_config_files(argv or [])
         AmirCLI(
             AmirGRPOModule,
             RolloutDataModule,

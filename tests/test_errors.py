@@ -1,0 +1,157 @@
+"""Bad input gets one clear message naming the key or the file and line, exit status 2, and no traceback."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from amir_lightning.cli import main
+
+ROOT = Path(__file__).parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+FIXTURES = ROOT / "tests" / "fixtures"
+JSONL = "amir_lightning.data.JsonlPrompts"
+ARITH = "amir_lightning.data.ArithmeticPrompts"
+
+
+def files(tmp: Path) -> dict[str, str]:
+    (tmp / "missing_answer.jsonl").write_text(
+        json.dumps({"question": "a", "answer": "1"}) + "\n" + json.dumps({"question": "b"}) + "\n"
+    )
+    (tmp / "empty.jsonl").write_text("\n\n")
+    (tmp / "list.jsonl").write_text("[1, 2]\n")
+    (tmp / "no_config").mkdir(exist_ok=True)
+    (tmp / "a_file").write_text("x")
+    (tmp / "bad.yaml").write_text("data: [unclosed\n")
+    return {
+        name: str(tmp / name)
+        for name in ("missing_answer.jsonl", "empty.jsonl", "list.jsonl", "no_config", "a_file", "bad.yaml")
+    }
+
+
+# (case id, extra arguments (@name@ stands for a file made by files()), expected fragment of the message)
+CASES = [
+    ("unknown key", ["--data.group_sizee", "8"], "group_sizee"),
+    ("wrong type", ["--data.group_size", "eight"], "group_size"),
+    ("group_size 1 with pairs", ["--data.group_size", "1"], "data.group_size must be >= 2"),
+    ("negative margin", ["--model.loss.init_args.margin", "-1"], "model.loss.init_args.margin must be >= 0"),
+    ("zero prompts per epoch", ["--data.prompts_per_epoch", "0"], "data.prompts_per_epoch must be >= 1"),
+    ("zero micro-batch", ["--data.micro_batch_groups", "0"], "data.micro_batch_groups must be >= 1"),
+    ("more steps than prompts", ["--data.steps_per_rollout", "99"], "data.steps_per_rollout (99)"),
+    ("zero passes", ["--data.mu", "0"], "data.mu must be >= 1"),
+    ("pass@k over samples", ["--data.eval_ks", "[1, 16]"], "data.eval_ks [1, 16]"),
+    ("zero sync tolerance", ["--data.sync_tolerance", "0"], "data.sync_tolerance must be > 0"),
+    ("zero temperature", ["--data.sampling.temperature", "0"], "sampling.temperature must be > 0"),
+    ("top_p above one", ["--data.sampling.top_p", "1.5"], "sampling.top_p must be in (0, 1]"),
+    ("no new tokens", ["--data.sampling.max_new_tokens", "0"], "sampling.max_new_tokens must be >= 1"),
+    ("unknown aggregation", ["--model.loss.init_args.aggregation", "mean"], "aggregation"),
+    ("zero pair beta", ["--model.loss.init_args.pair_beta", "0"], "model.loss.init_args.pair_beta must be > 0"),
+    ("lambda bounds crossed", ["--model.loss.init_args.lambda_min", "0.1"], "lambda_min <= lambda_max"),
+    ("clip range", ["--model.loss.init_args.epsilon", "1.5"], "model.loss.init_args.epsilon must be in [0, 1)"),
+    ("negative KL", ["--model.loss.init_args.beta", "-1"], "model.loss.init_args.beta (KL coefficient)"),
+    ("zero bad steps", ["--model.max_bad_steps", "0"], "model.max_bad_steps must be >= 1"),
+    ("zero bad rollouts", ["--data.max_bad_rollouts", "0"], "data.max_bad_rollouts must be >= 1"),
+    ("unknown loss class", ["--model.loss", "amir_lightning.objectives.NoSuchLoss"], "NoSuchLoss"),
+    ("bad dtype", ["--model.dtype", "float33"], "model.dtype must be a torch dtype name"),
+    ("bad lora rank", ["--model.lora", "{r: 0}"], "model.lora needs r >= 1"),
+    (
+        "model path missing",
+        [
+            "--model.policy",
+            "amir_lightning.models.HFModel",
+            "--model.policy.init_args.name_or_path",
+            "/nonexistent/model",
+        ],
+        "/nonexistent/model",
+    ),
+    (
+        "model dir without config",
+        ["--model.policy", "amir_lightning.models.HFModel", "--model.policy.init_args.name_or_path", "@no_config@"],
+        "has no config.json",
+    ),
+    (
+        "malformed JSONL line",
+        ["--data.prompts", JSONL, "--data.prompts.init_args.path", str(FIXTURES / "malformed.jsonl")],
+        "malformed.jsonl:2: not valid JSON",
+    ),
+    (
+        "JSONL line not an object",
+        ["--data.prompts", JSONL, "--data.prompts.init_args.path", "@list.jsonl@"],
+        "list.jsonl:1: expected a JSON object",
+    ),
+    (
+        "missing answer field",
+        ["--data.prompts", JSONL, "--data.prompts.init_args.path", "@missing_answer.jsonl@"],
+        "missing_answer.jsonl:2: missing field 'answer'",
+    ),
+    (
+        "empty prompt set",
+        ["--data.prompts", JSONL, "--data.prompts.init_args.path", "@empty.jsonl@"],
+        "empty.jsonl: no prompts",
+    ),
+    (
+        "prompt file missing",
+        ["--data.prompts", JSONL, "--data.prompts.init_args.path", "/nonexistent.jsonl"],
+        "prompt file /nonexistent.jsonl does not exist",
+    ),
+    (
+        "empty value range",
+        ["--data.prompts", ARITH, "--data.prompts.init_args.min_value", "5", "--data.prompts.init_args.max_value", "3"],
+        "min_value 5 > max_value 3",
+    ),
+    ("bad operators", ["--data.prompts", ARITH, "--data.prompts.init_args.operators", "/"], "operators"),
+    (
+        "unknown benchmark",
+        ["--data.benchmarks", "[{class_path: amir_lightning.evaluation.BenchmarkPrompts, init_args: {name: gsm9k}}]"],
+        "unknown benchmark 'gsm9k'",
+    ),
+    (
+        "benchmark file missing",
+        [
+            "--data.benchmarks",
+            "[{class_path: amir_lightning.evaluation.BenchmarkPrompts, init_args: {name: gsm8k, path: /none.jsonl}}]",
+        ],
+        "benchmark file /none.jsonl does not exist",
+    ),
+    (
+        "unknown reasoning-gym task",
+        ["--data.prompts", "amir_lightning.data.ReasoningGymPrompts", "--data.prompts.init_args.task", "no_such_task"],
+        "no_such_task",
+    ),
+    (
+        "dataloaders not reloaded",
+        ["--trainer.reload_dataloaders_every_n_epochs", "2"],
+        "trainer.reload_dataloaders_every_n_epochs must be 1",
+    ),
+    ("unwritable output dir", ["--trainer.logger.init_args.save_dir", "@a_file@/runs"], "a_file"),
+    (
+        "prompt longer than the context",
+        ["--data.max_prompt_tokens", "1", "--data.engine", "amir_lightning.rollout.HFEngine"],
+        "over data.max_prompt_tokens=1",
+    ),
+    ("config file with a syntax error", ["--config", "@bad.yaml@"], "bad.yaml"),
+    ("config file missing", ["--config", "/nonexistent.yaml"], "nonexistent.yaml"),
+]
+
+
+@pytest.mark.parametrize(("case", "extra", "expected"), CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gives_one_clear_message(case, extra, expected, tmp_path, monkeypatch, capsys):
+    paths = files(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AMIR_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("AMIR_DEBUG", raising=False)
+    monkeypatch.setattr(sys, "argv", ["amir"])
+    for name, path in paths.items():
+        extra = [a.replace(f"@{name}@", path) for a in extra]
+    args = ["fit", "--config", TINY, "--trainer.max_epochs", "1", *extra]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err[-2000:]
+    assert expected in err, err[-2000:]
+    assert "Traceback" not in err
+
+
+def test_there_are_at_least_30_cases():
+    assert len(CASES) >= 30
