@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import ArgsType, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from amir_lightning.checkpointing import install_atomic_checkpoints
 from amir_lightning.module import AmirGRPOModule
 from amir_lightning.rollout.datamodule import RolloutDataModule
 from amir_lightning.rollout.sync import StaleEngineError
@@ -77,13 +78,19 @@ class AmirCLI(LightningCLI):
         # The training log-probs must be those of the distribution that was sampled.
         parser.link_arguments("data.sampling.temperature", "model.temperature")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
-        parser.set_defaults({"checkpoint.save_last": True})
+        # Save after every rollout (epoch), not only after validation epochs: a killed run loses one rollout at most.
+        parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_on_train_epoch_end": True})
         parser.add_argument(
             "--validate_before_fit",
             type=bool,
             default=False,
             help="Run validation once before training (held-out accuracy of the initial policy).",
         )
+
+    def instantiate_trainer(self, **kwargs):  # noqa: D102
+        trainer = super().instantiate_trainer(**kwargs)
+        install_atomic_checkpoints(trainer)  # a checkpoint is never half-written, whatever kills the run
+        return trainer
 
     def before_fit(self) -> None:  # noqa: D102
         if self.config[self.subcommand].get("validate_before_fit"):

@@ -22,6 +22,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
+from amir_lightning.checkpointing import random_states, restore_random_states
 from amir_lightning.distributed import world_size
 from amir_lightning.evaluation.report import benchmark_report
 from amir_lightning.models.loading import (
@@ -275,6 +276,14 @@ class AmirGRPOModule(LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"},
         }
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:  # noqa: D102
+        checkpoint["amir"] = {"random_states": random_states(), "skipped_steps": self._skipped_steps}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:  # noqa: D102
+        if "amir" in checkpoint:
+            restore_random_states(checkpoint["amir"]["random_states"])
+            self._skipped_steps = checkpoint["amir"]["skipped_steps"]
 
     def on_fit_end(self) -> None:  # noqa: D102
         self.export(Path(self.export_dir or Path(self.trainer.log_dir or ".") / "policy"))

@@ -38,3 +38,94 @@ def test_stopped_and_resumed_run_matches_the_uninterrupted_one(tmp_path):
     rest = read_scalars(tmp_path / "runs" / "part" / "version_1")
     assert halves["rollout/reward_mean"] + rest["rollout/reward_mean"] == whole["rollout/reward_mean"]
     assert halves["amir/lambda"] + rest["amir/lambda"] == whole["amir/lambda"]
+
+
+FAULTS = [
+    # (what kills the run, extra arguments)
+    (
+        "during a rollout",
+        [
+            "--data.engine",
+            "faults.KillDuringRollout",
+            "--data.engine.init_args.at_call",
+            "2",
+            "--data.engine.init_args.max_model_len",
+            "64",
+            "--data.engine.init_args.kv_cache_memory_bytes",
+            "33554432",
+            "--data.engine.init_args.progress",
+            "false",
+        ],
+    ),
+    (
+        "before an optimiser step",
+        ["--trainer.callbacks+=faults.KillBeforeOptimizerStep", "--trainer.callbacks.at_step", "2"],
+    ),
+    ("while writing a checkpoint", ["--trainer.plugins+=faults.KillDuringSave", "--trainer.plugins.at_save", "2"]),
+]
+
+
+def test_killed_runs_resume_from_the_last_good_checkpoint(tmp_path):
+    """SIGKILL in three phases, resuming after each from last.ckpt: the end state equals an uninterrupted run's."""
+    import os
+    import subprocess
+    import sys
+
+    common = [
+        "fit",
+        "--config",
+        CONFIG,
+        "--trainer.deterministic",
+        "true",
+        "--trainer.check_val_every_n_epoch",
+        "9",
+        "--trainer.max_epochs",
+        "6",
+    ]
+    run_amir([*common, "--trainer.logger.init_args.name", "clean"], tmp_path)
+    checkpoint = tmp_path / "runs" / "faulty" / "version_0" / "checkpoints" / "last.ckpt"
+    env = dict(
+        os.environ,
+        AMIR_CACHE=str(tmp_path / "cache"),
+        PYTHONPATH=str(Path(__file__).parent / "helpers") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    kills = 0
+    for _, extra in FAULTS:
+        resume = ["--ckpt_path", str(checkpoint)] if checkpoint.exists() else []
+        args = [
+            *common,
+            "--trainer.logger.init_args.name",
+            "faulty",
+            "--trainer.logger.init_args.version",
+            "0",
+            *resume,
+            *extra,
+        ]
+        result = subprocess.run(
+            [sys.executable, "-m", "amir_lightning", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert result.returncode == -9, result.stderr[-3000:]  # killed, as injected
+        kills += 1
+        torch.load(checkpoint, weights_only=True)  # the last checkpoint is always whole (and safe to load)
+    assert kills == 3 and list(checkpoint.parent.glob(".last.ckpt.tmp-*"))  # the half-written file was left aside
+    run_amir(
+        [
+            *common,
+            "--trainer.logger.init_args.name",
+            "faulty",
+            "--trainer.logger.init_args.version",
+            "0",
+            "--ckpt_path",
+            str(checkpoint),
+        ],
+        tmp_path,
+    )
+    clean = load_file(tmp_path / "runs" / "clean" / "version_0" / "policy" / "model.safetensors")
+    faulty = load_file(tmp_path / "runs" / "faulty" / "version_0" / "policy" / "model.safetensors")
+    for key in clean:
+        assert torch.equal(clean[key], faulty[key]), key

@@ -214,7 +214,7 @@ class RolloutDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:  # noqa: D102
         loop = self.trainer.fit_loop
         done = loop.epoch_loop.batch_progress.current.ready
-        if loop.restarting and loop.epoch_progress.current.started > loop.epoch_progress.current.completed and done:
+        if loop.epoch_progress.current.started > loop.epoch_progress.current.completed and done:
             # Resuming from a checkpoint written inside this epoch (at its end, or after its validation): Lightning
             # reloads only to see that the epoch's batches are done and skips them. A new rollout would be wasted
             # and skip prompts, so it gets placeholders it never reads (a checkpoint taken in the middle of a

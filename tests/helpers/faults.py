@@ -1,0 +1,66 @@
+"""Fault injection for the resume tests: SIGKILL the training process in a chosen phase.
+
+Importable by ``amir`` (the tests put this folder on PYTHONPATH) and selected by ``class_path``.
+"""
+
+import os
+import signal
+
+from lightning import Callback
+
+from amir_lightning.checkpointing import AtomicCheckpointIO
+from amir_lightning.rollout import VLLMEngine
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillDuringRollout(VLLMEngine):
+    """A vLLM engine that kills its process in the middle of the ``at_call``-th generation (1-based)."""
+
+    def __init__(self, at_call: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.at_call, self.calls = at_call, 0
+
+    def generate(self, prompts, n, sampling):  # noqa: D102
+        self.calls += 1
+        if self.calls == self.at_call:
+            super().generate(prompts[:1], n, sampling)  # half of the work done, then the process dies
+            _die()
+        return super().generate(prompts, n, sampling)
+
+
+class KillBeforeOptimizerStep(Callback):
+    """Kills the process when the optimiser is about to apply step ``at_step`` (its gradient is ready)."""
+
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: D102
+        if trainer.global_step == self.at_step:
+            _die()
+
+
+class KillDuringSave(AtomicCheckpointIO):
+    """Writes half of the ``at_save``-th checkpoint's temporary file, then kills the process."""
+
+    def __init__(self, at_save: int) -> None:
+        super().__init__()
+        self.at_save, self.saves = at_save, 0
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):  # noqa: D102
+        self.saves += 1
+        if self.saves == self.at_save:
+            import io
+
+            import torch
+
+            buffer = io.BytesIO()
+            torch.save(checkpoint, buffer)
+            target = os.fspath(path)
+            tmp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.tmp-{os.getpid()}")
+            with open(tmp, "wb") as fh:
+                fh.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+            _die()
+        super().save_checkpoint(checkpoint, path, storage_options)
