@@ -69,6 +69,31 @@ def reference_answer(answer: str) -> str:
     return answer
 
 
+_BIG_NUMBER = re.compile(r"\d{60,}")
+# An exponent whose own exponent is a power: 9^9^9, 9^{9^9}, 9**9**9 (a^2 + b^2 is fine).
+_TOWER = re.compile(r"(\^|\*\*)\s*(\{[^{}]*(\^|\*\*)|\(?[\w.]+\)?\s*(\^|\*\*))")
+_COMMANDS = ("\\def", "\\newcommand", "\\renewcommand", "\\input", "\\include", "\\csname", "\\loop")
+
+
+def _hostile(candidate: str) -> bool:
+    """Cheap screens for answers built to hang or blow up a symbolic parser."""
+    depth = deepest = 0
+    for ch in candidate:
+        if ch in "({[":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in ")}]":
+            depth -= 1
+    return (
+        deepest > 12
+        or bool(_TOWER.search(candidate))
+        or candidate.count("!") > 2
+        or bool(_BIG_NUMBER.search(candidate))
+        or any(c in candidate for c in _COMMANDS)
+        or any(ord(ch) < 32 and ch not in "\t\n" for ch in candidate)
+    )
+
+
 def _parse(candidate: str):
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
@@ -87,6 +112,8 @@ def grade_answer(completion: str, answer: str, fallback_last_number: bool = True
     reference = reference_answer(answer)
     if candidate.replace(" ", "") == reference.replace(" ", ""):
         return 1.0
+    if _hostile(candidate):  # would make sympy compute for hours or exhaust memory; a real answer never is
+        return 0.0
     gold, pred = _parse(reference), _parse(candidate)
     if not gold or not pred:
         return 0.0

@@ -81,6 +81,7 @@ class SandboxedGrader:
         self.timeout_s, self.num_workers, self.memory_mb = timeout_s, num_workers, memory_mb
         self.timeout_score = timeout_score
         self.timeouts = 0
+        self.latencies: list[float] = []
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
 
@@ -93,6 +94,8 @@ class SandboxedGrader:
         """``[fn(*args) for args in arguments]``, each in a worker under the deadline (``fn`` must be importable)."""
         self._ensure_workers()
         results = [self.timeout_score] * len(arguments)
+        started = [0.0] * len(arguments)
+        self.latencies = [0.0] * len(arguments)  # seconds from hand-over to answer (or kill), per argument
         pending = list(range(len(arguments)))[::-1]
         busy: dict[Connection, _Worker] = {}
         while pending or busy:
@@ -100,7 +103,8 @@ class SandboxedGrader:
                 if worker.job is None and pending:
                     index = pending.pop()
                     # The deadline starts when the worker gets the job, so queueing never eats into it.
-                    worker.job = (index, time.monotonic() + self.timeout_s)
+                    started[index] = time.monotonic()
+                    worker.job = (index, started[index] + self.timeout_s)
                     worker.conn.send((index, fn, arguments[index]))
                     busy[worker.conn] = worker
             if not busy:
@@ -114,12 +118,14 @@ class SandboxedGrader:
                     index, score = worker.job[0], float("nan")
                     self._replace(worker)
                 results[index] = self.timeout_score if score != score else score
+                self.latencies[index] = time.monotonic() - started[index]
                 worker.job = None
             now = time.monotonic()
             for conn, worker in list(busy.items()):
                 if worker.job[1] <= now:
                     self.timeouts += 1
                     results[worker.job[0]] = self.timeout_score
+                    self.latencies[worker.job[0]] = now - started[worker.job[0]]
                     busy.pop(conn)
                     self._replace(worker)
         return results
