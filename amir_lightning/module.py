@@ -261,9 +261,9 @@ class AmirGRPOModule(LightningModule):
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
         """One benchmark: unbiased pass@k (``eval/<benchmark>/pass@k``) and ``<log_dir>/eval/<benchmark>.json``."""
-        ks = getattr(self.trainer.datamodule, "eval_ks", [1])
+        dm = self.trainer.datamodule
         out_dir = Path(self.trainer.log_dir) / "eval" if self.trainer.log_dir else None
-        results = benchmark_report(self, batch, ks, out_dir)
+        results = benchmark_report(self, batch, dm.eval_ks, out_dir, dm.eval_logps)
         log_metrics(self.trainer, results)
         self.log_dict(results, logger=False, batch_size=1)
 

@@ -34,12 +34,16 @@ def main() -> None:
     lat = sorted(grader.latencies)
     grader.close()
     ok = all(isinstance(s, float) and 0.0 <= s <= 1.0 for s in scores)
-    print(f"sandboxed grading of {len(cases)} adversarial completions, {args.workers} workers, "
-          f"timeout {args.timeout} s, {os.cpu_count()} cores")
+    print(
+        f"sandboxed grading of {len(cases)} adversarial completions, {args.workers} workers, "
+        f"timeout {args.timeout} s, {os.cpu_count()} cores"
+    )
     print("| answers | seconds | answers/s | median ms | p99 ms | worst ms | timeouts | scores in [0, 1] |")
     print("|---|---|---|---|---|---|---|---|")
-    print(f"| {len(cases)} | {elapsed:.1f} | {len(cases) / elapsed:.0f} | {1e3 * statistics.median(lat):.2f} | "
-          f"{1e3 * lat[int(0.99 * (len(lat) - 1))]:.1f} | {1e3 * lat[-1]:.0f} | {grader.timeouts} | {ok} |")
+    print(
+        f"| {len(cases)} | {elapsed:.1f} | {len(cases) / elapsed:.0f} | {1e3 * statistics.median(lat):.2f} | "
+        f"{1e3 * lat[int(0.99 * (len(lat) - 1))]:.1f} | {1e3 * lat[-1]:.0f} | {grader.timeouts} | {ok} |"
+    )
 
 
 if __name__ == "__main__":

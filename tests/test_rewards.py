@@ -50,7 +50,7 @@ def test_pathological_answer_times_out_to_zero_within_the_limit():
     try:
         reward.correctness(["\\boxed{1}"], ["1"])  # workers up before timing
         start = time.monotonic()
-        scores = reward.correctness(["\\boxed{9^{9^{9^{9^{9}}}}}", "\\boxed{7}"], ["7", "7"])
+        scores = reward.correctness(["\\boxed{9999999^{9999999}}", "\\boxed{7}"], ["7", "7"])
         elapsed = time.monotonic() - start
         assert scores == [0.0, 1.0]
         assert reward.grader.timeouts == 1

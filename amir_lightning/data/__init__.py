@@ -3,7 +3,7 @@
 from amir_lightning.data.base import Prompt, PromptSource
 from amir_lightning.data.files import DataFileError, HFDatasetPrompts, JsonlPrompts
 from amir_lightning.data.procedural import ArithmeticPrompts, ReasoningGymPrompts
-from amir_lightning.data.templates import THINK_ANSWER_SYSTEM_PROMPT, render_prompt
+from amir_lightning.data.templates import THINK_ANSWER_SYSTEM_PROMPT, render_prompt, render_prompts
 
 __all__ = [
     "THINK_ANSWER_SYSTEM_PROMPT",
@@ -15,4 +15,5 @@ __all__ = [
     "PromptSource",
     "ReasoningGymPrompts",
     "render_prompt",
+    "render_prompts",
 ]

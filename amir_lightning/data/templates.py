@@ -25,3 +25,19 @@ def render_prompt(tokenizer, prompt: Prompt, system_prompt: str | None = None) -
         return list(ids)
     text = "".join(m["content"] + "\n" for m in messages)
     return tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
+def render_prompts(
+    tokenizer, prompts: list[Prompt], system_prompt: str | None, max_tokens: int, source: str
+) -> list[list[int]]:
+    """``render_prompt`` for each prompt; one longer than ``max_tokens`` is an error naming where it came from."""
+    out = []
+    for prompt in prompts:
+        ids = render_prompt(tokenizer, prompt, system_prompt)
+        if len(ids) > max_tokens:
+            raise ValueError(
+                f"prompt from {prompt.meta.get('source', source)} has {len(ids)} tokens after the chat template, "
+                f"over data.max_prompt_tokens={max_tokens}"
+            )
+        out.append(ids)
+    return out

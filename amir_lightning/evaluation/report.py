@@ -36,14 +36,25 @@ def write_json(path: Path, payload: dict) -> None:
     os.replace(tmp, path)
 
 
-def benchmark_report(module, batch: dict, ks: list[int], out_dir: Path | None) -> dict[str, torch.Tensor]:
-    """pass@k of one evaluation batch, written with per-problem details to ``out_dir/<benchmark>.json``."""
+def benchmark_report(
+    module, batch: dict, ks: list[int], out_dir: Path | None, score_with: str = "engine"
+) -> dict[str, torch.Tensor]:
+    """pass@k of one evaluation batch, written with per-problem details to ``out_dir/<benchmark>.json``.
+
+    ``mean_logp`` per sample comes from the engine (``score_with="engine"``: sampling log-probs at the evaluation
+    temperature) or from the policy at temperature 1 (``"policy"``).
+    """
     name, correct = batch["benchmark"], batch["correct"]
     samples = correct.shape[1]
     metric = PassAtK(ks)
     metric.update(correct.sum(1), samples)
     passk = {k: float(v) for k, v in metric.compute().items()}
-    margins = sample_logps(module, batch["groups"])  # [P, n]
+    if score_with == "policy":  # a forward over every sample: exact, as costly as generating them
+        margins = sample_logps(module, batch["groups"])  # [P, n]
+    else:  # the engine's own log-probs of the samples, free, at the evaluation temperature
+        margins = torch.tensor(
+            [[sum(c.logprobs) / max(len(c.logprobs), 1) for c in g.completions] for g in batch["groups"]]
+        )  # [P, n]
     if out_dir is not None and module.trainer.is_global_zero:
         problems = [
             {
@@ -60,6 +71,7 @@ def benchmark_report(module, batch: dict, ks: list[int], out_dir: Path | None) -
             "benchmark": name,
             "samples": samples,
             "temperature": batch["temperature"],
+            "logps": score_with,
             "pass@k": {str(k): v for k, v in passk.items()},
             "problems": problems,
         }

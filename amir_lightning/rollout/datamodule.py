@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from amir_lightning.data.base import Prompt, PromptSource
 from amir_lightning.data.stream import PromptStream
-from amir_lightning.data.templates import render_prompt
+from amir_lightning.data.templates import render_prompts
 from amir_lightning.distributed import all_reduce
 from amir_lightning.evaluation.rollout import test_batches, validation_batches
 from amir_lightning.objectives.advantages import group_advantages
@@ -66,6 +66,8 @@ class RolloutDataModule(LightningDataModule):
         eval_samples: Samples per problem in ``amir test`` (the paper: 8).
         eval_sampling: Sampling in ``amir test`` (default: the paper's temperature 0.6, top_p 1.0).
         eval_ks: The k of ``eval/<benchmark>/pass@k`` (the paper: 1, 2, 4); each must be <= ``eval_samples``.
+        eval_logps: Per-sample mean log-probs in the reports (for ``amir compare`` margins): ``engine`` (free, at
+            the evaluation temperature) or ``policy`` (a forward over every sample, temperature 1).
         max_bad_rollouts: Stop after this many rollouts in a row with NaN or inf rewards.
         seed: Seed of prompt shuffling and the engine.
     """
@@ -95,6 +97,7 @@ class RolloutDataModule(LightningDataModule):
         eval_samples: int = 8,
         eval_sampling: SamplingConfig | None = None,
         eval_ks: list[int] | None = None,
+        eval_logps: Literal["engine", "policy"] = "engine",
         max_bad_rollouts: int = 3,
         seed: int = 0,
     ) -> None:
@@ -125,9 +128,12 @@ class RolloutDataModule(LightningDataModule):
         paper_eval = SamplingConfig(temperature=0.6, top_p=1.0, max_new_tokens=self.sampling.max_new_tokens)
         self.val_sampling = val_sampling or paper_eval
         self.benchmarks, self.eval_samples, self.eval_ks = list(benchmarks or []), eval_samples, eval_ks
-        self.eval_sampling = eval_sampling or paper_eval
-        self.seed, self.reward_guard = seed, RewardGuard(max_bad_rollouts)
-        self.stream = PromptStream(prompts, shuffle, seed)  # its position is saved in checkpoints
+        self.eval_sampling, self.eval_logps = eval_sampling or paper_eval, eval_logps
+        self.seed, self.reward_guard, self.stream = (
+            seed,
+            RewardGuard(max_bad_rollouts),
+            PromptStream(prompts, shuffle, seed),
+        )
         self.last_rollout: list[Group] = []  # read by the monitors (callbacks)
         self.last_timing: dict[str, float] = {}
         self.synced_at_step: int | None = None
@@ -174,16 +180,7 @@ class RolloutDataModule(LightningDataModule):
     def tokenize(self, prompts: list[Prompt]) -> list[list[int]]:
         """Chat-templated token ids; a prompt over ``max_prompt_tokens`` is an error naming it."""
         tokenizer = self.trainer.lightning_module.tokenizer
-        out = []
-        for prompt in prompts:
-            ids = render_prompt(tokenizer, prompt, self.system_prompt)
-            if len(ids) > self.max_prompt_tokens:
-                raise ValueError(
-                    f"prompt from {prompt.meta.get('source', self.prompts.describe())} has {len(ids)} tokens after "
-                    f"the chat template, over data.max_prompt_tokens={self.max_prompt_tokens}"
-                )
-            out.append(ids)
-        return out
+        return render_prompts(tokenizer, prompts, self.system_prompt, self.max_prompt_tokens, self.prompts.describe())
 
     # ------------------------------------------------------------------ loaders
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingConfig, purpose: int):
