@@ -87,6 +87,11 @@ class AmirCLI(LightningCLI):
             help="Run validation once before training (held-out accuracy of the initial policy).",
         )
 
+    def before_instantiate_classes(self) -> None:  # noqa: D102
+        config = self.config.get(self.subcommand) if self.subcommand else None
+        if config is not None and "weights_only" in config and config["weights_only"] is None:
+            config["weights_only"] = True  # checkpoints are loaded as data, never as code
+
     def instantiate_trainer(self, **kwargs):  # noqa: D102
         trainer = super().instantiate_trainer(**kwargs)
         install_atomic_checkpoints(trainer)  # a checkpoint is never half-written, whatever kills the run
