@@ -84,7 +84,7 @@ class AmirGRPOModule(LightningModule):
         max_bad_steps: int = 3,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["policy", "loss", "optimizer", "lr_scheduler"])
+        self.save_hyperparameters(ignore=["policy", "loss", "optimizer", "lr_scheduler", "lora"])  # plain values
         self.automatic_optimization = False
         self.source, self.loss = policy, loss if loss is not None else AmirGRPOLoss()
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
