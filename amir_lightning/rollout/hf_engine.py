@@ -35,7 +35,7 @@ class HFEngine(RolloutEngine):
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, self.dtype))
         self.model.to(self.device).eval().requires_grad_(False)
-        torch.manual_seed(seed)
+        del seed  # sampling uses the global RNG, which the rollout data module seeds before every rollout
         self._started = True
 
     @torch.no_grad()
