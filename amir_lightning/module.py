@@ -265,7 +265,7 @@ class AmirGRPOModule(LightningModule):
         out_dir = Path(self.trainer.log_dir) / "eval" if self.trainer.log_dir else None
         results = benchmark_report(self, batch, dm.eval_ks, out_dir, dm.eval_logps)
         log_metrics(self.trainer, results)
-        self.log_dict(results, logger=False, batch_size=1)
+        self.log_dict(results, logger=False, batch_size=1, sync_dist=True)
 
     # ------------------------------------------------------------------ optimisation and export
     def configure_optimizers(self):  # noqa: D102
