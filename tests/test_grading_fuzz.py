@@ -24,7 +24,7 @@ def test_ten_thousand_adversarial_completions():
         # The well-formed answers among them (every tenth) are still graded right: half are correct by design.
         plain = [s for i, s in enumerate(scores) if i % 10 == 9]
         assert 0.35 < sum(plain) / len(plain) < 0.65
-        assert elapsed < 300
+        assert elapsed < 120 and grader.timeouts <= 10  # the screens keep sympy out of almost every trap
     finally:
         grader.close()
 

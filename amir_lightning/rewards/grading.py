@@ -72,6 +72,8 @@ def reference_answer(answer: str) -> str:
 _BIG_NUMBER = re.compile(r"\d{60,}")
 # An exponent whose own exponent is a power: 9^9^9, 9^{9^9}, 9**9**9 (a^2 + b^2 is fine).
 _TOWER = re.compile(r"(\^|\*\*)\s*(\{[^{}]*(\^|\*\*)|\(?[\w.]+\)?\s*(\^|\*\*))")
+# Factorials and binomials of large (4+ digit) or exponentiated arguments: exact integers of millions of digits.
+_BIG_COMBINATORICS = re.compile(r"(\d{4,}|\^|\*\*)[^!]{0,12}!|\\[dt]?binom\s*\{[^{}]*(\d{4,}|\^)|\\choose")
 _COMMANDS = ("\\def", "\\newcommand", "\\renewcommand", "\\input", "\\include", "\\csname", "\\loop")
 
 
@@ -88,6 +90,7 @@ def _hostile(candidate: str) -> bool:
         deepest > 12
         or bool(_TOWER.search(candidate))
         or candidate.count("!") > 2
+        or bool(_BIG_COMBINATORICS.search(candidate))
         or bool(_BIG_NUMBER.search(candidate))
         or any(c in candidate for c in _COMMANDS)
         or any(ord(ch) < 32 and ch not in "\t\n" for ch in candidate)

@@ -53,9 +53,16 @@ class _Worker:
         self.process.start()
         child.close()
         self.job: tuple[int, float] | None = None  # (index, deadline)
-        if not self.conn.poll(120) or self.conn.recv() != "ready":
+        try:
+            ready = self.conn.poll(120) and self.conn.recv() == "ready"
+        except (EOFError, OSError):
+            ready = False
+        if not ready:
             self.kill()
-            raise RuntimeError("a grading worker process failed to start")
+            raise RuntimeError(
+                "a grading worker process failed to start. Workers are spawned: a script that grades must keep its "
+                "top-level code under `if __name__ == '__main__':`"
+            )
 
     def kill(self) -> None:
         self.process.kill()
