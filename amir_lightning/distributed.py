@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -36,3 +41,19 @@ def sum_shares(
         return dict(stats)
     summed = all_reduce(torch.stack([torch.as_tensor(stats[k]).float().cpu() for k in keys]), "sum", device)
     return {**stats, **dict(zip(keys, summed))}
+
+
+def rank_zero_first(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on global rank 0, then on the other ranks (for caches that rank 0 fills and the others read).
+
+    Every process must call it. Hugging Face ``save_pretrained`` writes only on rank 0 once a process group exists,
+    so the other ranks must not race rank 0 to build the same cached model.
+    """
+    if world_size() == 1:
+        return fn()
+    if dist.get_rank() == 0:
+        out = fn()
+        dist.barrier()
+        return out
+    dist.barrier()
+    return fn()

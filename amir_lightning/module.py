@@ -23,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
 from amir_lightning.checkpointing import random_states, restore_random_states
-from amir_lightning.distributed import world_size
+from amir_lightning.distributed import rank_zero_first, world_size
 from amir_lightning.evaluation.report import benchmark_report
 from amir_lightning.models.loading import (
     LoraSettings,
@@ -103,8 +103,8 @@ class AmirGRPOModule(LightningModule):
     # ------------------------------------------------------------------ model
     @cached_property
     def model_dir(self) -> Path:
-        """Local directory of the initial policy (resolved, downloaded or built once)."""
-        return Path(self.source.resolve())
+        """Local directory of the initial policy (resolved, downloaded or built once, by rank 0 first)."""
+        return Path(rank_zero_first(self.source.resolve))
 
     @cached_property
     def tokenizer(self):
