@@ -1,7 +1,7 @@
 """GRPO against AMIR-GRPO on CPU tasks with reward variance: the same budget, several seeds, curves with seed bands.
 
-    python benchmarks/learning.py --task tiny --seeds 3      # tiny Qwen2 from scratch, digit copy (~4 min)
-    python benchmarks/learning.py --task demo --seeds 3      # bundled SmolLM2, easy arithmetic (~50 min)
+    python benchmarks/learning.py --task tiny --seeds 3      # tiny Qwen2 from scratch, digit copy (~20 s a run)
+    python benchmarks/learning.py --task demo --seeds 3      # bundled SmolLM2, easy arithmetic (~10 min a run)
 
 Each run is ``amir fit --config configs/<task>[_grpo].yaml`` with ``--seed_everything`` and ``--data.seed`` set to
 the seed (and the tiny model's init seed); the twins differ only in the objective. The script prints the settings
@@ -13,15 +13,19 @@ held-out accuracy, pair margin and the length gap of incorrect minus correct com
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ["rollout/reward_mean", "val/accuracy", "amir/pair_margin", "length/gap"]
+VAL_EVERY = {"tiny": 5, "demo": 4}  # held-out accuracy before training and every this many epochs
 
 
 def scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -40,7 +44,8 @@ def run(task: str, method: str, seed: int, out: Path) -> dict[str, list[tuple[in
     config = ROOT / "configs" / f"{task}{'_grpo' if method == 'GRPO' else ''}.yaml"
     name = f"{task}_{method}_seed{seed}"
     log_dir = out / "runs" / name / "version_0"
-    if not log_dir.exists():
+    if not (log_dir / "cost.json").exists():  # a finished run is reused; an interrupted one starts over
+        shutil.rmtree(log_dir, ignore_errors=True)
         args = [
             sys.executable,
             "-m",
@@ -59,11 +64,40 @@ def run(task: str, method: str, seed: int, out: Path) -> dict[str, list[tuple[in
             "--trainer.logger.init_args.version",
             "0",
         ]
+        args += ["--validate_before_fit", "true", "--trainer.check_val_every_n_epoch", str(VAL_EVERY[task])]
         if task == "tiny":
             args += ["--model.policy.init_args.seed", str(seed)]
         env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        subprocess.run(args, check=True, env=env, cwd=out, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        log = out / "runs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        with log.open("w") as sink:
+            child = subprocess.Popen(args, env=env, cwd=out, stdout=sink, stderr=subprocess.STDOUT)
+            _, status, usage = os.wait4(child.pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise SystemExit(f"{name} failed (exit {os.waitstatus_to_exitcode(status)}); its output is in {log}")
+        # Linux reports ru_maxrss in KiB: the peak of the run's largest process (vLLM runs in-process).
+        cost = {"wall_s": time.perf_counter() - start, "peak_rss_mib": usage.ru_maxrss / 1024}
+        (log_dir / "cost.json").write_text(json.dumps(cost))
     return scalars(log_dir)
+
+
+def cost(out: Path, task: str, method: str, seed: int) -> dict:
+    path = out / "runs" / f"{task}_{method}_seed{seed}" / "version_0" / "cost.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def settings(task: str) -> dict:
+    """The AMIR loss's settings in the task's config, with the defaults it leaves out."""
+    import inspect
+
+    from amir_lightning.objectives import AmirGRPOLoss
+
+    given = yaml.safe_load((ROOT / "configs" / f"{task}.yaml").read_text())["model"]["loss"]["init_args"]
+    names = ("aggregation", "beta", "lambda_", "lambda_schedule", "lambda_min", "lambda_max", "pair_beta", "margin")
+    names += ("pair_mode", "max_pairs_per_group", "reference_free")
+    defaults = {k: p.default for k, p in inspect.signature(AmirGRPOLoss).parameters.items()}
+    return {k: given.get(k, defaults[k]) for k in names}
 
 
 def band(runs: list[dict], key: str):
@@ -82,7 +116,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    loss = yaml.safe_load((ROOT / "configs" / f"{args.task}.yaml").read_text())["model"]["loss"]["init_args"]
+    loss = settings(args.task)
     runs = {m: [run(args.task, m, s, args.out) for s in range(args.seeds)] for m in ("GRPO", "AMIR-GRPO")}
     print(
         f"task {args.task}, {args.seeds} seeds per method, same budget; AMIR settings: "
@@ -90,19 +124,25 @@ def main() -> None:
     )
     print(
         "| method | final reward (mean, min-max) | final held-out accuracy (mean, min-max) | "
-        "first step at GRPO's final accuracy (per seed) |"
+        "reach GRPO's final accuracy (first step) | longest run, min | peak RSS MiB |"
     )
-    print("|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     _, grpo_acc = band(runs["GRPO"], "val/accuracy")
     target = float(grpo_acc[:, -1].mean()) if grpo_acc.size else float("nan")
     for method, rs in runs.items():
         _, reward = band(rs, "rollout/reward_mean")
         steps, acc = band(rs, "val/accuracy")
         tail = reward[:, -3:].mean(1)  # last three rollouts per seed
-        reached = [next((t for t, v in zip(steps, row) if v >= target), None) for row in acc]
+        reached = [
+            t for t in (next((t for t, v in zip(steps, row) if v >= target), None) for row in acc) if t is not None
+        ]
+        reached = f"{len(reached)}/{len(acc)} seeds, steps {sorted(reached)}" if reached else f"0/{len(acc)} seeds"
+        costs = [cost(args.out, args.task, method, s) for s in range(args.seeds)]
+        wall = max((c.get("wall_s", float("nan")) for c in costs), default=float("nan")) / 60
+        rss = max((c.get("peak_rss_mib", float("nan")) for c in costs), default=float("nan"))
         print(
             f"| {method} | {tail.mean():.3f} ({tail.min():.3f}-{tail.max():.3f}) | {acc[:, -1].mean():.3f} "
-            f"({acc[:, -1].min():.3f}-{acc[:, -1].max():.3f}) | {reached} |"
+            f"({acc[:, -1].min():.3f}-{acc[:, -1].max():.3f}) | {reached} | {wall:.1f} | {rss:.0f} |"
         )
     png = args.out / f"learning_{args.task}.png"
     plot(runs, png, args.task)

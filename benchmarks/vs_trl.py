@@ -97,7 +97,8 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         return norm
 
-    ours_loss, trl_loss = float(our_loss(False)), float(trainer._compute_loss(trainer.model, inputs))
+    with torch.no_grad():  # on-policy GRPO: the loss is -mean(advantage) = 0 up to rounding; the gradient is not
+        ours_loss, trl_loss = float(our_loss(False)), float(trainer._compute_loss(trainer.model, inputs))
     ours_norm = step(lambda: our_loss(False), ours.policy, our_optimizer)
     trl_norm = step(lambda: trainer._compute_loss(trainer.model, inputs), trainer.model, trl_optimizer)
     times = interleaved(
@@ -118,7 +119,7 @@ def main() -> None:
         f"{type(source).__name__}, TRL {trl.__version__}, {machine()}, median of {args.repeats}"
     )
     print(
-        f"same batch: loss ours {ours_loss:.6f} vs TRL {trl_loss:.6f}; gradient norm ours {ours_norm:.6f} vs TRL "
+        f"same batch: loss ours {ours_loss:.3e} vs TRL {trl_loss:.3e}; gradient norm ours {ours_norm:.6f} vs TRL "
         f"{trl_norm:.6f} (relative difference {abs(ours_norm - trl_norm) / max(trl_norm, 1e-12):.2e})"
     )
     print("| implementation | step s | / TRL |")
