@@ -42,7 +42,7 @@ def scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 def run(task: str, method: str, seed: int, out: Path) -> dict[str, list[tuple[int, float]]]:
     config = ROOT / "configs" / f"{task}{'_grpo' if method == 'GRPO' else ''}.yaml"
-    name = f"{task}_{method}_seed{seed}"
+    name = f"{task}_{method.replace(' ', '_')}_seed{seed}"
     log_dir = out / "runs" / name / "version_0"
     if not (log_dir / "cost.json").exists():  # a finished run is reused; an interrupted one starts over
         shutil.rmtree(log_dir, ignore_errors=True)
@@ -67,6 +67,9 @@ def run(task: str, method: str, seed: int, out: Path) -> dict[str, list[tuple[in
         args += ["--validate_before_fit", "true", "--trainer.check_val_every_n_epoch", str(VAL_EVERY[task])]
         if task == "tiny":
             args += ["--model.policy.init_args.seed", str(seed)]
+        if method.startswith("AMIR-GRPO lambda="):  # the pair term at a fixed, larger weight
+            lam = method.split("=", 1)[1]
+            args += ["--model.loss.init_args.lambda_", lam, "--model.loss.init_args.lambda_schedule", "fixed"]
         env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
         log = out / "runs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -83,7 +86,7 @@ def run(task: str, method: str, seed: int, out: Path) -> dict[str, list[tuple[in
 
 
 def cost(out: Path, task: str, method: str, seed: int) -> dict:
-    path = out / "runs" / f"{task}_{method}_seed{seed}" / "version_0" / "cost.json"
+    path = out / "runs" / f"{task}_{method.replace(' ', '_')}_seed{seed}" / "version_0" / "cost.json"
     return json.loads(path.read_text()) if path.exists() else {}
 
 
@@ -113,11 +116,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=["tiny", "demo"], default="tiny")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument(
+        "--fixed-lambda",
+        type=float,
+        nargs="*",
+        default=[],
+        help="also run AMIR-GRPO with the pair term at these fixed weights (the config's schedule is adaptive)",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     loss = settings(args.task)
-    runs = {m: [run(args.task, m, s, args.out) for s in range(args.seeds)] for m in ("GRPO", "AMIR-GRPO")}
+    methods = ["GRPO", "AMIR-GRPO", *(f"AMIR-GRPO lambda={lam:g}" for lam in args.fixed_lambda)]
+    runs = {m: [run(args.task, m, s, args.out) for s in range(args.seeds)] for m in methods}
     print(
         f"task {args.task}, {args.seeds} seeds per method, same budget; AMIR settings: "
         + ", ".join(f"{k}={v}" for k, v in loss.items())
