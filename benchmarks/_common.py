@@ -55,3 +55,11 @@ def peak_rss_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def add_step_arguments(parser) -> None:
+    """The batch and model options shared by the training-step benchmarks."""
+    parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--model", default=None, help="a local model directory instead of the bundled SmolLM2")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _common import interleaved, machine, median, peak_rss_mb, steady_malloc
+from _common import add_step_arguments, interleaved, machine, median, peak_rss_mb, steady_malloc
 
 from amir_lightning.data import ArithmeticPrompts, render_prompt
 from amir_lightning.models import BundledSmolLM2, HFModel
@@ -91,10 +91,7 @@ def _official_pair_term(module, batch, chunk: int = 2, beta: float = 0.2, lam: f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--groups", type=int, default=2)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--model", default=None, help="a local model directory instead of the bundled SmolLM2")
+    add_step_arguments(parser)
     parser.add_argument("--skip-official", action="store_true")
     args = parser.parse_args()
     steady_malloc()

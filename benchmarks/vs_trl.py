@@ -17,7 +17,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from _common import interleaved, machine, median, steady_malloc  # noqa: E402
+from _common import add_step_arguments, interleaved, machine, median, steady_malloc  # noqa: E402
 from step_time import make_groups  # noqa: E402
 
 from amir_lightning.models import BundledSmolLM2, HFModel  # noqa: E402
@@ -71,10 +71,7 @@ def trl_inputs(batch) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--groups", type=int, default=2)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--model", default=None, help="a local model directory instead of the bundled SmolLM2")
+    add_step_arguments(parser)
     args = parser.parse_args()
     steady_malloc()
     source = HFModel(args.model) if args.model else BundledSmolLM2()

@@ -147,7 +147,11 @@ def _merged_weights(model, state: dict[str, torch.Tensor]) -> Iterator[tuple[str
             prefix = key[: key.index(".base_layer.")]
             layer = layers[prefix]
             if not isinstance(layer, LoraLinear) or layer.fan_in_fan_out:
-                raise NotImplementedError(f"merging LoRA into {type(layer).__name__} ({prefix}) for the engine")
+                raise ValueError(
+                    f"model.lora.target_modules: {prefix} is a {type(layer).__name__}; the rollout engine receives "
+                    "merged weights, and only LoRA on linear layers (fan_in_fan_out false) can be merged; leave this "
+                    "module out of target_modules"
+                )
             for adapter in layer.active_adapters:
                 a, b = state.get(f"{prefix}.lora_A.{adapter}.weight"), state.get(f"{prefix}.lora_B.{adapter}.weight")
                 if a is not None and b is not None:  # W + scale * B @ A, in float32, cast back

@@ -29,6 +29,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from amir_lightning.objectives.aggregation import global_normalizers, row_weights, step_normalizers
 from amir_lightning.objectives.base import LossOutput, WithGrad
 
 #: Where these arguments live in a YAML config, for error messages.
@@ -108,48 +109,19 @@ class GRPOLoss(nn.Module):
         Returns:
             ``num_sequences``, ``num_tokens`` (tokens that enter the policy-gradient term) and ``max_length``.
         """
-        lengths = completion_lengths.float()
-        if self.mask_truncated_completions and truncated is not None:
-            lengths = lengths * (~truncated.bool()).float()
-        max_length = self.max_completion_length or int(completion_lengths.max().item() if lengths.numel() else 1)
-        return {
-            "num_sequences": float(lengths.numel()),
-            "num_tokens": float(lengths.sum().item()),
-            "max_length": float(max(max_length, 1)),
-        }
+        return step_normalizers(
+            completion_lengths, truncated, self.mask_truncated_completions, self.max_completion_length
+        )
 
     def global_normalizers(
         self, local: dict[str, float], world_size: int, all_reduce: Callable[[torch.Tensor, str], torch.Tensor]
     ) -> dict[str, float]:
-        """Normalisers of the step across ``world_size`` processes, from each process's ``step_normalizers``.
-
-        Counts are summed and ``max_length`` maximised over processes, so every process's micro-batch losses are
-        shares of one global loss; data-parallel training averages gradients over processes, so the caller scales
-        its loss by ``world_size``. ``bnpo`` keeps a per-process token mean (TRL's semantics): its token count is
-        the local one times ``world_size``, which the scaling cancels.
-
-        Args:
-            local: This process's normalisers.
-            world_size: Number of processes.
-            all_reduce: ``(tensor, op) -> tensor`` with ``op`` ``"sum"`` or ``"max"`` over processes.
-        """
-        if world_size == 1:
-            return dict(local)
-        keys = sorted(k for k in local if k != "max_length")
-        summed = all_reduce(torch.tensor([local[k] for k in keys], dtype=torch.float64), "sum")
-        out = {k: float(v) for k, v in zip(keys, summed.tolist())}
-        out["max_length"] = float(all_reduce(torch.tensor([local["max_length"]], dtype=torch.float64), "max")[0])
-        if self.aggregation == "bnpo":
-            out["num_tokens"] = local["num_tokens"] * world_size
-        return out
+        """Normalisers of the step across processes (``aggregation.global_normalizers``)."""
+        return global_normalizers(local, world_size, all_reduce, self.aggregation)
 
     def _row_weights(self, lengths: torch.Tensor, norms: dict[str, float]) -> torch.Tensor:
-        """``[N]`` weight of each token of row i in the step loss: ``loss = sum_i w_i sum_t mask_it c_it``."""
-        if self.aggregation == "grpo":
-            return 1.0 / (max(norms["num_sequences"], 1.0) * lengths.clamp(min=1.0))  # [N]
-        if self.aggregation == "dr_grpo":
-            return lengths.new_full(lengths.shape, 1.0 / max(norms["num_sequences"] * norms["max_length"], 1.0))
-        return lengths.new_full(lengths.shape, 1.0 / max(norms["num_tokens"], 1.0))  # bnpo, dapo
+        """``[N]`` weight of each token of row i in the step loss (``aggregation.row_weights``)."""
+        return row_weights(self.aggregation, lengths, norms)
 
     def policy_terms(
         self,
