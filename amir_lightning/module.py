@@ -29,11 +29,13 @@ from amir_lightning.models.loading import (
     LoraSettings,
     export_policy,
     is_peft,
+    is_sharded,
     load_policy,
     load_reference,
     merged_state,
     shard_fsdp2,
 )
+from amir_lightning.models.precision import autocast, check_strategy, dtype_by_name, take_over_precision
 from amir_lightning.models.sources import ModelSource
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, selective_log_softmax, token_entropy
 from amir_lightning.rollout.batch import RolloutBatch
@@ -56,7 +58,10 @@ class AmirGRPOModule(LightningModule):
         loss: The objective, ``AmirGRPOLoss`` (default) or ``GRPOLoss``.
         optimizer: Optimizer factory (default AdamW, lr 1e-6).
         lr_scheduler: Optional LR scheduler factory, stepped once per optimisation step.
-        dtype: Dtype the policy is loaded in (``float32``; ``bfloat16`` on GPUs).
+        dtype: Dtype of the frozen weights (the LoRA base model, the reference copy); default: the compute dtype
+            that ``trainer.precision`` sets (``bfloat16`` for ``bf16-mixed``, else ``float32``).
+        trainable_dtype: Dtype of the trainable weights, hence of their gradients and optimizer state. Keep
+            ``float32``: in ``bfloat16`` small updates round away (``amir_lightning.models.precision``).
         gradient_checkpointing: Recompute activations in the backward pass to save memory.
         lora: Train LoRA adapters instead of all weights; the reference is then the adapter-free model.
         temperature: Temperature of the training log-probs; must equal the sampling temperature (linked in the CLI).
@@ -73,7 +78,8 @@ class AmirGRPOModule(LightningModule):
         loss: GRPOLoss | None = None,
         optimizer: OptimizerCallable = default_optimizer,
         lr_scheduler: LRSchedulerCallable | None = None,
-        dtype: str = "float32",
+        dtype: str | None = None,
+        trainable_dtype: str = "float32",
         gradient_checkpointing: bool = False,
         lora: LoraSettings | None = None,
         temperature: float = 1.0,
@@ -88,7 +94,10 @@ class AmirGRPOModule(LightningModule):
         self.automatic_optimization = False
         self.source, self.loss = policy, loss if loss is not None else AmirGRPOLoss()
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
-        self.dtype_name, self.gradient_checkpointing, self.lora = dtype, gradient_checkpointing, lora
+        self.frozen_dtype = None if dtype is None else dtype_by_name(dtype, "model.dtype")
+        self.trainable_dtype = dtype_by_name(trainable_dtype, "model.trainable_dtype")
+        self.gradient_checkpointing, self.lora = gradient_checkpointing, lora
+        self.compute_dtype = torch.float32  # set from trainer.precision in setup()
         self.temperature, self.max_grad_norm = temperature, max_grad_norm
         self.logprob_chunk_size, self.log_entropy, self.export_dir = logprob_chunk_size, log_entropy, export_dir
         if max_bad_steps < 1:
@@ -119,22 +128,32 @@ class AmirGRPOModule(LightningModule):
         tok = self.tokenizer
         return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
+    def setup(self, stage: str) -> None:  # noqa: D102
+        check_strategy(self.trainer.strategy)
+        self.compute_dtype = take_over_precision(self.trainer)
+
     def configure_model(self) -> None:  # noqa: D102
         if self.policy is not None:
             return
+        frozen = self.frozen_dtype or self.compute_dtype
+        trust = self.source.trust_remote_code
         self.policy = load_policy(
-            self.model_dir, self.dtype_name, self.gradient_checkpointing, self.lora, self.source.trust_remote_code
+            self.model_dir, frozen, self.trainable_dtype, self.gradient_checkpointing, self.lora, trust
         )
         self.policy.train()  # dropout is disabled at load time, so train mode changes nothing but intent
         mesh = getattr(self, "device_mesh", None)  # set by ModelParallelStrategy: shard with FSDP2
         if mesh is not None:
-            shard_fsdp2(self.policy, mesh)
+            shard_fsdp2(self.policy, mesh.device_type, self.compute_dtype)
         if self.loss.needs_reference and not is_peft(self.policy):
-            self._reference = (load_reference(self.model_dir, self.dtype_name, self.source.trust_remote_code),)
+            self._reference = (load_reference(self.model_dir, frozen, trust),)
 
     def on_fit_start(self) -> None:  # noqa: D102
         for ref in self._reference:
             ref.to(self.device)
+
+    def compute_context(self):
+        """Where every forward of the policy runs: ``torch.autocast`` to the compute dtype unless FSDP2 casts."""
+        return autocast(self.device, self.compute_dtype, enabled=not is_sharded(self.policy))
 
     @contextmanager
     def reference(self) -> Iterator[torch.nn.Module]:
@@ -156,13 +175,14 @@ class AmirGRPOModule(LightningModule):
         """``[n, T]`` log-probs of the completion tokens (and their entropies) from one forward."""
         position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift RoPE
         width = batch.completion_width
-        logits = model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=width + 1,
-            use_cache=False,
-        ).logits[:, :-1]  # [n, T, V]
+        with self.compute_context():
+            logits = model(
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                position_ids=position_ids,
+                logits_to_keep=width + 1,
+                use_cache=False,
+            ).logits[:, :-1]  # [n, T, V]
         logps = selective_log_softmax(logits, batch.completion_ids, temperature, self.logprob_chunk_size)
         ent = token_entropy(logits.detach(), temperature, self.logprob_chunk_size) if entropy else None
         return logps, ent
@@ -177,7 +197,8 @@ class AmirGRPOModule(LightningModule):
     def score_tokens(self, prompt: list[int], completion: list[int]) -> list[float]:
         """Log-probs at temperature 1 of ``completion`` after ``prompt`` (the weight-sync probe)."""
         ids = torch.tensor([list(prompt) + list(completion)], device=self.device)
-        logits = self.policy(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 : -1].float()
+        with self.compute_context():
+            logits = self.policy(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 : -1].float()
         return torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None]).squeeze(-1).cpu().tolist()
 
     # ------------------------------------------------------------------ training
@@ -212,7 +233,10 @@ class AmirGRPOModule(LightningModule):
     def _optimizer_step(self) -> None:
         optimizer = self.optimizers()
         params = [p for p in self.policy.parameters() if p.grad is not None]
+        # The global norm under every strategy: DDP's gradients are already averaged, and FSDP2's are DTensor
+        # shards whose norm torch reduces over the mesh (tests/test_distributed.py pins both).
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or math.inf)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         stats, bad = self._step.finish(self.device, grad_norm)
         if bad:  # never apply a NaN or inf gradient
             optimizer.zero_grad(set_to_none=True)

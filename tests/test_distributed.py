@@ -23,7 +23,7 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=5)
 
 
-def one_step(model_dir, out, devices, strategy, aggregation, loss):
+def one_step(model_dir, out, devices, strategy, aggregation, loss, max_grad_norm=None):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [
         sys.executable,
@@ -38,6 +38,7 @@ def one_step(model_dir, out, devices, strategy, aggregation, loss):
         aggregation,
         "--loss",
         loss,
+        *(["--max-grad-norm", str(max_grad_norm)] if max_grad_norm else []),
     ]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=out.parent)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -62,6 +63,21 @@ def test_two_processes_make_the_same_update_as_one(model_dir, tmp_path, strategy
     assert largest > 1e-3  # the step moved the weights
     for key in single:
         torch.testing.assert_close(double[key], single[key], atol=1e-5 * largest, rtol=0)
+
+
+def test_clipping_uses_the_global_gradient_norm_under_fsdp2(model_dir, tmp_path):
+    """Each process holds a shard of every gradient (FSDP2 DTensors); clipping by a per-shard norm would scale the
+    shards differently. The clipped 2-process update equals the 1-process one."""
+    from transformers import AutoModelForCausalLM
+
+    single = one_step(model_dir, tmp_path / "one.pt", 1, "ddp", "grpo", "amir", max_grad_norm=0.05)
+    double = one_step(model_dir, tmp_path / "two.pt", 2, "fsdp2", "grpo", "amir", max_grad_norm=0.05)
+    start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    update = torch.cat([(single[k] - start[k]).flatten() for k in single if k != "lm_head.weight"])  # tied
+    # SGD at lr 1: the update is the clipped gradient, whose norm is the clip (the raw norm is far above it)
+    assert update.norm().item() == pytest.approx(0.05, rel=1e-4)
+    for key in single:
+        torch.testing.assert_close(double[key], single[key], atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize(

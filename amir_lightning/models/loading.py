@@ -35,18 +35,18 @@ class LoraSettings:
 
 def load_policy(
     model_dir: Path,
-    dtype: str = "float32",
+    frozen_dtype: torch.dtype = torch.float32,
+    trainable_dtype: torch.dtype = torch.float32,
     gradient_checkpointing: bool = False,
     lora: LoraSettings | None = None,
     trust_remote_code: bool = False,
 ):
-    """The trainable policy from ``model_dir``."""
+    """The trainable policy from ``model_dir``: trainable weights in ``trainable_dtype``, frozen ones in
+    ``frozen_dtype`` (with LoRA the base model is frozen; without it every weight trains)."""
     from transformers import AutoModelForCausalLM
 
-    torch_dtype = getattr(torch, dtype, None)
-    if not isinstance(torch_dtype, torch.dtype):
-        raise ValueError(f"model.dtype must be a torch dtype name like float32 or bfloat16, got {dtype!r}")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    load_dtype = frozen_dtype if lora is not None else trainable_dtype
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=load_dtype, trust_remote_code=trust_remote_code)
     model.config.use_cache = False
     # RL log-prob ratios assume the forward that scores is the one that sampled: no dropout (TRL does the same).
     for module in model.modules():
@@ -66,17 +66,19 @@ def load_policy(
             target_modules=lora.target_modules,
             task_type="CAUSAL_LM",
         )
-        model = get_peft_model(model, config)
+        model = get_peft_model(model, config, autocast_adapter_dtype=False)  # the dtype is set just below
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad and param.dtype != trainable_dtype:
+                param.data = param.data.to(trainable_dtype)
     return model
 
 
-def load_reference(model_dir: Path, dtype: str = "float32", trust_remote_code: bool = False):
+def load_reference(model_dir: Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
     """A frozen copy of the initial policy, for the KL term or the referenced pair term."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
-    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
     return model.eval().requires_grad_(False)
 
 
@@ -90,19 +92,29 @@ def _base_name(name: str) -> str:
     return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
-def shard_fsdp2(model, mesh) -> None:
-    """Shard ``model`` with FSDP2 ``fully_shard``: each decoder layer, then the root (ModelParallelStrategy)."""
+def shard_fsdp2(model, device_type: str, compute_dtype: torch.dtype = torch.float32) -> None:
+    """Shard ``model`` with FSDP2 ``fully_shard`` over every process: each decoder layer, then the root.
+
+    Every process is a data-parallel rank with its own prompt shard and engine, so the mesh is the whole world;
+    ``ModelParallelStrategy``'s own mesh defaults to tensor parallelism across a node's devices, which this module
+    does not apply (a data-parallel dimension of one process would leave the ranks' gradients unaveraged).
+    Parameters are gathered in ``compute_dtype`` and gradients reduced in float32 (``precision.fsdp2_policy``).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names:
-        mesh = mesh["data_parallel"]
+    from amir_lightning.distributed import world_size
+    from amir_lightning.models.precision import fsdp2_policy
+
+    mesh = init_device_mesh(device_type, (world_size(),), mesh_dim_names=("data_parallel",))
+    policy = fsdp2_policy(compute_dtype)
     layer_types = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in layer_types]
     if not layers:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard (_no_split_modules)")
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def is_sharded(model) -> bool:
@@ -154,9 +166,9 @@ def _merged_weights(model, state: dict[str, torch.Tensor]) -> Iterator[tuple[str
                 )
             for adapter in layer.active_adapters:
                 a, b = state.get(f"{prefix}.lora_A.{adapter}.weight"), state.get(f"{prefix}.lora_B.{adapter}.weight")
-                if a is not None and b is not None:  # W + scale * B @ A, in float32, cast back
+                if a is not None and b is not None:  # W + scale * B @ A in float32, rounded once
                     delta = (b.float() @ a.float()) * layer.scaling[adapter]
-                    tensor = tensor + delta.to(tensor.dtype)
+                    tensor = (tensor.float() + delta).to(tensor.dtype)
         yield _base_name(key), tensor.detach()
 
 

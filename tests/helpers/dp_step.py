@@ -1,6 +1,7 @@
 """One optimisation step of AmirGRPOModule on fixed rollouts, on 1 or 2 CPU processes; rank 0 saves the policy.
 
     python tests/helpers/dp_step.py MODEL_DIR OUT.pt --devices 2 --strategy ddp --aggregation dapo --loss amir
+    python tests/helpers/dp_step.py MODEL_DIR OUT.pt --devices 2 --strategy fsdp2 --max-grad-norm 0.05
 
 The global batch is the same whatever the number of processes: 4 groups of 4 completions, split into equal
 per-process shares of whole groups, each process accumulating over micro-batches of one group.
@@ -54,6 +55,7 @@ def main():
     parser.add_argument("--strategy", default="ddp")
     parser.add_argument("--aggregation", default="grpo")
     parser.add_argument("--loss", default="amir")
+    parser.add_argument("--max-grad-norm", type=float, default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.loss == "amir":
@@ -63,7 +65,7 @@ def main():
     module = AmirGRPOModule(
         policy=HFModel(args.model_dir),
         loss=loss,
-        max_grad_norm=None,
+        max_grad_norm=args.max_grad_norm,
         optimizer=lambda params: torch.optim.SGD(params, lr=1.0),
         log_entropy=False,
     )
@@ -71,7 +73,7 @@ def main():
     if strategy == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+        strategy = ModelParallelStrategy()  # its default mesh is tensor-parallel; the module shards over all ranks
     elif args.devices == 1:
         strategy = "auto"
     trainer = L.Trainer(

@@ -1,0 +1,89 @@
+"""Mixed precision for RL fine-tuning: compute in bf16, keep trainable weights in float32.
+
+Lightning's ``bf16-true`` casts the whole module, LoRA adapters included, to bf16 before the optimizer is built. At
+RL learning rates (5e-6) AdamW's updates are then smaller than half a bf16 ulp of a LoRA A matrix (|A| ~ 0.01) and
+round away: over 200 steps only about 5 % of its elements ever change. So the module owns precision:
+
+- ``trainer.precision`` chooses the **compute** dtype only: ``32-true`` is float32; ``bf16-mixed`` and
+  ``bf16-true`` both mean bfloat16 compute. Lightning's plugin is replaced by a no-op, so nothing casts the
+  weights or the batches behind the module's back.
+- Trainable weights, and so their gradients and the optimizer state, are stored in ``model.trainable_dtype``
+  (float32 unless a user asks for bfloat16 by name). Frozen weights (the LoRA base model, the reference copy) are
+  stored in ``model.dtype``, by default the compute dtype, which halves their memory.
+- Under FSDP2 ``fully_shard`` casts the gathered parameters to the compute dtype and reduces gradients in float32
+  (``MixedPrecisionPolicy``); otherwise every forward of the policy runs under ``torch.autocast``.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+
+#: ``trainer.precision`` values the module supports, with the compute dtype each one means.
+COMPUTE_DTYPES = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16}
+
+
+def dtype_by_name(name: str, key: str) -> torch.dtype:
+    """The torch dtype called ``name`` (``float32``, ``bfloat16``, ...); an error names the config ``key``."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{key} must be a floating torch dtype name like float32 or bfloat16, got {name!r}")
+    return dtype
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The compute dtype that ``trainer.precision`` stands for; unsupported settings are an error naming the key."""
+    if precision not in COMPUTE_DTYPES:
+        raise ValueError(
+            f"trainer.precision={precision!r} is not supported: use 32-true (float32) or bf16-mixed (bfloat16 "
+            "compute, float32 trainable weights; bf16-true means the same here). float16 would need loss scaling, "
+            "and 64-true / transformer-engine are untested."
+        )
+    return COMPUTE_DTYPES[precision]
+
+
+def take_over_precision(trainer) -> torch.dtype:
+    """Replace the trainer's precision plugin by a no-op and return the compute dtype it asked for.
+
+    Called from ``LightningModule.setup``, before ``configure_model`` and before the strategy would let the plugin
+    cast the module (``bf16-true``) or the batches' float fields (advantages, log-probs) to bf16.
+    """
+    from lightning.pytorch.plugins.precision import Precision
+
+    dtype = compute_dtype(trainer.precision)
+    if type(trainer.strategy.precision_plugin) is not Precision:
+        trainer.strategy.precision_plugin = Precision()
+    return dtype
+
+
+def autocast(device: torch.device, dtype: torch.dtype, enabled: bool = True) -> AbstractContextManager:
+    """``torch.autocast`` to ``dtype`` on ``device``; a no-op for float32 or when not ``enabled``."""
+    if not enabled or dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def fsdp2_policy(dtype: torch.dtype):
+    """FSDP2's mixed precision: parameters gathered in the compute ``dtype``, gradients reduced in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def check_strategy(strategy) -> None:
+    """Refuse strategies the module does not support, in one line that names the one to use.
+
+    FSDP1 (``FSDPStrategy``) wraps the policy in a root module whose state machine expects every forward and backward
+    to run through it; the rollout loop also scores probes, computes old log-probs and exports outside the training
+    forward, and crashed in the first backward on a GPU. FSDP2 (``ModelParallelStrategy``) has no such state.
+    """
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
+
+    supported = isinstance(strategy, SingleDeviceStrategy | DDPStrategy | ModelParallelStrategy)
+    if not supported or isinstance(strategy, DeepSpeedStrategy):
+        raise ValueError(
+            f"trainer.strategy {type(strategy).__name__} is not supported: use "
+            "lightning.pytorch.strategies.ModelParallelStrategy (FSDP2: shards each decoder layer, bf16 compute with "
+            "float32 trainable weights), ddp, or a single device"
+        )
