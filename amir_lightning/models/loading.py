@@ -41,8 +41,11 @@ def load_policy(
     lora: LoraSettings | None = None,
     trust_remote_code: bool = False,
 ):
-    """The trainable policy from ``model_dir``: trainable weights in ``trainable_dtype``, frozen ones in
-    ``frozen_dtype`` (with LoRA the base model is frozen; without it every weight trains)."""
+    """The trainable policy from ``model_dir``.
+
+    Trainable weights are stored in ``trainable_dtype`` and frozen ones in ``frozen_dtype``: with LoRA the base model
+    is frozen, without it every weight trains.
+    """
     from transformers import AutoModelForCausalLM
 
     load_dtype = frozen_dtype if lora is not None else trainable_dtype
