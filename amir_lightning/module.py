@@ -218,6 +218,7 @@ class AmirGRPOModule(LightningModule):
             old_token_logps=batch.old_logps,
             ref_token_logps=ref,
             truncated=batch.truncated,
+            sampling_token_logps=batch.sampling_logps,
             **norms,
         )
         ok = bool(torch.isfinite(out.loss))

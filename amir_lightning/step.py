@@ -21,6 +21,9 @@ STAT_KEYS = {
     "pair_term": "amir/pair_term",
     "lambda": "amir/lambda",
     "pair_acc": "amir/implicit_acc",  # z > 0, reference included; the PairMarginMonitor logs amir/pair_acc
+    "engine_kl": "rollout/engine_trainer_kl",  # k3 KL(engine || trainer) per sampled token
+    "is_weight_mean": "train/is_weight_mean",
+    "is_capped_frac": "train/is_capped_frac",
 }
 #: Loss stats the PairMarginMonitor measures for GRPO and AMIR runs alike (under amir/...); not logged twice.
 MONITORED_STATS = frozenset({"num_pairs", "pair_margin", "pair_reward_gap"})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from lightning import Callback
 from torchmetrics import CatMetric, MeanMetric, SumMetric
@@ -40,13 +42,23 @@ class StepMonitor(Callback):
             self._cats[key].update(values.float().flatten())
 
     def computed(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """The step's means and sums, and its concatenated values (empty where nothing was seen); then reset."""
-        means = {k: m.compute() for k, m in self._means.items() if m.update_count}
-        means.update({k: m.compute() for k, m in self._sums.items() if m.update_count})
+        """The step's means and sums, and its concatenated values (empty where nothing was seen); then reset.
+
+        Every metric is computed on every process, whether or not this one saw values: computing syncs over
+        processes, so skipping it where one process had, say, no correct completion would leave the others waiting
+        in a collective that never matches. A mean that no process saw is left out.
+        """
+        with warnings.catch_warnings():  # "compute called before update" is expected on a process that saw nothing
+            warnings.simplefilter("ignore")
+            means = {k: m.compute() for k, m in self._means.items()}
+            means = {k: v for k, v in means.items() if not v.isnan()}
+            means.update({k: m.compute() for k, m in self._sums.items()})
+            computed_cats = {key: metric.compute() for key, metric in self._cats.items()}
         cats = {}
-        for key, metric in self._cats.items():
-            value = metric.compute() if metric.update_count else torch.zeros(0)
-            cats[key] = torch.atleast_1d(value) if isinstance(value, torch.Tensor) else torch.cat(value)
+        for key, value in computed_cats.items():
+            if isinstance(value, list):
+                value = torch.cat(value) if value else torch.zeros(0)
+            cats[key] = torch.atleast_1d(value)
         for metric in [*self._means.values(), *self._sums.values(), *self._cats.values()]:
             metric.reset()
         return means, cats

@@ -117,3 +117,28 @@ def test_sample_logger_renders_groups():
     groups, _, _ = make_step()
     md = RolloutSampleLogger(num_prompts=1).render(groups[:1])
     assert md.count("- reward") == G and "✓" in md and "✗" in md and "**Q:** q" in md
+
+
+def _monitor_on_two_processes(rank, store_file, results):
+    import torch.distributed as dist
+
+    from amir_lightning.callbacks._base import StepMonitor
+
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
+    monitor = StepMonitor()
+    seen = torch.tensor([2.0, 4.0]) if rank == 0 else torch.zeros(0)  # only rank 0 saw, say, a correct completion
+    monitor.mean("length", seen)
+    monitor.cat("lengths", seen)
+    monitor.mean("nobody", torch.zeros(0))
+    means, cats = monitor.computed()
+    results[rank] = (float(means["length"]), cats["lengths"].tolist(), "nobody" in means)
+    dist.destroy_process_group()
+
+
+def test_monitors_sync_even_where_a_process_saw_nothing(tmp_path):
+    """Metric sync is a collective: a process that saw no values must still take part, or the others hang."""
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    mp.spawn(_monitor_on_two_processes, args=(str(tmp_path / "store"), results), nprocs=2, join=True)
+    assert results[0] == results[1] == (3.0, [2.0, 4.0], False)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import read_scalars, run_amir
+from helpers.qwen_setting import check_qwen_run, qwen_setting_args, tiny_policy
 
 from amir_lightning.models import build_tiny_model
 
@@ -111,3 +112,11 @@ def test_two_process_fit_with_an_engine_per_rank(tmp_path, strategy):
     run_amir([*common, "--trainer.max_epochs", "3", "--ckpt_path", str(checkpoint)], tmp_path)
     resumed = read_scalars(tmp_path / "runs" / "tiny" / "version_1")
     assert len(resumed["rollout/reward_mean"]) == 1 and len(resumed["train/loss"]) == 1  # only epoch 2 ran
+
+
+def test_qwen_yaml_setting_on_two_processes(tmp_path):
+    """configs/qwen.yaml's strategy (FSDP2), precision (bf16 compute, float32 adapters), LoRA, gradient
+    checkpointing, bf16 vLLM engine and calibrated sync check, with only the model (a tiny random Qwen2), the prompts
+    and the accelerator overridden: 3 rollouts on 2 CPU processes, every sync within tolerance, the export loads."""
+    run_amir(qwen_setting_args(tiny_policy(), "cpu", 2), tmp_path, timeout=900)
+    check_qwen_run(tmp_path / "runs" / "qwen" / "version_0", rollouts=3)

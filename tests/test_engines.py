@@ -6,9 +6,11 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from amir_lightning.models import build_tiny_model
+from amir_lightning.models import HFModel, build_tiny_model
+from amir_lightning.module import AmirGRPOModule
+from amir_lightning.objectives import GRPOLoss
 from amir_lightning.rollout import HFEngine, SamplingConfig, VLLMEngine
-from amir_lightning.rollout.sync import StaleEngineError, sync_and_verify
+from amir_lightning.rollout.sync import StaleEngineError, SyncCheck
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +28,7 @@ def vllm_engine(tiny_dir):
 
 
 class PolicyStub:
-    """The two things ``sync_and_verify`` needs from the module, backed by a real transformers model."""
+    """What ``SyncCheck`` needs from the module, backed by a real transformers model."""
 
     def __init__(self, model_dir):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -76,20 +78,24 @@ def test_generate_returns_groups_with_sampling_logprobs(engine_name, tiny_dir, v
             torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
 
 
+def perturb(model, scale, seed):
+    """An "optimiser step" that moves every weight."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen).to(p.dtype))
+
+
 def test_engine_follows_changed_policy_weights(tiny_dir, vllm_engine):
     stub = PolicyStub(tiny_dir)
-    prompt, answer = stub.tokenizer("5=")["input_ids"], "5"
-    assert sync_and_verify(stub, vllm_engine, prompt, answer, tolerance=1e-4) < 1e-4
-    with torch.no_grad():  # the "optimizer step": move every weight
-        for p in stub.policy.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    completion = stub.tokenizer(answer, add_special_tokens=False)["input_ids"] + [stub.tokenizer.eos_token_id]
-    stale = max(
-        abs(a - b) for a, b in zip(vllm_engine.score(prompt, completion), stub.score_tokens(prompt, completion))
-    )
-    assert stale > 1e-2  # before the sync the engine still samples from the old policy
-    diff = sync_and_verify(stub, vllm_engine, prompt, answer, tolerance=1e-4)
-    assert diff < 1e-4
+    check = SyncCheck(tolerance=1e-4)
+    check.set_probe(stub.tokenizer, stub.tokenizer("5=")["input_ids"], "5")
+    assert check.push_and_verify(stub, vllm_engine)[0] < 1e-4
+    perturb(stub.policy, 0.3, seed=0)
+    assert check.gap(stub, vllm_engine) > 1e-2  # before the sync the engine still samples from the old policy
+    gap, tolerance = check.push_and_verify(stub, vllm_engine)
+    assert gap < 1e-4 and tolerance == 1e-4
+    prompt, completion = check.probe
     assert math.isclose(
         vllm_engine.score(prompt, completion)[0], stub.score_tokens(prompt, completion)[0], abs_tol=1e-4
     )
@@ -97,9 +103,7 @@ def test_engine_follows_changed_policy_weights(tiny_dir, vllm_engine):
 
 def test_partial_sync_is_detected(tiny_dir, vllm_engine):
     stub = PolicyStub(tiny_dir)
-    with torch.no_grad():
-        for p in stub.policy.parameters():
-            p.add_(0.3 * torch.randn_like(p))
+    perturb(stub.policy, 0.3, seed=1)
     full = stub.export_weights
 
     @contextmanager
@@ -108,8 +112,61 @@ def test_partial_sync_is_detected(tiny_dir, vllm_engine):
             yield named[:1]
 
     stub.export_weights = partial
+    check = SyncCheck(tolerance=1e-4)
+    check.set_probe(stub.tokenizer, stub.tokenizer("5=")["input_ids"], "5")
     with pytest.raises(StaleEngineError, match="rollout engine is stale"):
-        sync_and_verify(stub, vllm_engine, stub.tokenizer("5=")["input_ids"], "5", tolerance=1e-4)
+        check.push_and_verify(stub, vllm_engine)
+
+
+class SkipsPushes:
+    """An engine that ignores weight pushes (what a silently failing sync looks like) but scores as usual."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def load_weights(self, named_tensors):
+        del named_tensors
+
+    def score(self, prompt, completion):
+        return self.engine.score(prompt, completion)
+
+
+@pytest.mark.parametrize("engine_name", ["hf", "vllm"])
+def test_bf16_sync_check_passes_on_a_correct_engine_and_fails_on_a_stale_one(tiny_dir, engine_name):
+    """A bf16 engine against a bf16 trainer: the gap at step 0 is rounding noise (a fixed 1e-3 tolerance would stop
+    this correct run); the calibrated tolerance passes the correct engine as the policy moves, and stops one that
+    skips the pushes."""
+    module = AmirGRPOModule(policy=HFModel(str(tiny_dir)), loss=GRPOLoss())
+    module.compute_dtype = torch.bfloat16  # what trainer.precision=bf16-mixed sets in setup()
+    module.configure_model()
+    if engine_name == "vllm":
+        engine = VLLMEngine(dtype="bfloat16", max_model_len=64, kv_cache_memory_bytes=32 * 1024**2, progress=False)
+    else:
+        engine = HFEngine(dtype="bfloat16", progress=False)
+    engine.start(tiny_dir, seed=0)
+    check = SyncCheck()
+    check.set_probe(module.tokenizer, module.tokenizer("12+4=")["input_ids"], "16 = 12 + 4 = 4 + 12 = 8 + 8")
+    floor, tolerance = check.push_and_verify(module, engine)
+    assert floor > 1e-3 and check.noise_floor == floor and tolerance == pytest.approx(4 * floor)
+    for step in range(3):
+        perturb(module.policy, 0.005, seed=10 + step)
+        gap, _ = check.push_and_verify(module, engine)
+        assert gap <= tolerance
+    perturb(module.policy, 0.005, seed=20)
+    with pytest.raises(StaleEngineError, match="rollout engine is stale.*noise floor"):
+        check.push_and_verify(module, SkipsPushes(engine))
+    engine.close()
+
+
+def test_sync_calibration_refuses_a_different_model(tiny_dir):
+    stub = PolicyStub(tiny_dir)
+    perturb(stub.policy, 0.5, seed=3)  # the trainer's "initial" policy is not the engine's model
+    engine = SkipsPushes(HFEngine(progress=False))
+    engine.engine.start(tiny_dir, seed=0)
+    check = SyncCheck()
+    check.set_probe(stub.tokenizer, stub.tokenizer("12+4=")["input_ids"], "16 = 12 + 4")
+    with pytest.raises(StaleEngineError, match="do not run the same model"):
+        check.push_and_verify(stub, engine)
 
 
 def test_empty_weight_sync_is_refused(vllm_engine):

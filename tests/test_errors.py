@@ -53,7 +53,7 @@ CASES = [
     ("zero bad steps", ["--model.max_bad_steps", "0"], "model.max_bad_steps must be >= 1"),
     ("zero bad rollouts", ["--data.max_bad_rollouts", "0"], "data.max_bad_rollouts must be >= 1"),
     ("unknown loss class", ["--model.loss", "amir_lightning.objectives.NoSuchLoss"], "NoSuchLoss"),
-    ("bad dtype", ["--model.dtype", "float33"], "model.dtype must be a torch dtype name"),
+    ("bad dtype", ["--model.dtype", "float33"], "model.dtype must be a floating torch dtype name"),
     ("bad lora rank", ["--model.lora", "{r: 0}"], "model.lora needs r >= 1"),
     (
         "model path missing",

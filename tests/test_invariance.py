@@ -26,8 +26,11 @@ def make_step(seed=0):
     logps = -torch.rand(B * G, T, generator=gen, dtype=torch.float64) * 3
     old = logps + 0.3 * torch.randn(B * G, T, generator=gen, dtype=torch.float64)
     ref = logps + 0.2 * torch.randn(B * G, T, generator=gen, dtype=torch.float64)
+    # the engine's log-probs: close to the sampling policy's, a few far enough for the mismatch weights to hit the cap
+    sampling = old + 0.1 * torch.randn(B * G, T, generator=gen, dtype=torch.float64)
+    sampling[5, :3] -= 2.0
     truncated = lengths == T
-    return dict(logps=logps, mask=mask, rewards=rewards, old=old, ref=ref, truncated=truncated)
+    return dict(logps=logps, mask=mask, rewards=rewards, old=old, ref=ref, sampling=sampling, truncated=truncated)
 
 
 def make_losses(aggregation):
@@ -35,6 +38,7 @@ def make_losses(aggregation):
     return {
         "grpo": GRPOLoss(**common),
         "grpo_seq": GRPOLoss(**common | {"importance_sampling": "sequence"}),
+        "grpo_seq_mask": GRPOLoss(**common | {"sampling_correction": "sequence_mask", "sampling_cap": 1.2}),
         "amir": AmirGRPOLoss(**common, lambda_=0.5, lambda_max=1.0, lambda_schedule="fixed"),
         "amir_ref_top1": AmirGRPOLoss(
             **common,
@@ -69,6 +73,7 @@ def run(loss, step, micro_batches):
             old_token_logps=step["old"][rows, cols],
             ref_token_logps=step["ref"][rows, cols],
             truncated=step["truncated"][rows],
+            sampling_token_logps=step["sampling"][rows, cols],
             **norms,
         )
         out.loss.backward()
@@ -88,7 +93,17 @@ def test_micro_batches_give_the_full_batch_gradient(aggregation, name):
         part_loss, part_grad, part_stats = run(loss, step, micro_batches)
         torch.testing.assert_close(part_grad, full_grad, rtol=1e-6, atol=1e-12)
         torch.testing.assert_close(part_loss, full_loss, rtol=1e-6, atol=1e-12)
-        for key in ("pg_loss", "clip_frac", "num_pairs", "pair_loss", "pair_acc", "pair_margin"):
+        keys = (
+            "pg_loss",
+            "clip_frac",
+            "num_pairs",
+            "pair_loss",
+            "pair_acc",
+            "pair_margin",
+            "engine_kl",
+            "is_weight_mean",
+        )
+        for key in keys:
             if key in full_stats:
                 torch.testing.assert_close(
                     torch.as_tensor(part_stats[key]).double(),
@@ -98,8 +113,11 @@ def test_micro_batches_give_the_full_batch_gradient(aggregation, name):
                 )
 
 
-def reference_loss(step, aggregation, sequence_is, beta, eps_low, eps_high, lam, pair_beta, max_length):
-    """Independent float64 implementation from the equations, with Python loops over sequences and tokens."""
+def reference_loss(step, aggregation, sequence_is, beta, eps_low, eps_high, lam, pair_beta, max_length, correction):
+    """Independent float64 implementation from the equations, with Python loops over sequences and tokens.
+
+    ``correction`` is ``(mode, cap)`` of the engine/trainer mismatch weights p_old / q, each token's loss times it.
+    """
     logps, mask, rewards, old, ref = step["logps"], step["mask"], step["rewards"], step["old"], step["ref"]
     n = len(rewards)
     adv = []
@@ -116,12 +134,17 @@ def reference_loss(step, aggregation, sequence_is, beta, eps_low, eps_high, lam,
             ratios = [torch.exp(s)] * length
         else:
             ratios = [torch.exp(logps[i, t] - old[i, t]) for t in range(length)]
+        mode, cap = correction
+        token_w = [math.exp(float(old[i, t] - step["sampling"][i, t])) for t in range(length)]
+        if mode.startswith("sequence"):
+            token_w = [math.prod(token_w)] * length
+        token_w = [min(w, cap) if mode.endswith("truncate") else (0.0 if w > cap else w) for w in token_w]
         terms = []
         for t in range(length):
             clipped = ratios[t].clamp(1 - eps_low, 1 + eps_high)
             c = -torch.minimum(ratios[t] * adv[i], clipped * adv[i])
             d = ref[i, t] - logps[i, t]
-            terms.append(c + beta * (torch.exp(d) - d - 1))
+            terms.append(token_w[t] * (c + beta * (torch.exp(d) - d - 1)))
         seq_terms.append(sum(terms) / length)
         token_total = token_total + sum(terms)
         token_count += length
@@ -143,8 +166,13 @@ def reference_loss(step, aggregation, sequence_is, beta, eps_low, eps_high, lam,
     return pg + lam * pair_sum / max(pairs, 1)
 
 
-@pytest.mark.parametrize(("aggregation", "sequence_is"), list(itertools.product(AGGREGATIONS, [False, True])))
-def test_parity_with_float64_reference(aggregation, sequence_is):
+CORRECTIONS = [("token_truncate", 3.0), ("sequence_mask", 1.2)]
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "sequence_is", "correction"), list(itertools.product(AGGREGATIONS, [False, True], CORRECTIONS))
+)
+def test_parity_with_float64_reference(aggregation, sequence_is, correction):
     step = make_step(seed=1)
     step["logps"] = step["logps"].requires_grad_(True)
     kwargs = dict(
@@ -154,14 +182,48 @@ def test_parity_with_float64_reference(aggregation, sequence_is):
         epsilon_high=0.28,
         max_completion_length=12,
         importance_sampling="sequence" if sequence_is else "token",
+        sampling_correction=correction[0],
+        sampling_cap=correction[1],
     )
     loss = AmirGRPOLoss(**kwargs, lambda_=0.3, pair_beta=0.7, lambda_max=1.0, lambda_schedule="fixed")
     adv = group_advantages(step["rewards"], G)
-    ours = loss(
-        step["logps"], step["mask"], adv, step["rewards"], G, old_token_logps=step["old"], ref_token_logps=step["ref"]
-    ).loss
+    out = loss(
+        step["logps"],
+        step["mask"],
+        adv,
+        step["rewards"],
+        G,
+        old_token_logps=step["old"],
+        ref_token_logps=step["ref"],
+        sampling_token_logps=step["sampling"],
+    )
+    ours = out.loss
     (ours_grad,) = torch.autograd.grad(ours, step["logps"])
-    expected = reference_loss(step, aggregation, sequence_is, 0.05, 0.2, 0.28, 0.3, 0.7, 12)
+    expected = reference_loss(step, aggregation, sequence_is, 0.05, 0.2, 0.28, 0.3, 0.7, 12, correction)
     (expected_grad,) = torch.autograd.grad(expected, step["logps"])
     torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(ours_grad, expected_grad, rtol=1e-9, atol=1e-12)
+
+
+def test_mismatch_stats_match_their_definitions():
+    """engine_kl = mean over tokens of (w - 1) - log w with w = p_old / q; with the cap at 3, the two tokens whose
+    engine log-prob sits 2 nats below the trainer's (w = e^2 ~ 7.4) are the capped ones."""
+    step = make_step(seed=2)
+    old, sampling, mask = step["old"], step["sampling"].clone(), step["mask"].double()
+    sampling[:, :] = old  # an exact engine...
+    sampling[7, :2] = old[7, :2] - 2.0  # ...except two tokens
+    adv = group_advantages(step["rewards"], G)
+    loss = GRPOLoss(sampling_cap=3.0)
+    stats = loss(
+        step["logps"], step["mask"], adv, step["rewards"], G, old_token_logps=old, sampling_token_logps=sampling
+    )
+    log_w = (old - sampling) * mask
+    tokens = mask.sum()
+    torch.testing.assert_close(stats.stats["engine_kl"], ((log_w.exp() - 1 - log_w) * mask).sum() / tokens)
+    assert float(stats.stats["is_capped_frac"]) == pytest.approx(2 / float(tokens))
+    assert float(stats.stats["is_weight_mean"]) == pytest.approx((float(tokens) - 2 + 2 * 3.0) / float(tokens))
+    off = GRPOLoss(sampling_correction="none")
+    plain = off(
+        step["logps"], step["mask"], adv, step["rewards"], G, old_token_logps=old, sampling_token_logps=sampling
+    )
+    assert "is_weight_mean" not in plain.stats and torch.equal(plain.stats["engine_kl"], stats.stats["engine_kl"])

@@ -91,6 +91,8 @@ class TinyModel(ModelSource):
         intermediate_size: MLP width.
         max_position_embeddings: Longest sequence.
         seed: Initialisation seed.
+        vocab_size: Model vocabulary (default: the tokenizer's); larger gives a real model's embedding size.
+        dtype: Dtype the weights are saved in.
         cache_dir: Parent directory (default ``$AMIR_CACHE/models``).
     """
 
@@ -104,6 +106,8 @@ class TinyModel(ModelSource):
         intermediate_size: int = 128,
         max_position_embeddings: int = 256,
         seed: int = 0,
+        vocab_size: int | None = None,
+        dtype: str = "float32",
         cache_dir: str | None = None,
     ) -> None:
         self.kwargs = dict(
@@ -115,6 +119,10 @@ class TinyModel(ModelSource):
             intermediate_size=intermediate_size,
             max_position_embeddings=max_position_embeddings,
             seed=seed,
+        )
+        # Only non-default extras enter the cache key, so existing caches keep their names.
+        self.kwargs.update(
+            {k: v for k, v in (("vocab_size", vocab_size), ("dtype", dtype)) if v not in (None, "float32")}
         )
         self.cache_dir = cache_dir
 

@@ -19,6 +19,18 @@ SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 # The prompt is the user message (plus an optional system message) and nothing else: every token of a tiny
 # sequence is precious, so there are no role markers.
 TINY_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+#: Every printable ASCII character and the newline: enough for real prompts (GSM8K, chat system prompts).
+PRINTABLE_ALPHABET = "".join(chr(c) for c in range(32, 127)) + "\n"
+#: The transformer shape of Qwen2.5-3B-Instruct (the paper's main model), for random models of its size.
+QWEN25_3B_SHAPE = dict(
+    hidden_size=2048,
+    num_layers=36,
+    num_heads=16,
+    num_kv_heads=2,
+    intermediate_size=11008,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+)
 
 
 def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
@@ -50,8 +62,14 @@ def build_tiny_model(
     intermediate_size: int = 128,
     max_position_embeddings: int = 256,
     seed: int = 0,
+    vocab_size: int | None = None,
+    dtype: str = "float32",
 ) -> Path:
-    """Write a random tiny Qwen2 and its character tokenizer to ``directory`` (atomically) and return it."""
+    """Write a random Qwen2 and its character tokenizer to ``directory`` (atomically) and return it.
+
+    ``vocab_size`` beyond the tokenizer's gives a model with a real model's embedding size (ids past the alphabet
+    decode to nothing); the weights are initialised on a GPU when there is one (a 3B model takes seconds there).
+    """
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     if hidden_size // num_heads < 32:
@@ -59,8 +77,10 @@ def build_tiny_model(
             f"tiny model head_dim = hidden_size / num_heads must be >= 32 for vLLM, got {hidden_size} / {num_heads}"
         )
     tokenizer = build_char_tokenizer(alphabet)
+    if vocab_size is not None and vocab_size < len(tokenizer):
+        raise ValueError(f"tiny model vocab_size {vocab_size} is smaller than its tokenizer ({len(tokenizer)} tokens)")
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size or len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
@@ -73,7 +93,8 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     with atomic_directory(Path(directory), replace=False) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -28,7 +28,13 @@ import torch
 import torch.nn.functional as F
 
 from amir_lightning.objectives.pairs import PairMode, mine_pairs, pair_mask_and_gaps
-from amir_lightning.objectives.policy import Aggregation, GRPOLoss, ImportanceSampling, LossOutput
+from amir_lightning.objectives.policy import (
+    Aggregation,
+    GRPOLoss,
+    ImportanceSampling,
+    LossOutput,
+    SamplingCorrection,
+)
 
 #: Where these arguments live in a YAML config, for error messages.
 _KEY = "model.loss.init_args"
@@ -47,6 +53,9 @@ class AmirGRPOLoss(GRPOLoss):
         mask_truncated_completions: Drop truncated completions from the GRPO term (the pair term keeps them: a
             truncated low-reward completion is a legitimate rejected sample).
         max_completion_length: ``L`` of ``dr_grpo``.
+        sampling_correction: Importance weights for the engine/trainer mismatch (``GRPOLoss``); not applied to the
+            pair term.
+        sampling_cap: Largest importance weight kept.
         lambda_: Initial (or fixed) weight of the pair term.
         pair_beta: Inverse temperature ``beta_dpo`` of the pair logistic.
         margin: Reward gap a pair needs, strictly: ``r_chosen - r_rejected > margin``.
@@ -73,6 +82,8 @@ class AmirGRPOLoss(GRPOLoss):
         beta: float = 0.0,
         mask_truncated_completions: bool = False,
         max_completion_length: int | None = None,
+        sampling_correction: SamplingCorrection = "token_truncate",
+        sampling_cap: float = 3.0,
         lambda_: float = 0.01,
         pair_beta: float = 0.2,
         margin: float = 0.0,
@@ -97,6 +108,8 @@ class AmirGRPOLoss(GRPOLoss):
             beta=beta,
             mask_truncated_completions=mask_truncated_completions,
             max_completion_length=max_completion_length,
+            sampling_correction=sampling_correction,
+            sampling_cap=sampling_cap,
         )
         errors = []
         if lambda_ < 0:
@@ -172,6 +185,7 @@ class AmirGRPOLoss(GRPOLoss):
         num_sequences: float | None = None,
         num_tokens: float | None = None,
         max_length: float | None = None,
+        sampling_token_logps: torch.Tensor | None = None,
         num_pairs: float | None = None,
     ) -> LossOutput:
         """GRPO loss plus ``lambda *`` the pooled pair loss; arguments as ``GRPOLoss.forward`` plus ``num_pairs``.
@@ -193,6 +207,7 @@ class AmirGRPOLoss(GRPOLoss):
             num_sequences=num_sequences,
             num_tokens=num_tokens,
             max_length=max_length,
+            sampling_token_logps=sampling_token_logps,
             extra_value=lam * pair_loss,
             extra_row_grad=lam * row_grad if lam != 0.0 else None,
         )

@@ -14,6 +14,14 @@ Aggregation of the per-token loss ``c`` over one optimisation step of N completi
 Micro-batches hold whole groups and receive the step's normalisers (``num_sequences``, ``num_tokens``,
 ``max_length``) as keyword arguments, so summing their losses gives exactly the full-batch loss and gradient.
 
+Engine/trainer mismatch (TRL's ``vllm_importance_sampling_correction``): the rollout engine samples with its own
+kernels and dtype, so its distribution q differs slightly from the trainer's p_old. Given the engine's log-probs
+of the sampled tokens, each token's loss is weighted by w = p_old / q, truncated at ``sampling_cap`` (``*_truncate``)
+or zeroed above it (``*_mask``), per token or with one ratio per sequence (the product of its token ratios).
+p_old is ``old_token_logps`` off-policy and the forward's own detached log-probs on-policy (no extra forward).
+The k3 estimate of KL(q || p_old) per token is logged whether or not the correction is on. The AMIR pair term is
+not reweighted: it is a sequence-level regulariser, not an expectation under the sampling policy.
+
 Deliberate deviations from TRL:
 - ``bnpo`` normalises by the tokens of the process's whole step batch, not of each micro-batch: TRL's choice makes
   the gradient depend on the micro-batch size. On one process ``bnpo`` and ``dapo`` therefore coincide.
@@ -31,11 +39,13 @@ from torch import nn
 
 from amir_lightning.objectives.aggregation import global_normalizers, row_weights, step_normalizers
 from amir_lightning.objectives.base import LossOutput, WithGrad
+from amir_lightning.objectives.mismatch import mismatch_weights
 
 #: Where these arguments live in a YAML config, for error messages.
 _KEY = "model.loss.init_args"
 Aggregation = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 ImportanceSampling = Literal["token", "sequence"]
+SamplingCorrection = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"]
 
 
 class GRPOLoss(nn.Module):
@@ -50,6 +60,8 @@ class GRPOLoss(nn.Module):
         beta: Coefficient of the k3 KL penalty to the reference policy; 0 needs no reference model.
         mask_truncated_completions: Drop completions that hit the length limit from the policy-gradient term.
         max_completion_length: ``L`` of ``dr_grpo``; ``None`` uses the longest completion of the step.
+        sampling_correction: Importance weights for the engine/trainer mismatch (module docstring), or ``none``.
+        sampling_cap: Largest importance weight kept (TRL's ``vllm_importance_sampling_clip_max``).
     """
 
     def __init__(
@@ -61,6 +73,8 @@ class GRPOLoss(nn.Module):
         beta: float = 0.0,
         mask_truncated_completions: bool = False,
         max_completion_length: int | None = None,
+        sampling_correction: SamplingCorrection = "token_truncate",
+        sampling_cap: float = 3.0,
     ) -> None:
         super().__init__()
         errors = []
@@ -76,8 +90,16 @@ class GRPOLoss(nn.Module):
             errors.append(f"{_KEY}.beta (KL coefficient) must be >= 0, got {beta}")
         if max_completion_length is not None and max_completion_length < 1:
             errors.append(f"{_KEY}.max_completion_length must be >= 1, got {max_completion_length}")
+        corrections = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
+        if sampling_correction not in corrections:
+            errors.append(
+                f"{_KEY}.sampling_correction must be one of {', '.join(corrections)}, got {sampling_correction!r}"
+            )
+        if not sampling_cap >= 1:
+            errors.append(f"{_KEY}.sampling_cap must be >= 1 (1 keeps no weight above on-policy), got {sampling_cap}")
         if errors:
             raise ValueError("; ".join(errors))
+        self.sampling_correction, self.sampling_cap = sampling_correction, sampling_cap
         self.aggregation = aggregation
         self.epsilon = epsilon
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
@@ -134,6 +156,7 @@ class GRPOLoss(nn.Module):
         num_sequences: float | None = None,
         num_tokens: float | None = None,
         max_length: float | None = None,
+        sampling_token_logps: torch.Tensor | None = None,
         extra_value: torch.Tensor | None = None,
         extra_row_grad: torch.Tensor | None = None,
     ) -> LossOutput:
@@ -159,9 +182,31 @@ class GRPOLoss(nn.Module):
                 if max_length is None
                 else float(max_length),
             }
+            weights, mismatch_stats = None, {}
+            if sampling_token_logps is not None:
+                behaviour = token_logps if old_token_logps is None else old_token_logps  # [N, T] p_old
+                weights, mismatch_stats = mismatch_weights(
+                    behaviour,
+                    sampling_token_logps,
+                    mask,
+                    self.sampling_correction,
+                    self.sampling_cap,
+                    norms["num_tokens"],
+                )
+                if weights is not None:
+                    folded_extra = None  # the pair term is not reweighted
             value, grad, stats = self._value_and_grad(
-                token_logps.detach(), mask, lengths, advantages, old_token_logps, ref_token_logps, norms, folded_extra
+                token_logps.detach(),
+                mask,
+                lengths,
+                advantages,
+                old_token_logps,
+                ref_token_logps,
+                norms,
+                folded_extra,
+                weights,
             )
+            stats.update(mismatch_stats)
             if extra_row_grad is not None and folded_extra is None:
                 grad = grad.add_(completion_mask.to(grad.dtype) * extra_row_grad.unsqueeze(1))  # [N, T]
             if extra_value is not None:
@@ -180,18 +225,20 @@ class GRPOLoss(nn.Module):
         ref: torch.Tensor | None,
         norms: dict[str, float],
         extra_row_grad: torch.Tensor | None = None,
+        token_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """Loss value, its gradient with respect to ``logps`` and the stats, in closed form (no autograd graph).
 
-        With ``S = min(rho A, clip(rho) A)`` and row weights ``w``:
-            d loss / d logp_it = mask_it * w_i * (-rho A * [not clipped] + beta * (1 - exp(ref - logp)))
+        With ``S = min(rho A, clip(rho) A)``, row weights ``w`` and mismatch weights ``m`` (1 without them):
+            d loss / d logp_it = mask_it * m_it * w_i * (-rho A * [not clipped] + beta * (1 - exp(ref - logp)))
         which also holds for sequence ratios (rho and the clip test per row). On-policy rho = 1 and nothing clips.
         """
         weights = self._row_weights(lengths, norms)  # [N]
+        wmask = mask if token_weights is None else mask * token_weights  # [N, T] mask_it * m_it
         adv = advantages.to(logps.dtype)  # [N]
         sign = adv.sign()  # [N]; rho > 0, so |S| = S * sign(A)
         if old is None:  # on-policy: rho == 1 exactly, S = A, nothing clips
-            surrogate_rows = adv * lengths  # [N] sum_t mask * S
+            surrogate_rows = adv * (lengths if token_weights is None else wmask.sum(-1))  # [N] sum_t mask m S
             clipped_rows = torch.zeros_like(lengths)  # [N]
             coef = -adv.unsqueeze(1)  # [N, 1] d(-S)/d logp
         else:
@@ -206,25 +253,37 @@ class GRPOLoss(nn.Module):
             torch.minimum(coef, surrogate, out=surrogate)  # S
             coef.masked_fill_(is_clipped, 0.0).neg_()  # d(-S)/d logp = -rho * A where not clipped
             if surrogate.shape[1] == 1:
-                surrogate_rows = surrogate.squeeze(1) * lengths  # [N]
+                surrogate_rows = surrogate.squeeze(1) * wmask.sum(-1)  # [N]
                 clipped_rows = is_clipped.squeeze(1) * lengths  # [N]
             else:
-                surrogate_rows = torch.linalg.vecdot(surrogate, mask)  # [N]
+                surrogate_rows = torch.linalg.vecdot(surrogate, wmask)  # [N]
                 clipped_rows = is_clipped.to(mask.dtype).mul_(mask).sum(-1)  # [N]
         pg_loss = -(weights * surrogate_rows).sum()
         stats = {"pg_loss": pg_loss}
         value = pg_loss
+        # A mismatch weight multiplies its token's loss; a sequence ratio couples a row's tokens, so the row's
+        # policy-gradient part reaches each of them with the row's mean weight (autograd of sum_t m_t * c(rho_seq)).
+        pg_mask = wmask
+        if token_weights is not None and self.importance_sampling == "sequence":
+            pg_mask = mask * (wmask.sum(-1) / lengths.clamp(min=1.0)).unsqueeze(1)  # [N, T]
+        kl_grad = None
         if self.beta != 0.0:
             delta = torch.sub(ref, logps)  # [N, T]
             exp_delta = delta.exp()  # [N, T]
-            kl = (weights * torch.linalg.vecdot(delta.neg_().add_(exp_delta).sub_(1.0), mask)).sum()  # k3
+            kl = (weights * torch.linalg.vecdot(delta.neg_().add_(exp_delta).sub_(1.0), wmask)).sum()  # k3
             stats["kl"] = kl
             value = value + self.beta * kl
-            coef = exp_delta.mul_(-self.beta).add_(coef).add_(self.beta)  # [N, T] + beta * (1 - exp(delta))
+            kl_coef = exp_delta.mul_(-self.beta).add_(self.beta)  # [N, T] beta * (1 - exp(delta))
+            if token_weights is None:
+                coef = kl_coef.add_(coef)  # [N, T] one masked pass for both terms
+            else:
+                kl_grad = kl_coef.mul_(wmask).mul_(weights.unsqueeze(1))  # [N, T]
         grad = coef * weights.unsqueeze(1)  # [N, T] or [N, 1]
         if extra_row_grad is not None:
             grad = grad.add_(extra_row_grad.unsqueeze(1))  # (a broadcasting addcmul is 2.5x slower on CPU)
-        grad = grad.mul_(mask) if grad.shape == mask.shape else grad * mask  # [N, T]
+        grad = grad.mul_(pg_mask) if grad.shape == pg_mask.shape else grad * pg_mask  # [N, T]
+        if kl_grad is not None:
+            grad = grad.add_(kl_grad)
         token_norm = max(norms["num_tokens"], 1.0)
         stats["clip_frac_low"] = (clipped_rows * (adv < 0)).sum() / token_norm
         stats["clip_frac_high"] = (clipped_rows * (adv > 0)).sum() / token_norm
@@ -247,6 +306,7 @@ class GRPOLoss(nn.Module):
         num_sequences: float | None = None,
         num_tokens: float | None = None,
         max_length: float | None = None,
+        sampling_token_logps: torch.Tensor | None = None,
     ) -> LossOutput:
         """Compute the loss of one micro-batch of whole groups.
 
@@ -262,6 +322,8 @@ class GRPOLoss(nn.Module):
             num_sequences: Sequences in the whole step (default: this call's N).
             num_tokens: Policy-gradient tokens in the whole step (default: this call's).
             max_length: ``L`` of ``dr_grpo`` for the whole step (default: ``max_completion_length`` or T).
+            sampling_token_logps: ``[N, T]`` the rollout engine's log-probs of the sampled tokens: enables the
+                mismatch correction (``sampling_correction``) and the ``engine_kl`` stat.
 
         Returns:
             ``LossOutput`` with the loss and detached stats.
@@ -277,6 +339,7 @@ class GRPOLoss(nn.Module):
             num_sequences=num_sequences,
             num_tokens=num_tokens,
             max_length=max_length,
+            sampling_token_logps=sampling_token_logps,
         )
 
     def end_step(self, step_stats: dict[str, torch.Tensor]) -> None:

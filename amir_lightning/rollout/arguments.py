@@ -14,7 +14,7 @@ def check_arguments(
     eval_samples: int,
     eval_ks: list[int],
     max_prompt_tokens: int,
-    sync_tolerance: float,
+    sync_tolerance: float | None,
 ) -> None:
     """Raise one ``ValueError`` listing every invalid ``data.*`` argument."""
     errors = []
@@ -36,7 +36,7 @@ def check_arguments(
         errors.append(f"data.steps_per_rollout ({steps_per_rollout}) > data.prompts_per_epoch ({prompts_per_epoch})")
     if min(eval_ks) < 1 or max(eval_ks) > eval_samples:
         errors.append(f"data.eval_ks {eval_ks} must lie in [1, data.eval_samples={eval_samples}] for pass@k")
-    if sync_tolerance <= 0:
-        errors.append(f"data.sync_tolerance must be > 0, got {sync_tolerance}")
+    if sync_tolerance is not None and not sync_tolerance > 0:
+        errors.append(f"data.sync_tolerance must be > 0 or null (calibrated), got {sync_tolerance}")
     if errors:
         raise ValueError("; ".join(errors))

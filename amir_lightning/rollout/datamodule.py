@@ -29,7 +29,7 @@ from amir_lightning.rollout.arguments import check_arguments
 from amir_lightning.rollout.batch import Group, build_micro_batches, make_groups, repeat_passes
 from amir_lightning.rollout.engine import RolloutEngine, SamplingConfig
 from amir_lightning.rollout.scoring import RewardGuard, score_completions
-from amir_lightning.rollout.sync import sync_and_verify
+from amir_lightning.rollout.sync import SyncCheck
 from amir_lightning.tracking import log_metrics
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,8 @@ class RolloutDataModule(LightningDataModule):
         drop_zero_std_groups: Skip groups whose rewards are all equal (they carry no policy gradient).
         shuffle: Shuffle a finite prompt source once per pass over it.
         max_prompt_tokens: Longest allowed prompt after the chat template.
-        sync_tolerance: Largest allowed |engine - trainer| log-prob on the sync probe before stopping.
+        sync_tolerance: Largest allowed |engine - trainer| log-prob on the sync probe before stopping; ``None``
+            calibrates it from the gap at the first sync (``rollout/sync.py``), which is what bf16 engines need.
         val_prompts: Held-out prompts for ``validate`` and validation during ``fit``.
         val_size: Held-out prompts evaluated (the first ``val_size`` of ``val_prompts``).
         val_samples: Samples per held-out prompt.
@@ -88,7 +89,7 @@ class RolloutDataModule(LightningDataModule):
         drop_zero_std_groups: bool = False,
         shuffle: bool = True,
         max_prompt_tokens: int = 512,
-        sync_tolerance: float = 1e-3,
+        sync_tolerance: float | None = None,
         val_prompts: PromptSource | None = None,
         val_size: int = 64,
         val_samples: int = 4,
@@ -123,7 +124,7 @@ class RolloutDataModule(LightningDataModule):
         self.sampling = sampling
         self.system_prompt, self.advantage_scale = system_prompt, advantage_scale
         self.drop_zero_std_groups, self.shuffle = drop_zero_std_groups, shuffle
-        self.max_prompt_tokens, self.sync_tolerance = max_prompt_tokens, sync_tolerance
+        self.max_prompt_tokens, self.sync_check = max_prompt_tokens, SyncCheck(sync_tolerance)
         self.val_prompts, self.val_size, self.val_samples = val_prompts, val_size, val_samples
         paper_eval = SamplingConfig(temperature=0.6, top_p=1.0, max_new_tokens=self.sampling.max_new_tokens)
         self.val_sampling = val_sampling or paper_eval
@@ -156,10 +157,11 @@ class RolloutDataModule(LightningDataModule):
             self.engine.start(module.model_dir, seed=self.seed + self.trainer.global_rank)
 
     def state_dict(self) -> dict:  # noqa: D102
-        return {"cursor": self.stream.position}
+        return {"cursor": self.stream.position, "sync": self.sync_check.state_dict()}
 
     def load_state_dict(self, state_dict: dict) -> None:  # noqa: D102
         self.stream.position = int(state_dict["cursor"])
+        self.sync_check.load_state_dict(state_dict.get("sync", {}))
 
     def teardown(self, stage: str) -> None:  # noqa: D102
         for reward in [*self.rewards, self._eval_grader]:
@@ -197,16 +199,23 @@ class RolloutDataModule(LightningDataModule):
             return self.engine.generate(prompt_ids, n, sampling)
 
     def sync(self, probe_prompt: list[int], probe_answer: str) -> float:
-        """Push the policy into the engine (once per optimisation step) and verify it; returns the probe diff."""
+        """Push the policy into the engine (once per optimisation step) and verify it; returns the probe gap.
+
+        The first sync fixes the probe (this prompt and its answer) for the rest of the run.
+        """
         step = self.trainer.global_step
         if self.synced_at_step == step:
             return 0.0
-        diff = sync_and_verify(
-            self.trainer.lightning_module, self.engine, probe_prompt, probe_answer, self.sync_tolerance
-        )
+        module = self.trainer.lightning_module
+        self.sync_check.set_probe(module.tokenizer, probe_prompt, probe_answer)
+
+        def reduce_max(value: float) -> float:
+            return float(all_reduce(torch.tensor([value]), "max", module.device)[0])
+
+        gap, tolerance = self.sync_check.push_and_verify(module, self.engine, reduce_max)
         self.synced_at_step = step
-        self._log({"rollout/sync_logp_diff": diff}, op="max")
-        return diff
+        log_metrics(self.trainer, {"rollout/sync_logp_diff": gap, "rollout/sync_tolerance": tolerance})
+        return gap
 
     def train_dataloader(self) -> DataLoader:  # noqa: D102
         loop = self.trainer.fit_loop
@@ -286,10 +295,12 @@ class RolloutDataModule(LightningDataModule):
             found = self._eval_grader
         return found
 
-    def _log(self, metrics: dict[str, float], op: str = "mean") -> dict[str, float]:
-        """Log rollout metrics reduced over processes (``mean`` or ``max``); every process must call it."""
+    def _log(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Log rollout metrics averaged over processes; every process must call it."""
         keys = sorted(metrics)
-        values = all_reduce(torch.tensor([float(metrics[k]) for k in keys]), op, self.trainer.lightning_module.device)
+        values = all_reduce(
+            torch.tensor([float(metrics[k]) for k in keys]), "mean", self.trainer.lightning_module.device
+        )
         reduced = dict(zip(keys, values.tolist()))
         log_metrics(self.trainer, reduced)
         return reduced

@@ -1,0 +1,51 @@
+"""Importance weights for the mismatch between the rollout engine and the trainer (TRL's vLLM IS correction).
+
+    log w_t = log p_old(y_t) - log q(y_t)        q: the engine that sampled; p_old: the trainer's policy that sampled
+    token_*     w_t per token                    sequence_*  one w = prod_t w_t per completion
+    *_truncate  min(w, cap)                      *_mask      0 where w > cap
+
+``engine_kl`` is the k3 estimate of KL(q || p_old) per token, (w - 1) - log w averaged over the sampled tokens:
+zero when the engine computes exactly what the trainer does, and growing when it drifts (other kernels, another
+dtype, or stale weights).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def mismatch_weights(
+    behaviour_logps: torch.Tensor,
+    sampling_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    cap: float,
+    num_tokens: float,
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """Per-token importance weights ``[N, T]`` (``None`` for mode ``none``) and the mismatch stats.
+
+    Args:
+        behaviour_logps: ``[N, T]`` the trainer's log-probs of the sampled tokens under the sampling policy.
+        sampling_logps: ``[N, T]`` the engine's log-probs of the same tokens.
+        mask: ``[N, T]`` tokens that enter the loss.
+        mode: ``token_truncate``, ``token_mask``, ``sequence_truncate``, ``sequence_mask`` or ``none``.
+        cap: Largest weight kept.
+        num_tokens: Token count of the whole step (the stats are this micro-batch's share of it).
+    """
+    with torch.no_grad():
+        # A token the engine could not score (NaN) gets ratio 1: no correction rather than a NaN loss.
+        log_ratio = (behaviour_logps.detach() - sampling_logps.to(behaviour_logps.dtype)).nan_to_num_(0.0)
+        log_ratio = log_ratio.mul_(mask)  # [N, T]
+        norm = max(num_tokens, 1.0)
+        stats = {"engine_kl": (log_ratio.exp() - 1.0 - log_ratio).mul_(mask).sum() / norm}
+        if mode == "none":
+            return None, stats
+        if mode.startswith("sequence"):
+            log_ratio = log_ratio.sum(-1, keepdim=True)  # [N, 1] log of the product of token ratios
+        ratio = log_ratio.clamp(max=80.0).exp_()  # [N, T] or [N, 1]; exp(80) is far above any cap, never inf
+        over = ratio > cap  # [N, T] or [N, 1]
+        weights = ratio.clamp_(max=cap) if mode.endswith("truncate") else ratio.masked_fill_(over, 0.0)
+        weights = weights.expand_as(mask) * mask  # [N, T]
+        stats["is_weight_mean"] = weights.sum() / norm
+        stats["is_capped_frac"] = over.expand_as(mask).to(mask.dtype).mul(mask).sum() / norm
+    return weights, stats
