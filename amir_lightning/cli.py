@@ -17,6 +17,7 @@ from lightning.pytorch.cli import ArgsType, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from amir_lightning.checkpointing import install_atomic_checkpoints
+from amir_lightning.models.precision import check_strategy
 from amir_lightning.module import AmirGRPOModule
 from amir_lightning.rollout.datamodule import RolloutDataModule
 from amir_lightning.rollout.sync import StaleEngineError
@@ -89,8 +90,13 @@ class AmirCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:  # noqa: D102
         config = self.config.get(self.subcommand) if self.subcommand else None
-        if config is not None and "weights_only" in config and config["weights_only"] is None:
+        if config is None:
+            return
+        if "weights_only" in config and config["weights_only"] is None:
             config["weights_only"] = True  # checkpoints are loaded as data, never as code
+        strategy = config["trainer"]["strategy"]
+        # Before Lightning builds the trainer, so the message is this one whatever the accelerator.
+        check_strategy(strategy if isinstance(strategy, str) else strategy.get("class_path", ""))
 
     def instantiate_trainer(self, **kwargs):  # noqa: D102
         trainer = super().instantiate_trainer(**kwargs)

@@ -1,6 +1,7 @@
 """Full training step of AMIR-GRPO against GRPO on the same rollout batch of a real model, and the official cost.
 
     python benchmarks/step_time.py [--groups 2] [--group-size 8] [--repeats 5]
+    python benchmarks/step_time.py --paper-shape [--model DIR] [--layers 2] [--skip-official]
 
 One step = forward of every micro-batch, both loss terms, backward, gradient clipping, AdamW. The batch is the
 same for all variants: chat-templated arithmetic prompts to the bundled SmolLM2-135M with sampled-length random
@@ -9,6 +10,11 @@ completions and rewards with variance. Variants, timed interleaved (median of ``
 - AMIR-GRPO: ``AmirGRPOLoss`` (pair term on the same forward's log-probs; target AMIR / GRPO <= 1.03);
 - official AMIR cost model (paper.md E1): the GRPO step plus a re-forward of every mined pair's chosen and rejected
   sequences, two sequences per chunk as the official code, with the DPO loss backpropagated through them.
+
+``--paper-shape`` times the qwen.yaml step instead: 4 groups x 8, 160-token prompts, completions of 128-512
+tokens, LoRA r 16 on every linear layer over a bf16 base, float32 adapters, bf16 compute, gradient checkpointing,
+micro-batches of one group, on the GPU when there is one. The model is ``--model`` or a random one of
+Qwen2.5-3B-Instruct's shape (``--layers`` shrinks it for a dry run on a CPU); it prints tokens/s and peak memory.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch
 from _common import add_step_arguments, interleaved, machine, median, peak_rss_mb, steady_malloc
 
 from amir_lightning.data import ArithmeticPrompts, render_prompt
-from amir_lightning.models import BundledSmolLM2, HFModel
+from amir_lightning.models import QWEN25_3B_SHAPE, BundledSmolLM2, HFModel, LoraSettings, TinyModel
 from amir_lightning.module import AmirGRPOModule
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages, mine_pairs, sequence_logps
 from amir_lightning.rollout.batch import Group, build_micro_batches
@@ -42,6 +48,51 @@ def make_groups(module, groups: int, group_size: int, seed: int = 0) -> list[Gro
         rewards = torch.randint(0, 3, (group_size,), generator=gen).float()
         out.append(Group(prompt, completions, rewards, group_advantages(rewards, group_size), rewards.clone()))
     return out
+
+
+def random_groups(module, groups: int, group_size: int, prompt_len: int, lengths: tuple[int, int]) -> list[Group]:
+    """Random-token prompts and completions of the given lengths, rewards in {0, 0.7, 1.4, 2.1} (pairs form)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, eos = len(module.tokenizer), module.tokenizer.eos_token_id
+    low = min(100, vocab // 4)
+    out = []
+    for _ in range(groups):
+        prompt = torch.randint(low, vocab - low, (prompt_len,), generator=gen).tolist()
+        completions = []
+        for _ in range(group_size):
+            n = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=gen))
+            ids = torch.randint(low, vocab - low, (n,), generator=gen).tolist() + [eos]
+            completions.append(Completion(ids, "", [0.0] * len(ids), "stop"))
+        rewards = torch.randint(0, 4, (group_size,), generator=gen).float() * 0.7
+        out.append(Group(prompt, completions, rewards, group_advantages(rewards, group_size), rewards.clone()))
+    return out
+
+
+def paper_shape_module(model: str | None, layers: int | None) -> AmirGRPOModule:
+    """The qwen.yaml policy set-up on a given model, or on a random one of Qwen2.5-3B's shape."""
+    shape = dict(QWEN25_3B_SHAPE, dtype="bfloat16", **({"num_layers": layers} if layers else {}))
+    source = HFModel(model) if model else TinyModel(**shape)
+    module = AmirGRPOModule(
+        policy=source,
+        dtype="bfloat16",
+        gradient_checkpointing=True,
+        lora=LoraSettings(r=16, alpha=16, target_modules="all-linear"),
+        log_entropy=False,
+    )
+    module.compute_dtype = torch.bfloat16  # what trainer.precision=bf16-mixed sets
+    module.configure_model()
+    return module.to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def synchronized(fn):
+    """``fn`` followed by a CUDA synchronisation, so that wall time covers the GPU work."""
+
+    def run() -> None:
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    return run
 
 
 def step(module, optimizer, loss, batches, official_pairs: bool = False) -> None:
@@ -93,34 +144,51 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_step_arguments(parser)
     parser.add_argument("--skip-official", action="store_true")
+    parser.add_argument("--paper-shape", action="store_true", help="the qwen.yaml step (module docstring)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers of the random paper-shape model")
     args = parser.parse_args()
     steady_malloc()
-    source = HFModel(args.model) if args.model else BundledSmolLM2()
-    module = AmirGRPOModule(policy=source, log_entropy=False)
-    module.configure_model()
+    if args.paper_shape:
+        args.groups = 4
+        module = paper_shape_module(args.model, args.layers)
+        groups = random_groups(module, args.groups, args.group_size, 160, (128, 512))
+        source = module.source
+    else:
+        source = HFModel(args.model) if args.model else BundledSmolLM2()
+        module = AmirGRPOModule(policy=source, log_entropy=False)
+        module.configure_model()
+        groups = make_groups(module, args.groups, args.group_size)
     optimizer = torch.optim.AdamW([p for p in module.policy.parameters() if p.requires_grad], lr=1e-12)
-    batches = build_micro_batches(make_groups(module, args.groups, args.group_size), 1, 1, module.pad_token_id)
-    grpo, amir = GRPOLoss(), AmirGRPOLoss(lambda_=0.01, lambda_schedule="fixed")
+    batches = build_micro_batches(groups, 1, 1, module.pad_token_id)
+    batches = [module.transfer_batch_to_device(b, module.device, 0) for b in batches]
+    grpo, amir = GRPOLoss(), AmirGRPOLoss(lambda_=0.01, lambda_schedule="fixed", margin=0.5)
     pairs = int(amir.step_normalizers(batches[0].step_lengths, batches[0].step_rewards, args.group_size)["num_pairs"])
     functions = {
-        "GRPO": lambda: step(module, optimizer, grpo, batches),
-        "AMIR-GRPO": lambda: step(module, optimizer, amir, batches),
+        "GRPO": synchronized(lambda: step(module, optimizer, grpo, batches)),
+        "AMIR-GRPO": synchronized(lambda: step(module, optimizer, amir, batches)),
     }
     if not args.skip_official:
-        functions["official AMIR cost model"] = lambda: step(module, optimizer, grpo, batches, official_pairs=True)
+        official = synchronized(lambda: step(module, optimizer, grpo, batches, official_pairs=True))
+        functions["official AMIR cost model"] = official
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     times = interleaved(functions, args.repeats)
     tokens = sum(int(b.attention_mask.sum()) for b in batches)
     base = median(times["GRPO"])
+    setting = "paper shape: LoRA r16, bf16 compute, grad ckpt, " if args.paper_shape else ""
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else machine()
     print(
         f"training step on {args.groups} groups x {args.group_size} = {args.groups * args.group_size} sequences "
-        f"({tokens} tokens, {pairs} pairs), {type(source).__name__}, {machine()}, median of {args.repeats}"
+        f"({tokens} tokens, {pairs} pairs), {setting}{type(source).__name__}, {device}, median of {args.repeats}"
     )
-    print("| variant | step s | / GRPO | extra forwards |")
-    print("|---|---|---|---|")
+    print("| variant | step s | / GRPO | tokens/s | extra forwards |")
+    print("|---|---|---|---|---|")
     extra = {"GRPO": "0", "AMIR-GRPO": "0", "official AMIR cost model": f"{2 * pairs} sequences"}
     for name, ts in times.items():
-        print(f"| {name} | {median(ts):.2f} | {median(ts) / base:.3f} | {extra[name]} |")
+        print(f"| {name} | {median(ts):.2f} | {median(ts) / base:.3f} | {tokens / median(ts):.0f} | {extra[name]} |")
     print(f"\npeak RSS of this process: {peak_rss_mb():.0f} MiB")
+    if torch.cuda.is_available():
+        print(f"peak GPU memory allocated: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
 
 
 if __name__ == "__main__":

@@ -134,8 +134,7 @@ class SkipsPushes:
 @pytest.mark.parametrize("engine_name", ["hf", "vllm"])
 def test_bf16_sync_check_passes_on_a_correct_engine_and_fails_on_a_stale_one(tiny_dir, engine_name):
     """A bf16 engine against a bf16 trainer: the gap at step 0 is rounding noise (a fixed 1e-3 tolerance would stop
-    this correct run); the calibrated tolerance passes the correct engine as the policy moves, and stops one that
-    skips the pushes."""
+    this correct run); an engine that skips the pushes is stopped once the policy has moved, a correct one is not."""
     module = AmirGRPOModule(policy=HFModel(str(tiny_dir)), loss=GRPOLoss())
     module.compute_dtype = torch.bfloat16  # what trainer.precision=bf16-mixed sets in setup()
     module.configure_model()
@@ -144,17 +143,25 @@ def test_bf16_sync_check_passes_on_a_correct_engine_and_fails_on_a_stale_one(tin
     else:
         engine = HFEngine(dtype="bfloat16", progress=False)
     engine.start(tiny_dir, seed=0)
+    prompt, answer = module.tokenizer("12+4=")["input_ids"], "16 = 12 + 4 = 4 + 12 = 8 + 8"
+
+    stale = SyncCheck()
+    stale.set_probe(module.tokenizer, prompt, answer)
+    floor, _ = stale.push_and_verify(module, SkipsPushes(engine))  # step 0: same weights, the gap is numerics
+    assert floor > 1e-3 and stale.noise_floor == floor
+    with pytest.raises(StaleEngineError, match="rollout engine is stale.*moved since then"):
+        for step in range(3):
+            perturb(module.policy, 0.005, seed=10 + step)  # an optimiser step
+            stale.push_and_verify(module, SkipsPushes(engine))
+
     check = SyncCheck()
-    check.set_probe(module.tokenizer, module.tokenizer("12+4=")["input_ids"], "16 = 12 + 4 = 4 + 12 = 8 + 8")
+    check.set_probe(module.tokenizer, prompt, answer)
     floor, tolerance = check.push_and_verify(module, engine)
-    assert floor > 1e-3 and check.noise_floor == floor and tolerance == pytest.approx(4 * floor)
-    for step in range(3):
-        perturb(module.policy, 0.005, seed=10 + step)
-        gap, _ = check.push_and_verify(module, engine)
+    assert tolerance == pytest.approx(4 * floor)
+    for step in range(4):
+        perturb(module.policy, 0.005, seed=20 + step)
+        gap, tolerance = check.push_and_verify(module, engine)
         assert gap <= tolerance
-    perturb(module.policy, 0.005, seed=20)
-    with pytest.raises(StaleEngineError, match="rollout engine is stale.*noise floor"):
-        check.push_and_verify(module, SkipsPushes(engine))
     engine.close()
 
 

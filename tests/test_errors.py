@@ -54,6 +54,9 @@ CASES = [
     ("zero bad rollouts", ["--data.max_bad_rollouts", "0"], "data.max_bad_rollouts must be >= 1"),
     ("unknown loss class", ["--model.loss", "amir_lightning.objectives.NoSuchLoss"], "NoSuchLoss"),
     ("bad dtype", ["--model.dtype", "float33"], "model.dtype must be a floating torch dtype name"),
+    ("bad trainable dtype", ["--model.trainable_dtype", "int8"], "model.trainable_dtype must be a floating torch"),
+    ("FSDP1", ["--trainer.strategy", "fsdp"], "trainer.strategy fsdp is not supported: use lightning.pytorch.strat"),
+    ("fp16", ["--trainer.precision", "16-true"], "trainer.precision='16-true' is not supported: use 32-true"),
     ("bad lora rank", ["--model.lora", "{r: 0}"], "model.lora needs r >= 1"),
     (
         "model path missing",

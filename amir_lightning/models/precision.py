@@ -77,13 +77,19 @@ def check_strategy(strategy) -> None:
     FSDP1 (``FSDPStrategy``) wraps the policy in a root module whose state machine expects every forward and backward
     to run through it; the rollout loop also scores probes, computes old log-probs and exports outside the training
     forward, and crashed in the first backward on a GPU. FSDP2 (``ModelParallelStrategy``) has no such state.
+    ``strategy`` is a Lightning strategy, or its name or class path as given in a configuration.
     """
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
-    supported = isinstance(strategy, SingleDeviceStrategy | DDPStrategy | ModelParallelStrategy)
-    if not supported or isinstance(strategy, DeepSpeedStrategy):
+    if isinstance(strategy, str):
+        name = strategy.rsplit(".", 1)[-1]
+        supported = not name.lower().startswith(("fsdp", "deepspeed"))
+    else:
+        name = type(strategy).__name__
+        supported = isinstance(strategy, SingleDeviceStrategy | DDPStrategy | ModelParallelStrategy)
+        supported = supported and not isinstance(strategy, DeepSpeedStrategy)
+    if not supported:
         raise ValueError(
-            f"trainer.strategy {type(strategy).__name__} is not supported: use "
-            "lightning.pytorch.strategies.ModelParallelStrategy (FSDP2: shards each decoder layer, bf16 compute with "
-            "float32 trainable weights), ddp, or a single device"
+            f"trainer.strategy {name} is not supported: use lightning.pytorch.strategies.ModelParallelStrategy "
+            "(FSDP2: shards each decoder layer, bf16 compute with float32 trainable weights), ddp, or a single device"
         )

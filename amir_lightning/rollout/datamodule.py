@@ -209,8 +209,8 @@ class RolloutDataModule(LightningDataModule):
         module = self.trainer.lightning_module
         self.sync_check.set_probe(module.tokenizer, probe_prompt, probe_answer)
 
-        def reduce_max(value: float) -> float:
-            return float(all_reduce(torch.tensor([value]), "max", module.device)[0])
+        def reduce_max(values: list[float]) -> list[float]:
+            return all_reduce(torch.tensor(values, dtype=torch.float64), "max", module.device).tolist()
 
         gap, tolerance = self.sync_check.push_and_verify(module, self.engine, reduce_max)
         self.synced_at_step = step

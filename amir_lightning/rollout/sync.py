@@ -1,18 +1,21 @@
-"""Weight sync from the trainer into the rollout engine, verified on a probe sequence against a measured noise floor.
+"""Weight sync from the trainer into the rollout engine, verified on a probe sequence against measured numerics.
 
 After every push the engine and the trainer score the same probe (a prompt, its reference answer and EOS); the
 largest absolute difference of their log-probs is the sync gap. In float32 a correct engine agrees to ~1e-6. In
-bf16 two correct implementations differ by their rounding: about 0.1 nat on a 3B model's probe, so a fixed
-tolerance either stops a correct run at step 0 or misses a stale engine. So the tolerance is calibrated:
+bf16 two correct implementations differ by their rounding: about 0.1 nat on a 3B model's probe, and more as the
+policy sharpens (a tiny model learning from scratch: 0.001 at step 0, 0.015 twenty steps later). A fixed tolerance
+either stops a correct run or misses a stale engine, so the tolerance is measured:
 
 - The probe is fixed at the first sync and kept for the whole run (saved in checkpoints), so gaps compare.
 - The first sync of a run measures the noise floor: at step 0 engine and trainer hold the same weights whether or
   not the push worked, so the gap is pure numerics. It must stay under ``CALIBRATION_LIMIT``; more means they do
-  not run the same model at all.
-- Every later sync must stay within ``max(MIN_TOLERANCE, NOISE_FACTOR * noise floor)``. An engine that ignores
-  pushes drifts away from the training policy as it learns, and is stopped once the drift exceeds that.
+  not run the same model at all. The trainer's probe log-probs at that sync are kept as the reference.
+- Every later sync must stay within ``max(MIN_TOLERANCE, NOISE_FACTOR * noise floor, DRIFT_SHARE * drift)``, where
+  drift is how far the trainer's probe log-probs moved from the reference. An engine that ignores pushes still
+  holds the reference weights, so its gap is the whole drift and it is stopped once that exceeds the noise; a
+  correct engine's gap is rounding, far below the drift of a policy that has changed enough to sharpen.
 
-``data.sync_tolerance`` set to a number replaces the calibrated tolerance.
+``data.sync_tolerance`` set to a number replaces the measured tolerance.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from collections.abc import Callable
 
 from amir_lightning.rollout.engine import RolloutEngine
 
-#: The calibrated tolerance is this many times the noise floor...
+#: The tolerance is at least this many times the noise floor...
 NOISE_FACTOR = 4.0
+#: ...and this share of the trainer's drift since the first sync (an engine ignoring pushes shows all of it)...
+DRIFT_SHARE = 0.5
 #: ...and never below this (float32 engines agree to ~1e-6).
 MIN_TOLERANCE = 1e-3
 #: A larger gap between engine and trainer holding the same weights means they run different models or dtypes.
@@ -46,6 +51,7 @@ class SyncCheck:
         self.tolerance = tolerance
         self.probe: tuple[list[int], list[int]] | None = None  # (prompt ids, completion ids)
         self.noise_floor: float | None = None
+        self.reference: list[float] | None = None  # the trainer's probe log-probs at the first sync
 
     def set_probe(self, tokenizer, prompt_ids: list[int], answer: str) -> None:
         """Fix the probe (once per run): ``prompt_ids``, then the answer's first tokens and EOS."""
@@ -53,43 +59,46 @@ class SyncCheck:
             answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"][:PROBE_TOKENS]
             self.probe = (list(prompt_ids), answer_ids + [tokenizer.eos_token_id])
 
+    def scores(self, module, engine: RolloutEngine) -> tuple[list[float], list[float]]:
+        """The probe's log-probs under the engine and under the trainer."""
+        prompt, completion = self.probe
+        return engine.score(prompt, completion), module.score_tokens(prompt, completion)
+
     def gap(self, module, engine: RolloutEngine) -> float:
         """Largest absolute log-prob difference, engine against trainer, on the probe."""
-        prompt, completion = self.probe
-        engine_logps = engine.score(prompt, completion)
-        policy_logps = module.score_tokens(prompt, completion)
-        return max(abs(a - b) for a, b in zip(engine_logps, policy_logps))
+        return max(abs(a - b) for a, b in zip(*self.scores(module, engine)))
 
     def push_and_verify(
-        self, module, engine: RolloutEngine, reduce_max: Callable[[float], float] = float
+        self, module, engine: RolloutEngine, reduce_max: Callable[[list[float]], list[float]] = list
     ) -> tuple[float, float]:
         """Load the module's weights into the engine, then check the probe gap; returns (gap, tolerance).
 
-        ``reduce_max`` takes the maximum over processes (every process checks its own engine, and all of them must
-        agree on stopping). Raises ``StaleEngineError`` when the gap exceeds the tolerance.
+        ``reduce_max`` takes element-wise maxima over processes (every process checks its own engine, and all of
+        them must agree on stopping). Raises ``StaleEngineError`` when the gap exceeds the tolerance.
         """
         if self.probe is None:
             raise RuntimeError("SyncCheck.set_probe must run before the first sync")
         with module.export_weights() as named:
             engine.load_weights(named)
-        gap = reduce_max(self.gap(module, engine))
-        if self.tolerance is not None:
-            tolerance = self.tolerance
-            source = f"data.sync_tolerance={tolerance}"
-        elif self.noise_floor is None:
-            if not gap <= CALIBRATION_LIMIT:  # also catches NaN
-                raise StaleEngineError(
-                    f"at the first weight sync the engine's log-probs on the probe differ from the trainer's by "
-                    f"{gap:.3g} nat although both hold the same weights (limit {CALIBRATION_LIMIT}): they do not run "
-                    "the same model. Check data.engine's dtype against trainer.precision and model.dtype, and that "
-                    "both load the same model; or set data.sync_tolerance to a number to accept the gap."
-                )
-            self.noise_floor = gap
-            return gap, max(MIN_TOLERANCE, NOISE_FACTOR * gap)
+        engine_logps, policy_logps = self.scores(module, engine)
+        gap = max(abs(a - b) for a, b in zip(engine_logps, policy_logps))
+        if self.reference is None:
+            drift = 0.0
         else:
-            tolerance = max(MIN_TOLERANCE, NOISE_FACTOR * self.noise_floor)
-            source = f"{NOISE_FACTOR:g} x the noise floor {self.noise_floor:.3g} measured at the first sync"
-        if not gap <= tolerance:
+            drift = max(abs(a - b) for a, b in zip(policy_logps, self.reference))
+        gap, drift = reduce_max([gap, drift])
+        if self.tolerance is not None:
+            tolerance, source = self.tolerance, f"data.sync_tolerance={self.tolerance}"
+        elif self.noise_floor is None:
+            self._calibrate(gap, policy_logps)
+            tolerance, source = max(MIN_TOLERANCE, NOISE_FACTOR * gap), "calibration"
+        else:
+            tolerance = max(MIN_TOLERANCE, NOISE_FACTOR * self.noise_floor, DRIFT_SHARE * drift)
+            source = (
+                f"the largest of {NOISE_FACTOR:g} x the noise floor {self.noise_floor:.3g} measured at the first "
+                f"sync and {DRIFT_SHARE:g} x the {drift:.3g} nat the trainer's probe log-probs moved since then"
+            )
+        if not gap <= tolerance:  # also catches NaN
             raise StaleEngineError(
                 f"rollout engine is stale: after the weight sync its log-probs on the probe differ from the trainer's "
                 f"by {gap:.3g}, above the tolerance {tolerance:.3g} ({source}). The engine did not take the new "
@@ -98,12 +107,25 @@ class SyncCheck:
             )
         return gap, tolerance
 
+    def _calibrate(self, gap: float, policy_logps: list[float]) -> None:
+        if not gap <= CALIBRATION_LIMIT:  # also catches NaN
+            raise StaleEngineError(
+                f"at the first weight sync the engine's log-probs on the probe differ from the trainer's by "
+                f"{gap:.3g} nat although both hold the same weights (limit {CALIBRATION_LIMIT}): they do not run "
+                "the same model. Check data.engine's dtype against trainer.precision and model.dtype, and that "
+                "both load the same model; or set data.sync_tolerance to a number to accept the gap."
+            )
+        self.noise_floor, self.reference = gap, list(policy_logps)
+
     def state_dict(self) -> dict:
-        """The probe and the noise floor (the tolerance comes from the configuration)."""
-        return {"probe": self.probe, "noise_floor": self.noise_floor}
+        """The probe, the noise floor and the reference log-probs (the tolerance comes from the configuration)."""
+        return {"probe": self.probe, "noise_floor": self.noise_floor, "reference": self.reference}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` saved; older checkpoints without it recalibrate at the next sync."""
         probe = state.get("probe")
         self.probe = (list(probe[0]), list(probe[1])) if probe is not None else None
         self.noise_floor = state.get("noise_floor")
+        self.reference = state.get("reference")
+        if self.reference is None:
+            self.noise_floor = None
