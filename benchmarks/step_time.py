@@ -8,7 +8,7 @@ same for all variants: chat-templated arithmetic prompts to the bundled SmolLM2-
 completions and rewards with variance. Variants, timed interleaved (median of ``--repeats``):
 - GRPO: ``GRPOLoss``;
 - AMIR-GRPO: ``AmirGRPOLoss`` (pair term on the same forward's log-probs; target AMIR / GRPO <= 1.03);
-- official AMIR cost model (paper.md E1): the GRPO step plus a re-forward of every mined pair's chosen and rejected
+- official AMIR cost model: the GRPO step plus a re-forward of every mined pair's chosen and rejected
   sequences, two sequences per chunk as the official code, with the DPO loss backpropagated through them.
 
 ``--paper-shape`` times the qwen.yaml step instead: 4 groups x 8, 160-token prompts, completions of 128-512

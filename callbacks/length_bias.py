@@ -1,4 +1,4 @@
-"""LengthBiasMonitor: the length-bias and penalty-dilution numbers the AMIR-GRPO paper argues about (paper.md 6).
+"""LengthBiasMonitor: the length-bias and penalty-dilution numbers the AMIR-GRPO paper argues about (arXiv 2601.03661).
 
 Per optimisation step:
 - ``length/correct_mean``, ``length/incorrect_mean`` and their gap ``length/gap`` (incorrect minus correct): the
@@ -11,7 +11,7 @@ Per optimisation step:
   completions (``lambda beta / P * sum_i sigmoid(-z_ij) / |o_j|``), and their ratio ``length/pair_to_pg``;
 - histograms of correct and incorrect lengths. (The truncation rate is ``length/truncated_frac`` of the rollout.)
 
-These metrics are proposals of paper.md 6.3, not the paper's own definitions.
+The paper defines no length metric; these are this project's.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def test_no_pairs_or_fixed_schedule_keep_lambda():
 
 
 def official_update(lam, pair_loss, signed_grpo_loss):
-    """paper.md 1.6, as the official code runs it (signed GRPO loss, clamped at 1e-9)."""
+    """The official controller as its code runs it (signed GRPO loss, clamped at 1e-9)."""
     r = lam * pair_loss / max(1e-9, signed_grpo_loss)
     if r < 0.3:
         return min(0.05, 1.25 * lam)

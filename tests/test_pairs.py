@@ -27,7 +27,7 @@ def test_margin_equal_to_gap_is_not_a_pair():
 
 
 def test_official_reward_composition_b7():
-    """paper.md B7: formatted correct 0.1 + 0.5 + 0.2 + 2.0 = 2.8, formatted wrong 0.1 + 0.5 + 0.2 = 0.8 (float32).
+    """Official rewards: formatted correct 0.1 + 0.5 + 0.2 + 2.0 = 2.8, formatted wrong 0.1 + 0.5 + 0.2 = 0.8.
 
     Their gap is exactly 2.0 in float32, so margin 2.0 forms no pair and margin 1.5 does.
     """

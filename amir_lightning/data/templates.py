@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from amir_lightning.data.base import Prompt
 
-#: The paper's base template (paper.md 4.1): reason in <think>, answer in <answer> with a boxed final answer.
+#: The paper's base template (arXiv 2601.03661's code): reason in <think>, answer in <answer> with a boxed final answer.
 #: Unlike the official string, the braces are not doubled (it was never ``.format()``-ed, so models saw ``{{}}``).
 THINK_ANSWER_SYSTEM_PROMPT = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "

@@ -1,4 +1,4 @@
-"""The paper's math benchmarks (paper.md 4.4), by Hugging Face id when online and from local files always."""
+"""The official evaluation's math benchmarks, by Hugging Face id when online and from local files always."""
 
 from __future__ import annotations
 

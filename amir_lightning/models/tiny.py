@@ -1,7 +1,7 @@
 """A tiny Qwen2 policy with a character tokenizer, built from a config (no download), for fast real runs.
 
 The model is random (seeded) and small enough to train from scratch in seconds on a CPU, yet it is a real
-Hugging Face model directory that transformers and vLLM both load (vLLM needs head_dim >= 32: design.md 5).
+Hugging Face model directory that transformers and vLLM both load (vLLM needs head_dim >= 32).
 """
 
 from __future__ import annotations

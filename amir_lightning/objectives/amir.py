@@ -8,7 +8,7 @@
 
 The adaptive lambda schedule keeps ``lambda * L_pref / M`` inside a band by multiplying lambda by ``lambda_up`` or
 ``lambda_down`` once per step (official constants: band 0.30-0.70, x1.25 / x0.8, bounds 0.005-0.05).
-Deliberate deviations from the official controller (paper.md 1.6, B5, B6):
+Deliberate deviations from the official controller (AmirHosseinYari2002/AMIR-GRPO, Train/trainer.py):
 - The denominator is ``M``, an exponential moving average of the policy-gradient magnitude
   ``agg(|min(rho A, clip(rho) A)|)``, not the signed GRPO loss. On-policy the signed loss is
   ``-mean(A) + beta KL``, about zero with a random sign (exactly zero for ``grpo`` aggregation over whole

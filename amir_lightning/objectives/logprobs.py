@@ -3,7 +3,7 @@
     log pi(y_t) = z_t[y_t] / tau - logsumexp(z_t / tau)
 
 computed row by row in float32, so peak extra memory is one ``[T, V]`` slice (the official AMIR code takes a
-full-vocabulary ``log_softmax`` over prompt and completion positions in bf16: paper.md E2).
+full-vocabulary ``log_softmax`` over prompt and completion positions in bf16).
 """
 
 from __future__ import annotations

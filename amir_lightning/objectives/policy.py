@@ -56,7 +56,7 @@ class GRPOLoss(nn.Module):
         epsilon: Lower clip range, ``rho >= 1 - epsilon``.
         epsilon_high: Upper clip range ``rho <= 1 + epsilon_high`` (DAPO's clip-higher); defaults to ``epsilon``.
         importance_sampling: ``token`` ratios (GRPO) or one ``sequence`` ratio per completion (GSPO). On-policy
-            (``old_token_logps=None``) both give the same gradient (paper.md E6).
+            (``old_token_logps=None``) both give the same gradient.
         beta: Coefficient of the k3 KL penalty to the reference policy; 0 needs no reference model.
         mask_truncated_completions: Drop completions that hit the length limit from the policy-gradient term.
         max_completion_length: ``L`` of ``dr_grpo``; ``None`` uses the longest completion of the step.
@@ -288,7 +288,7 @@ class GRPOLoss(nn.Module):
         stats["clip_frac_low"] = (clipped_rows * (adv < 0)).sum() / token_norm
         stats["clip_frac_high"] = (clipped_rows * (adv > 0)).sum() / token_norm
         stats["clip_frac"] = clipped_rows.sum() / token_norm
-        # Magnitude of the policy-gradient weights; the signed loss is ~0 on-policy (paper.md B6).
+        # Magnitude of the policy-gradient weights; the signed loss is ~0 on-policy (the official lambda divides by it).
         stats["pg_scale"] = (weights * surrogate_rows * sign).sum()
         stats["loss"] = value
         return value, grad, stats

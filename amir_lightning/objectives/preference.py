@@ -4,7 +4,7 @@
     L_pref = -(1 / P_step) * sum_{(i, j)} log sigmoid(z_ij)
 
 ``l`` is a sequence log-prob (``sequence_logps``) computed from the token log-probs of the policy-gradient
-forward pass: the pair term never runs a second forward (the official code re-forwards every pair, paper.md E1).
+forward pass: the pair term never runs a second forward (the official code re-forwards every pair).
 The mean pools all pairs of the optimisation step (not a mean of per-group means), so a group with more pairs
 weighs more, as in the official code.
 """

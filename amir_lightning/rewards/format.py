@@ -1,4 +1,4 @@
-"""Format rewards for the paper's ``<think>...</think><answer>...</answer>`` output format (paper.md 4.2)."""
+"""Format rewards for the paper's ``<think>...</think><answer>...</answer>`` output format (official code)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""RolloutDataModule: one epoch is one rollout, from weight sync to micro-batches of whole groups (design.md 2).
+"""RolloutDataModule: one epoch is one rollout, from weight sync to micro-batches of whole groups.
 
 Each epoch syncs the policy into the engine, samples G completions for the next B prompts, scores them, and
 yields micro-batches of whole groups.

@@ -2,7 +2,7 @@
 
 In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the engine starts in seconds and weights move from the
 trainer without touching disk: ``collective_rpc("reload_weights", weights_iterator=...)``, then the prefix cache
-is reset (design.md 5). An empty weight iterator "succeeds" and leaves stale weights, which is why the rollout
+is reset. An empty weight iterator "succeeds" and leaves stale weights, which is why the rollout
 data module verifies every sync with a probe.
 """
 
@@ -82,7 +82,7 @@ class VLLMEngine(RolloutEngine):
             logprobs_mode="processed_logprobs",  # log-probs of the sampling distribution (after temperature)
         )
         if world_size() > 1:
-            # One engine per process, each on its own prompt shard (design.md 5): vLLM joins the launched processes
+            # One engine per process, each on its own prompt shard: vLLM joins the launched processes
             # instead of spawning workers, and needs the rank variables Lightning's launcher does not set.
             import torch.distributed as dist
 
