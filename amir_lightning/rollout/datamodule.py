@@ -58,7 +58,8 @@ class RolloutDataModule(LightningDataModule):
         shuffle: Shuffle a finite prompt source once per pass over it.
         max_prompt_tokens: Longest allowed prompt after the chat template.
         sync_tolerance: Largest allowed |engine - trainer| log-prob on the sync probe before stopping; ``None``
-            calibrates it from the gap at the first sync (``rollout/sync.py``), which is what bf16 engines need.
+            measures it from the noise at the first sync and the policy's drift since (``rollout/sync.py``),
+            which is what bf16 engines need.
         val_prompts: Held-out prompts for ``validate`` and validation during ``fit``.
         val_size: Held-out prompts evaluated (the first ``val_size`` of ``val_prompts``).
         val_samples: Samples per held-out prompt.
