@@ -29,7 +29,6 @@ from amir_lightning.models.loading import (
     LoraSettings,
     export_policy,
     is_peft,
-    is_sharded,
     load_policy,
     load_reference,
     merged_state,
@@ -98,6 +97,7 @@ class AmirGRPOModule(LightningModule):
         self.trainable_dtype = dtype_by_name(trainable_dtype, "model.trainable_dtype")
         self.gradient_checkpointing, self.lora = gradient_checkpointing, lora
         self.compute_dtype = torch.float32  # set from trainer.precision in setup()
+        self._fsdp2 = False  # whether configure_model sharded the policy (FSDP2 then casts for compute)
         self.temperature, self.max_grad_norm = temperature, max_grad_norm
         self.logprob_chunk_size, self.log_entropy, self.export_dir = logprob_chunk_size, log_entropy, export_dir
         if max_bad_steps < 1:
@@ -142,7 +142,8 @@ class AmirGRPOModule(LightningModule):
         )
         self.policy.train()  # dropout is disabled at load time, so train mode changes nothing but intent
         mesh = getattr(self, "device_mesh", None)  # set by ModelParallelStrategy: shard with FSDP2
-        if mesh is not None:
+        self._fsdp2 = mesh is not None
+        if self._fsdp2:
             shard_fsdp2(self.policy, mesh.device_type, self.compute_dtype)
         if self.loss.needs_reference and not is_peft(self.policy):
             self._reference = (load_reference(self.model_dir, frozen, trust),)
@@ -153,7 +154,7 @@ class AmirGRPOModule(LightningModule):
 
     def compute_context(self):
         """Where every forward of the policy runs: ``torch.autocast`` to the compute dtype unless FSDP2 casts."""
-        return autocast(self.device, self.compute_dtype, enabled=not is_sharded(self.policy))
+        return autocast(self.device, self.compute_dtype, enabled=not self._fsdp2)
 
     @contextmanager
     def reference(self) -> Iterator[torch.nn.Module]:

@@ -68,7 +68,7 @@ def build_tiny_model(
     """Write a random Qwen2 and its character tokenizer to ``directory`` (atomically) and return it.
 
     ``vocab_size`` beyond the tokenizer's gives a model with a real model's embedding size (ids past the alphabet
-    decode to nothing); the weights are initialised on a GPU when there is one (a 3B model takes seconds there).
+    decode to nothing); the weights are initialised on a GPU when there is one.
     """
     from transformers import AutoModelForCausalLM, Qwen2Config
 
