@@ -18,7 +18,7 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", hidden_size=128, num_heads=4, seed=7)
 
 
-def train_lora(model_dir, precision, trainable_dtype="float32", steps=20):
+def train_lora(model_dir, precision, trainable_dtype="float32", steps=20, export_dir=None):
     """qwen.yaml's precision settings (bf16 frozen base, LoRA r 16 on every linear layer, AdamW lr 5e-6)."""
     module = AmirGRPOModule(
         policy=HFModel(str(model_dir)),
@@ -29,6 +29,7 @@ def train_lora(model_dir, precision, trainable_dtype="float32", steps=20):
         optimizer=lambda params: torch.optim.AdamW(params, lr=5e-6, betas=(0.9, 0.99), weight_decay=0.1),
         max_grad_norm=0.1,
         log_entropy=False,
+        export_dir=str(export_dir or model_dir.parent / "export"),
     )
     trainer = L.Trainer(
         accelerator="cpu",
@@ -70,6 +71,17 @@ def test_bf16_compute_runs_the_forward_in_bf16(model_dir):
     with module.compute_context():
         logits = module.policy(input_ids=ids).logits
     assert logits.dtype == torch.bfloat16
+
+
+def test_full_fine_tuning_keeps_float32_weights_under_bf16_compute(model_dir):
+    export = str(model_dir.parent / "export_full")
+    module = AmirGRPOModule(policy=HFModel(str(model_dir)), loss=GRPOLoss(), log_entropy=False, export_dir=export)
+    trainer = L.Trainer(accelerator="cpu", precision="bf16-true", max_steps=1, logger=False, enable_checkpointing=False)
+    trainer.fit(module, FixedRollouts())
+    assert {p.dtype for p in module.policy.parameters()} == {torch.float32}
+    ids = torch.tensor([module.tokenizer("12+4=")["input_ids"]])
+    with module.compute_context():
+        assert module.policy(input_ids=ids).logits.dtype == torch.bfloat16
 
 
 def test_unsupported_precision_and_strategies_are_refused():
