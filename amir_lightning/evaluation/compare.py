@@ -14,6 +14,7 @@ import argparse
 import itertools
 import json
 import statistics
+import sys
 from pathlib import Path
 
 
@@ -147,4 +148,4 @@ def main(argv: list[str] | None = None) -> None:
         report = compare(args.runs, labels, args.out)
     except (FileNotFoundError, ValueError) as err:
         parser.exit(2, f"amir compare: error: {err}\n")
-    print(f"wrote {report}")  # noqa: T201 (the command's result for the user)
+    sys.stdout.write(f"wrote {report}\n")  # the command's result for the user
