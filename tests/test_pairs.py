@@ -63,9 +63,12 @@ def test_cap_with_top1_and_second_group_offsets():
     assert mine_pairs(rewards, 3, mode="top1", max_pairs_per_group=1).tolist() == [[4, 3]]
 
 
-def test_nan_reward_never_pairs():
-    pairs = mine_pairs(torch.tensor([1.0, float("nan"), 0.0]), 3)
-    assert as_set(pairs) == {(0, 2)}
+def test_group_with_a_nan_reward_forms_no_pair():
+    """[nan, 1, 0, 0] would pair (1, 2) and (1, 3) among its finite members; the group carries no signal instead
+    (its advantages are zero), and the next group still pairs."""
+    rewards = torch.tensor([float("nan"), 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0])
+    assert as_set(mine_pairs(rewards, 4)) == {(4, 5), (4, 6), (4, 7)}
+    assert as_set(mine_pairs(rewards, 4, mode="top1")) == {(4, 5), (4, 6), (4, 7)}
 
 
 @pytest.mark.parametrize("bad", [{"margin": -0.1}, {"mode": "topk"}, {"max_pairs_per_group": 0}])

@@ -51,7 +51,8 @@ def pair_mask_and_gaps(
     G = group_size
     grouped = rewards.detach().view(-1, G)  # [B, G]
     gaps = grouped.unsqueeze(2) - grouped.unsqueeze(1)  # [B, G, G] gap[b, i, j] = r_i - r_j
-    valid = gaps > margin  # [B, G, G]; NaN compares False
+    # A group with a NaN reward carries no signal (its advantages are zeroed too): no pair among its finite members.
+    valid = (gaps > margin) & grouped.isfinite().all(dim=1).view(-1, 1, 1)  # [B, G, G]
     if mode == "top1":
         best = torch.nan_to_num(grouped, nan=-torch.inf).argmax(dim=1)  # [B] first index among ties
         is_best = torch.arange(G, device=rewards.device) == best.unsqueeze(1)  # [B, G]
@@ -75,7 +76,7 @@ def mine_pairs(
     """Mine (chosen, rejected) pairs within each group of ``group_size`` consecutive completions.
 
     Args:
-        rewards: ``[N]`` raw rewards, groups contiguous. NaN rewards never form a pair.
+        rewards: ``[N]`` raw rewards, groups contiguous. A group with a NaN reward forms no pair at all.
         group_size: ``G``.
         margin: A pair needs ``rewards[chosen] - rewards[rejected] > margin`` (strict). Must be ``>= 0``.
         mode: ``"all"`` takes every ordered pair over the margin (at most ``G(G-1)/2`` per group); ``"top1"``
