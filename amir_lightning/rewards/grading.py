@@ -1,73 +1,16 @@
-r"""Answer extraction and math grading (math-verify). Runs inside sandbox worker processes, never in the trainer.
+r"""Math grading of a completion against a reference (math-verify). Runs inside sandbox workers, never in the trainer.
 
-Extraction order for a completion (the first that matches wins):
-1. the last ``\boxed{...}`` (brace-matched, nested braces allowed);
-2. the content of the last ``<answer>...</answer>`` (or what follows a last, unclosed ``<answer>``);
-3. the number after the last ``#### `` (GSM8K style);
-4. optionally (``fallback_last_number``) the last number in the text.
-The candidate is then compared with the reference by ``math_verify.verify`` (so ``\boxed{1/2}`` equals ``0.5``).
+``answers.py`` finds the answer a completion commits to; it is then compared with the reference by
+``math_verify.verify`` (so ``\boxed{1/2}`` equals ``0.5``), after screens that keep hostile inputs away from sympy.
 """
 
 from __future__ import annotations
 
 import re
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
-_HASHES = re.compile(r"####\s*([^\n]+)")
-_ANSWER_OPEN, _ANSWER_CLOSE = "<answer>", "</answer>"
+from amir_lightning.rewards.answers import committed, extract_answer, reference_answer
+
 MAX_CANDIDATE_CHARS = 512  # a longer "answer" is not an answer; keeps sympy away from megabyte inputs
-
-
-def last_boxed(text: str) -> str | None:
-    r"""Content of the last ``\boxed{...}`` or ``\fbox{...}`` with balanced braces, or ``None``."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
-        return None
-    i = text.index("{", start) + 1
-    depth, begin = 1, i
-    while i < len(text):
-        ch = text[i]
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return text[begin:i]
-        i += 1
-    return None
-
-
-def extract_answer(text: str, fallback_last_number: bool = True) -> str | None:
-    """The final answer a completion commits to, as a string, or ``None`` (see the module docstring)."""
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed.strip()
-    open_at = text.rfind(_ANSWER_OPEN)
-    if open_at >= 0:
-        inner = text[open_at + len(_ANSWER_OPEN) :]
-        close_at = inner.find(_ANSWER_CLOSE)
-        inner = inner[:close_at] if close_at >= 0 else inner
-        nested = last_boxed(inner)
-        return (nested if nested is not None else inner).strip() or None
-    hashes = _HASHES.findall(text)
-    if hashes:
-        return hashes[-1].strip()
-    if fallback_last_number:
-        numbers = _NUMBER.findall(text)
-        if numbers:
-            return numbers[-1].replace(",", "")
-    return None
-
-
-def reference_answer(answer: str) -> str:
-    """Normalise a dataset answer: GSM8K's ``... #### 72`` becomes ``72``; thousands separators dropped."""
-    if "####" in answer:
-        answer = answer.rsplit("####", 1)[1]
-    answer = answer.strip().strip("$").strip()
-    if re.fullmatch(r"-?[\d,]+(\.\d+)?", answer):
-        answer = answer.replace(",", "")
-    return answer
-
 
 _BIG_NUMBER = re.compile(r"\d{60,}")
 # An exponent whose own exponent is a power: 9^9^9, 9^{9^9}, 9**9**9 (a^2 + b^2 is fine).
@@ -106,14 +49,16 @@ def _parse(candidate: str):
 
 
 def grade_answer(completion: str, answer: str, fallback_last_number: bool = True) -> float:
-    """1.0 if the completion's extracted answer equals the reference ``answer``, else 0.0."""
+    """1.0 if the answer ``completion`` commits to equals the reference ``answer``, else 0.0."""
     from math_verify import verify
 
-    candidate = extract_answer(completion, fallback_last_number)
-    if candidate is None or len(candidate) > MAX_CANDIDATE_CHARS:
+    region = extract_answer(completion, fallback_last_number)
+    if region is None or len(region) > MAX_CANDIDATE_CHARS:
         return 0.0
-    reference = reference_answer(answer)
-    if candidate.replace(" ", "") == reference.replace(" ", ""):
+    candidate, reference = committed(region), reference_answer(answer)
+    if not candidate:
+        return 0.0
+    if candidate.replace(" ", "").lower() == reference.replace(" ", "").lower():
         return 1.0
     if _hostile(candidate):  # would make sympy compute for hours or exhaust memory; a real answer never is
         return 0.0
