@@ -188,17 +188,28 @@ class AmirGRPOModule(LightningModule):
         ent = token_entropy(logits.detach(), temperature, self.logprob_chunk_size) if entropy else None
         return logps, ent
 
+    @contextmanager
+    def _eval_mode(self) -> Iterator[None]:
+        """The policy without dropout (LoRA's own ``dropout`` included), as the engine that samples it."""
+        training = self.policy.training
+        self.policy.eval()
+        try:
+            yield
+        finally:
+            self.policy.train(training)
+
     @torch.no_grad()
     def policy_logps(self, batch: RolloutBatch, temperature: float | None = None) -> torch.Tensor:
         """Log-probs of ``batch`` under the current policy, no gradient (old policy of later passes, evaluation)."""
         batch = self.transfer_batch_to_device(batch, self.device, 0)
-        return self._completion_logps(self.policy, batch, temperature or self.temperature)[0].cpu()
+        with self._eval_mode():
+            return self._completion_logps(self.policy, batch, temperature or self.temperature)[0].cpu()
 
     @torch.no_grad()
     def score_tokens(self, prompt: list[int], completion: list[int]) -> list[float]:
         """Log-probs at temperature 1 of ``completion`` after ``prompt`` (the weight-sync probe)."""
         ids = torch.tensor([list(prompt) + list(completion)], device=self.device)
-        with self.compute_context():
+        with self.compute_context(), self._eval_mode():
             logits = self.policy(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 : -1].float()
         return torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None]).squeeze(-1).cpu().tolist()
 
@@ -295,7 +306,11 @@ class AmirGRPOModule(LightningModule):
 
     # ------------------------------------------------------------------ optimisation and export
     def configure_optimizers(self):  # noqa: D102
-        optimizer = self.optimizer_factory([p for p in self.policy.parameters() if p.requires_grad])
+        # Biases and norm weights (the 1-D parameters) take no weight decay, as in Hugging Face's Trainer.
+        trainable = [p for p in self.policy.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in trainable if p.ndim >= 2]}, {"params": [p for p in trainable if p.ndim < 2]}]
+        groups[1]["weight_decay"] = 0.0
+        optimizer = self.optimizer_factory([g for g in groups if g["params"]])
         if self.scheduler_factory is None:
             return optimizer
         return {

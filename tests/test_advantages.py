@@ -65,3 +65,25 @@ def test_advantages_finite_and_zero_mean_per_group(case, scale):
     equal = rewards.view(-1, group_size)
     flat = equal.amax(1) == equal.amin(1)
     assert torch.equal(grouped[flat], torch.zeros_like(grouped[flat]))
+
+
+def test_batch_std_spans_every_process_and_skips_nan():
+    """Two processes' rollouts [0, 2 | 1, 1] and [4, 4 | 0, 3]: each must divide by the std of all eight rewards,
+    not of its own four (which would give the two processes differently scaled advantages)."""
+    from amir_lightning.objectives.advantages import batch_std
+
+    mine, theirs = torch.tensor([0.0, 2.0, 1.0, 1.0]), torch.tensor([4.0, 4.0, 0.0, 3.0])
+
+    def other(t):
+        return torch.stack(
+            [torch.tensor(4.0, dtype=torch.float64), theirs.double().sum(), theirs.double().square().sum()]
+        )
+
+    std = batch_std(mine, lambda stats: stats + other(stats))
+    assert std == pytest.approx(torch.cat([mine, theirs]).double().std().item(), rel=1e-12)
+    expected = (mine.view(2, 2) - mine.view(2, 2).mean(1, keepdim=True)).view(-1) / (std + 1e-4)
+    expected[2:] = 0.0  # the all-equal group
+    torch.testing.assert_close(group_advantages(mine, 2, scale="batch", std=std), expected)
+    with_nan = torch.tensor([0.0, 2.0, float("nan"), 1.0])
+    assert batch_std(with_nan) == pytest.approx(torch.tensor([0.0, 2.0, 1.0]).std().item())
+    assert group_advantages(with_nan, 2, scale="batch")[:2].isfinite().all()  # one NaN does not poison the batch

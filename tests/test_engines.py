@@ -78,6 +78,66 @@ def test_generate_returns_groups_with_sampling_logprobs(engine_name, tiny_dir, v
             torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
 
 
+@pytest.fixture(scope="module")
+def leaky_dir(tmp_path_factory):
+    """A tiny model whose generation_config.json would bend sampling (as Qwen2.5-Instruct's repetition_penalty does)
+    and lists a second EOS id."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("leaky") / "model", seed=4)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    second_eos = tokenizer.convert_tokens_to_ids("7")
+    config = {
+        "eos_token_id": [tokenizer.eos_token_id, second_eos],
+        "pad_token_id": tokenizer.pad_token_id,
+        "do_sample": True,
+        "temperature": 0.3,
+        "top_k": 3,
+        "repetition_penalty": 1.5,
+        "no_repeat_ngram_size": 2,
+    }
+    (model_dir / "generation_config.json").write_text(json.dumps(config))
+    return model_dir, {tokenizer.eos_token_id, second_eos}
+
+
+@pytest.mark.parametrize("engine_name", ["hf", "vllm"])
+def test_engine_samples_the_policy_the_trainer_scores(leaky_dir, engine_name):
+    """At temperature 1 the engine reports the log-probs of the distribution it sampled from, and that distribution
+    is the trainer's: none of the checkpoint's sampling defaults (top_k 3, repetition penalty, no-repeat n-grams)
+    leak in, and generation stops on every EOS id the checkpoint lists."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir, eos_ids = leaky_dir
+    if engine_name == "vllm":
+        engine = VLLMEngine(max_model_len=64, kv_cache_memory_bytes=32 * 1024**2, progress=False)
+    else:
+        engine = HFEngine(batch_size=64, progress=False)
+    engine.start(model_dir, seed=0)
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    prompts = [tokenizer("3=")["input_ids"], tokenizer("12+4=")["input_ids"]]
+    groups = engine.generate(prompts, n=16, sampling=SamplingConfig(temperature=1.0, max_new_tokens=6))
+    outside_top3 = stopped_on = 0
+    for prompt, group in zip(prompts, groups):
+        for c in group:
+            ids = torch.tensor([prompt + c.token_ids])
+            with torch.no_grad():
+                logps = torch.log_softmax(policy(ids).logits[0, len(prompt) - 1 : -1], -1)  # [T, V]
+            picked = logps.gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)
+            torch.testing.assert_close(torch.tensor(c.logprobs), picked, atol=1e-4, rtol=0)
+            top3 = logps.topk(3, dim=-1).indices  # [T, 3]
+            outside_top3 += int((top3 != ids[0, len(prompt) :, None]).all(-1).sum())
+            assert not eos_ids & set(c.token_ids[:-1])  # nothing generated past a stop token
+            assert c.finish_reason == ("stop" if c.token_ids[-1] in eos_ids else "length")
+            stopped_on += c.token_ids[-1] in eos_ids - {tokenizer.eos_token_id}
+    assert outside_top3 > 0  # a leaked top_k=3 would never sample outside the policy's top 3
+    assert stopped_on > 0  # the second EOS id stops generation too
+    engine.close()
+
+
 def perturb(model, scale, seed):
     """An "optimiser step" that moves every weight."""
     gen = torch.Generator().manual_seed(seed)

@@ -101,3 +101,39 @@ def test_lora_export_merges_out_of_place(tmp_path):
     ids = torch.tensor([mod.tokenizer("12+4=33")["input_ids"]])
     with torch.no_grad():
         torch.testing.assert_close(plain(ids).logits, mod.policy(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_old_logprobs_and_probe_run_without_lora_dropout(tmp_path):
+    """LoRA dropout 0.5 stays on in the training forward (the user asked for it) but not where the module stands in
+    for the sampling policy: old log-probs and the sync probe are deterministic and equal the eval-mode forward."""
+    from amir_lightning.models import LoraSettings
+
+    model_dir = build_tiny_model(tmp_path / "model", seed=3)
+    mod = AmirGRPOModule(policy=HFModel(str(model_dir)), lora=LoraSettings(r=4, alpha=8, dropout=0.5))
+    mod.configure_model()
+    with torch.no_grad():
+        for name, p in mod.policy.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.5 * torch.randn_like(p))  # adapters that matter, so dropout on them would show
+    batch = build_micro_batches(make_groups(mod), 4, 1, mod.pad_token_id)[0]
+    first, second = mod.policy_logps(batch), mod.policy_logps(batch)
+    assert mod.policy.training  # restored
+    torch.testing.assert_close(first, second, atol=0, rtol=0)
+    prompt, completion = batch.input_ids[0, :3].tolist(), batch.completion_ids[0, :2].tolist()
+    assert mod.score_tokens(prompt, completion) == mod.score_tokens(prompt, completion)
+    mod.policy.eval()
+    torch.testing.assert_close(mod.policy_logps(batch), first)
+
+
+def test_full_fine_tuning_does_not_decay_biases_and_norm_weights(tmp_path):
+    model_dir = build_tiny_model(tmp_path / "model", seed=3)
+    mod = AmirGRPOModule(
+        policy=HFModel(str(model_dir)), optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+    )
+    mod.configure_model()
+    decayed, flat = mod.configure_optimizers().param_groups
+    assert decayed["weight_decay"] == 0.1 and flat["weight_decay"] == 0.0
+    names = {id(p): n for n, p in mod.policy.named_parameters()}
+    assert {names[id(p)].rsplit(".", 1)[0].rsplit(".", 1)[-1] for p in flat["params"]} >= {"norm", "input_layernorm"}
+    assert all("bias" in names[id(p)] or "norm" in names[id(p)] for p in flat["params"])
+    assert all(p.ndim == 2 for p in decayed["params"])

@@ -10,6 +10,7 @@ values can differ from them by one ulp, which the 1e-4 epsilon would blow up to 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -24,11 +25,26 @@ def _check_groups(rewards: torch.Tensor, group_size: int) -> None:
         raise ValueError(f"group_size={group_size} must divide the number of completions N={rewards.numel()}")
 
 
+def batch_std(rewards: torch.Tensor, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
+    """Unbiased std of the finite ``rewards`` of the whole batch, across processes when ``all_reduce`` sums over them.
+
+    Each process passes its own rollout's rewards; ``all_reduce`` sums ``[count, sum, sum of squares]`` (float64).
+    A NaN reward (a broken reward function) is left out rather than turning every advantage into NaN.
+    """
+    finite = rewards[rewards.isfinite()].double()  # [n]
+    stats = torch.stack([finite.new_tensor(float(finite.numel())), finite.sum(), finite.square().sum()])  # [3]
+    count, total, squares = (all_reduce(stats) if all_reduce is not None else stats).tolist()
+    if count < 2:
+        return 0.0
+    return max(squares - total * total / count, 0.0) ** 0.5 / (count - 1) ** 0.5
+
+
 def group_advantages(
     rewards: torch.Tensor,
     group_size: int,
     scale: AdvantageScale = "group",
     eps: float = 1e-4,
+    std: float | None = None,
 ) -> torch.Tensor:
     """Standardise rewards within each group of ``group_size`` consecutive completions.
 
@@ -38,6 +54,8 @@ def group_advantages(
         scale: ``"group"`` divides by the group's std, ``"batch"`` by the std of all rewards (TRL's
             ``scale_rewards="batch"``), ``"none"`` only centres (Dr. GRPO).
         eps: Added to the std before dividing.
+        std: For ``"batch"``, the batch's std when the batch spans processes (``batch_std``); default: the std of
+            ``rewards``.
 
     Returns:
         Advantages ``[N]`` in ``float32`` (or the input's float dtype if wider).
@@ -51,7 +69,7 @@ def group_advantages(
         std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(centred[:, :1])  # [B, 1]
         advantages = centred / (std + eps)  # [B, G]
     elif scale == "batch":
-        std = grouped.std() if grouped.numel() > 1 else grouped.new_zeros(())  # []
+        std = batch_std(rewards) if std is None else std
         advantages = centred / (std + eps)  # [B, G]
     elif scale == "none":
         advantages = centred  # [B, G]

@@ -22,7 +22,7 @@ from amir_lightning.data.stream import PromptStream
 from amir_lightning.data.templates import render_prompts
 from amir_lightning.distributed import all_reduce
 from amir_lightning.evaluation.rollout import test_batches, validation_batches
-from amir_lightning.objectives.advantages import group_advantages
+from amir_lightning.objectives.advantages import batch_std, group_advantages
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rewards.math import MathAnswerReward
 from amir_lightning.rollout.arguments import check_arguments
@@ -239,7 +239,7 @@ class RolloutDataModule(LightningDataModule):
         rewards, metrics, correct = score_completions(self.rewards, prompts, completions)
         score_s = time.perf_counter() - start
         # A group with a non-finite reward carries no signal (zero advantage, no pairs): see score_completions.
-        advantages = group_advantages(rewards, self.group_size, self.advantage_scale).nan_to_num(nan=0.0)
+        advantages = self._advantages(rewards)
         self.reward_guard.check(metrics)
         groups = make_groups(prompts, prompt_ids, completions, rewards, advantages, correct)
         zero_std = [bool((g.rewards == g.rewards[0]).all()) for g in groups]
@@ -295,6 +295,14 @@ class RolloutDataModule(LightningDataModule):
                 self._eval_grader = MathAnswerReward()
             found = self._eval_grader
         return found
+
+    def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Group advantages; ``batch`` scaling divides by the std of the global batch, over every process."""
+        std = None
+        if self.advantage_scale == "batch":
+            device = self.trainer.lightning_module.device
+            std = batch_std(rewards, lambda stats: all_reduce(stats, "sum", device))
+        return group_advantages(rewards, self.group_size, self.advantage_scale, std=std).nan_to_num(nan=0.0)
 
     def _log(self, metrics: dict[str, float]) -> dict[str, float]:
         """Log rollout metrics averaged over processes; every process must call it."""

@@ -1,4 +1,11 @@
-"""Rollout engine on transformers' ``generate``: slow, but needs nothing beyond transformers (parity, no-vLLM hosts)."""
+"""Rollout engine on transformers' ``generate``: slow, but needs nothing beyond transformers (parity, no-vLLM hosts).
+
+On-policy by construction: ``generate`` fills every unset option from the model's own ``generation_config`` (a
+checkpoint's ``repetition_penalty``, ``no_repeat_ngram_size`` or ``top_k`` would bend the sampling away from the
+policy the trainer scores), so the engine replaces that configuration with a neutral one that keeps only the stop
+tokens (every EOS id the checkpoint lists, as vLLM stops on), and passes the sampling settings explicitly. The
+reported log-probs are those of the distribution actually sampled from (the processed scores).
+"""
 
 from __future__ import annotations
 
@@ -30,11 +37,18 @@ class HFEngine(RolloutEngine):
         self.model = None
 
     def start(self, model_dir: Path, seed: int) -> None:  # noqa: D102
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, self.dtype))
         self.model.to(self.device).eval().requires_grad_(False)
+        listed = self.model.generation_config.eos_token_id
+        listed = listed if isinstance(listed, list) else [listed]
+        self.eos_ids = sorted({i for i in [*listed, self.tokenizer.eos_token_id] if i is not None})
+        tok = self.tokenizer
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        # Nothing of the checkpoint's sampling defaults survives: generate() fills unset options from this one.
+        self.model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
         del seed  # sampling uses the global RNG, which the rollout data module seeds before every rollout
         self._started = True
 
@@ -57,8 +71,7 @@ class HFEngine(RolloutEngine):
         return out
 
     def _generate_batch(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        eos = self.tokenizer.eos_token_id
+        pad, eos = self.pad_id, set(self.eos_ids)
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
         attention = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -71,21 +84,19 @@ class HFEngine(RolloutEngine):
             do_sample=True,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
-            top_k=sampling.top_k or None,
+            top_k=sampling.top_k,  # 0: off (the global default would be 50)
             max_new_tokens=sampling.max_new_tokens,
             return_dict_in_generate=True,
-            output_logits=True,
-            pad_token_id=pad,
-            eos_token_id=eos,
+            output_scores=True,
         )
         generated = result.sequences[:, width:].cpu()  # [b, T']
-        logits = torch.stack(result.logits, dim=1).float()  # [b, T', V] raw logits
-        logps = torch.log_softmax(logits / sampling.temperature, dim=-1)
+        scores = torch.stack(result.scores, dim=1).float()  # [b, T', V] the processed scores that were sampled
+        logps = torch.log_softmax(scores, dim=-1)
         picked = logps.gather(-1, generated.to(logps.device).unsqueeze(-1)).squeeze(-1).cpu()  # [b, T']
         completions = []
         for row in range(len(prompts)):
             ids = generated[row].tolist()
-            stop = ids.index(eos) + 1 if eos in ids else None
+            stop = next((t + 1 for t, token in enumerate(ids) if token in eos), None)
             ids = ids[:stop] if stop else ids
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             reason = "stop" if stop else "length"
