@@ -19,6 +19,7 @@ STAT_KEYS = {
     "pg_scale": "train/pg_scale",
     "pair_loss": "amir/pair_loss",
     "pair_term": "amir/pair_term",
+    "pair_grad": "amir/pair_grad",
     "lambda": "amir/lambda",
     "pair_acc": "amir/implicit_acc",  # z > 0, reference included; the PairMarginMonitor logs amir/pair_acc
     "engine_kl": "rollout/engine_trainer_kl",  # k3 KL(engine || trainer) per sampled token

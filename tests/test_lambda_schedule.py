@@ -1,17 +1,19 @@
-"""The adaptive lambda controller: official band rule, made robust to the ~0 signed GRPO loss."""
+"""The adaptive lambda controller: a band on the pair term's gradient share, tested on a real run's statistics."""
 
+import json
 import random
+from pathlib import Path
 
 import torch
 
 from amir_lightning.objectives import AmirGRPOLoss
 
 
-def step(loss, pair_loss, pg_scale, num_pairs=3.0, pg_loss=0.0):
+def step(loss, pair_grad, pg_scale, num_pairs=3.0, pg_loss=0.0):
     f64 = torch.float64
     loss.end_step(
         {
-            "pair_loss": torch.tensor(pair_loss, dtype=f64),
+            "pair_grad": torch.tensor(pair_grad, dtype=f64),
             "pg_scale": torch.tensor(pg_scale, dtype=f64),
             "num_pairs": torch.tensor(num_pairs),
             "pg_loss": torch.tensor(pg_loss),
@@ -21,14 +23,16 @@ def step(loss, pair_loss, pg_scale, num_pairs=3.0, pg_loss=0.0):
 
 
 def test_band_rule_hand_computed():
-    """lambda 0.01, pair loss 0.69, M 0.05: ratio 0.138 < 0.3 -> x1.25 = 0.0125 (EMA starts at the first M).
+    """lambda 0.01, pair gradient mass 0.19, M 0.5: share 0.0038 < 0.005 -> x1.25 = 0.0125 (EMA starts at M).
 
-    Then M 0.01: EMA = 0.9 * 0.05 + 0.1 * 0.01 = 0.046, ratio 0.0125 * 0.69 / 0.046 = 0.1875 -> x1.25 = 0.015625.
+    Then M 0.3: EMA = 0.9 * 0.5 + 0.1 * 0.3 = 0.48, share 0.0125 * 0.19 / 0.48 = 0.00495 -> x1.25 = 0.015625;
+    then M 0.05: EMA 0.437, share 0.0068 is inside the band 0.005-0.015: lambda stays.
     """
     loss = AmirGRPOLoss(lambda_=0.01)
-    assert abs(step(loss, 0.69, 0.05) - 0.0125) < 1e-12
-    assert abs(float(loss.pg_scale_ema) - 0.05) < 1e-12
-    assert abs(step(loss, 0.69, 0.01) - 0.015625) < 1e-12
+    assert abs(step(loss, 0.19, 0.5) - 0.0125) < 1e-12
+    assert abs(float(loss.pg_scale_ema) - 0.5) < 1e-12
+    assert abs(step(loss, 0.19, 0.3) - 0.015625) < 1e-12
+    assert abs(step(loss, 0.19, 0.05) - 0.015625) < 1e-12
 
 
 def test_shrinks_above_band_and_clamps():
@@ -44,7 +48,7 @@ def test_no_pairs_or_fixed_schedule_keep_lambda():
     loss = AmirGRPOLoss(lambda_=0.01)
     assert step(loss, 0.0, 0.05, num_pairs=0.0) == 0.01
     fixed = AmirGRPOLoss(lambda_=0.01, lambda_schedule="fixed")
-    assert step(fixed, 0.69, 0.05) == 0.01
+    assert step(fixed, 0.19, 0.5) == 0.01
 
 
 def official_update(lam, pair_loss, signed_grpo_loss):
@@ -58,7 +62,7 @@ def official_update(lam, pair_loss, signed_grpo_loss):
 
 
 def test_settles_where_the_official_rule_random_walks():
-    """Same stream of steps: signed GRPO loss ~ N(0, 0.01) (on-policy noise), magnitude M ~ 0.05 +- 5 %.
+    """Same stream of steps: signed GRPO loss ~ N(0, 0.01) (on-policy noise), magnitude M ~ 0.5 +- 5 %.
 
     Ours converges into the band and then holds lambda fixed; the official rule keeps moving between its bounds.
     """
@@ -67,21 +71,44 @@ def test_settles_where_the_official_rule_random_walks():
     ours_trace, official_trace = [], []
     for _ in range(200):
         signed = rng.gauss(0.0, 0.01)
-        scale = 0.05 * (1 + rng.uniform(-0.05, 0.05))
-        ours_trace.append(step(ours, 0.69, scale, pg_loss=signed))
+        scale = 0.5 * (1 + rng.uniform(-0.05, 0.05))
+        ours_trace.append(step(ours, 0.19, scale, pg_loss=signed))
         official = official_update(official, 0.69, signed)
         official_trace.append(official)
     tail = ours_trace[50:]
     assert max(tail) == min(tail)  # settled
-    assert 0.3 <= tail[-1] * 0.69 / 0.05 <= 0.7 * 1.06
+    assert 0.005 <= tail[-1] * 0.19 / 0.5 <= 0.015 * 1.06
     changes = sum(a != b for a, b in zip(official_trace[50:], official_trace[51:]))
     assert changes > 50  # the official controller keeps jumping
 
 
 def test_state_round_trips_through_state_dict():
     loss = AmirGRPOLoss(lambda_=0.01)
-    step(loss, 0.69, 0.05)
+    step(loss, 0.19, 0.5)
     restored = AmirGRPOLoss(lambda_=0.01)
     restored.load_state_dict(loss.state_dict())
     assert float(restored.lambda_value) == float(loss.lambda_value) == 0.0125
-    assert float(restored.pg_scale_ema) == 0.05
+    assert float(restored.pg_scale_ema) == 0.5
+
+
+def test_on_a_real_runs_statistics_lambda_moves_inside_its_bounds():
+    """The per-step statistics of `make demo` (tests/fixtures/demo_lambda_stats.json): the pair gradient mass stays
+    at 0.18-0.19 while the policy-gradient magnitude falls from 0.8 to 0.08 as groups lose reward variance.
+
+    The previous controller (lambda * L_pref against M, band 0.3-0.7) pinned lambda at lambda_max on every step; this
+    one leaves the bounds from either start (the demo's 0.05, qwen.yaml's 0.01) and lowers lambda as M falls.
+    """
+    steps = json.loads((Path(__file__).parent / "fixtures" / "demo_lambda_stats.json").read_text())["steps"]
+    previous, ema = 0.05, None
+    for s in steps:  # the previous rule, for the record
+        ema = s["pg_scale"] if ema is None else 0.9 * ema + 0.1 * s["pg_scale"]
+        share = previous * s["pair_loss"] / ema
+        previous = min(0.05, max(0.005, previous * (1.25 if share < 0.3 else 0.8 if share > 0.7 else 1.0)))
+        assert previous == 0.05
+    for start in (0.05, 0.01):
+        loss = AmirGRPOLoss(lambda_=start)
+        trace = [step(loss, s["pair_grad"], s["pg_scale"], s["num_pairs"]) for s in steps]
+        assert all(0.005 <= lam <= 0.05 for lam in trace)
+        assert sum(0.005 < lam < 0.05 for lam in trace) == len(trace)  # never pinned at a bound
+        assert len(set(trace)) >= 2 and trace[-1] != start  # it moves
+    assert max(trace) >= start * 1.25**3 - 1e-12  # from 0.01 it rises three steps toward the band

@@ -6,13 +6,24 @@
 
 ``l`` comes from the token log-probs of the GRPO forward pass: no second forward, ever.
 
-The adaptive lambda schedule keeps ``lambda * L_pref / M`` inside a band by multiplying lambda by ``lambda_up`` or
-``lambda_down`` once per step (official constants: band 0.30-0.70, x1.25 / x0.8, bounds 0.005-0.05).
-Deliberate deviations from the official controller (AmirHosseinYari2002/AMIR-GRPO, Train/trainer.py):
-- The denominator is ``M``, an exponential moving average of the policy-gradient magnitude
-  ``agg(|min(rho A, clip(rho) A)|)``, not the signed GRPO loss. On-policy the signed loss is
-  ``-mean(A) + beta KL``, about zero with a random sign (exactly zero for ``grpo`` aggregation over whole
-  groups), so the official ratio explodes or flips and lambda random-walks between its bounds.
+The adaptive lambda schedule keeps the pair term's pull at a set share of the policy gradient's: once per step,
+with ``rho = lambda * |grad L_pref| / M``, lambda is multiplied by ``lambda_up`` when ``rho < ratio_low`` and by
+``lambda_down`` when ``rho > ratio_high``, then clamped to ``[lambda_min, lambda_max]``. ``|grad L_pref|`` is the
+gradient mass of the pair loss on the token log-probs (``sum_it |dL_pref / d logp_it|``, the ``pair_grad`` stat)
+and ``M`` an exponential moving average of the policy gradient's (``pg_scale``, ``agg(|min(rho A, clip A)|)``).
+
+Deliberate deviations from the official controller (AmirHosseinYari2002/AMIR-GRPO, Train/trainer.py), which
+compares ``lambda * L_pref`` with the signed GRPO loss, band 0.30-0.70, x1.25 / x0.8, bounds 0.005-0.05:
+- The official band cannot be met inside the official bounds. On-policy the signed GRPO loss is ``-mean(A) + beta
+  KL``, about zero with a random sign, so its ratio explodes or flips and lambda random-walks. Against the
+  policy-gradient magnitude instead, ``L_pref`` stays near log 2 (``pair_beta`` 0.2 keeps ``z`` small) and the
+  band needs lambda 0.35-0.9; measured in ``make demo``, lambda sat at ``lambda_max`` for all 12 steps.
+- So the statistic is the gradient share ``rho`` and the default band 0.005-0.015: the pair term pulls 0.5-1.5 %
+  as hard as the policy gradient, which is where the official lambda range puts it. Measured in ``make demo``
+  (tests/fixtures/demo_lambda_stats.json): ``|grad L_pref|`` stays at 0.18-0.19 (a mean over pairs) while ``M``
+  falls from 0.8 to 0.08 as groups lose reward variance, so the pair term's share grows tenfold unless lambda
+  follows. Replayed on those statistics, lambda goes 0.05 -> 0.04 -> 0.032 from the demo's start and 0.01 ->
+  0.0195 from qwen.yaml's, off its bounds at every step (tests/test_lambda_schedule.py).
 - lambda is updated once per optimisation step, after it, from the step's pooled values, and used from the next
   step: the gradient of a step then does not depend on how it was split into micro-batches (the official code
   compares the full pair loss with one micro-batch's GRPO loss).
@@ -66,8 +77,8 @@ class AmirGRPOLoss(GRPOLoss):
         lambda_schedule: ``fixed`` or ``adaptive`` (module docstring).
         lambda_min: Lower bound of the adaptive lambda.
         lambda_max: Upper bound of the adaptive lambda.
-        ratio_low: Below this ratio ``lambda * L_pref / M`` lambda grows.
-        ratio_high: Above this ratio lambda shrinks.
+        ratio_low: Below this gradient share ``lambda * |grad L_pref| / M`` lambda grows.
+        ratio_high: Above this share lambda shrinks.
         lambda_up: Growth factor.
         lambda_down: Shrink factor.
         scale_ema: Decay of the moving average ``M`` of the policy-gradient magnitude.
@@ -94,8 +105,8 @@ class AmirGRPOLoss(GRPOLoss):
         lambda_schedule: LambdaSchedule = "adaptive",
         lambda_min: float = 0.005,
         lambda_max: float = 0.05,
-        ratio_low: float = 0.30,
-        ratio_high: float = 0.70,
+        ratio_low: float = 0.005,
+        ratio_high: float = 0.015,
         lambda_up: float = 1.25,
         lambda_down: float = 0.8,
         scale_ema: float = 0.9,
@@ -255,12 +266,15 @@ class AmirGRPOLoss(GRPOLoss):
             "pair_acc": (neg_z < 0).logical_and_(valid).sum().to(logps.dtype) / denom,
             "pair_margin": margins.sum() / denom,
             "pair_reward_gap": gaps.to(logps.dtype).nan_to_num_().mul_(on).sum() / denom,
+            # Gradient mass of L_pref on the log-probs, sum_it |dL_pref / d logp_it|: the pair term's pull, to set
+            # against the policy gradient's (pg_scale) at the same scale.
+            "pair_grad": (row_grad.abs() * mask.sum(-1)).sum(),
         }
         return pair_loss, row_grad, stats
 
     @torch.no_grad()
     def end_step(self, step_stats: dict[str, torch.Tensor]) -> None:
-        """Update lambda from the step's pooled ``pair_loss`` and ``pg_scale`` (steps without pairs are skipped)."""
+        """Update lambda from the step's pooled ``pair_grad`` and ``pg_scale`` (steps without pairs are skipped)."""
         if self.lambda_schedule == "fixed" or float(step_stats.get("num_pairs", 0.0)) == 0.0:
             return
         scale = float(step_stats["pg_scale"])
@@ -268,7 +282,7 @@ class AmirGRPOLoss(GRPOLoss):
         ema = scale if ema < 0 else self.scale_ema * ema + (1.0 - self.scale_ema) * scale
         self.pg_scale_ema.fill_(ema)
         lam = float(self.lambda_value)
-        ratio = lam * float(step_stats["pair_loss"]) / max(ema, 1e-8)
+        ratio = lam * float(step_stats["pair_grad"]) / max(ema, 1e-8)
         if ratio < self.ratio_low:
             lam *= self.lambda_up
         elif ratio > self.ratio_high:
