@@ -113,7 +113,7 @@ def committed(answer: str) -> str:
     """
     main = clean(answer)
     if not _WORD.search(_COMMAND.sub("", main)):  # no prose beyond LaTeX commands and one-letter variables
-        return main
+        return normalise_number(main)
     numbers = _numbers(main)
     if not numbers:
         return main
