@@ -7,11 +7,13 @@ amir fit --config configs/qwen.yaml --model.loss amir_lightning.objectives.GRPOL
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import sys
 
 from jsonargparse import lazy_instance
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import ArgsType, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -19,8 +21,11 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from amir_lightning.checkpointing import install_atomic_checkpoints
 from amir_lightning.models.precision import check_strategy
 from amir_lightning.module import AmirGRPOModule
+from amir_lightning.preflight import check_checkpoint, check_config_files, check_trainer
 from amir_lightning.rollout.datamodule import RolloutDataModule
 from amir_lightning.rollout.sync import StaleEngineError
+
+log = logging.getLogger(__name__)
 
 TRAINER_DEFAULTS = {
     "reload_dataloaders_every_n_epochs": 1,  # one epoch == one rollout
@@ -39,23 +44,8 @@ USER_ERRORS = (
     PermissionError,
     ModuleNotFoundError,
     StaleEngineError,
+    MisconfigurationException,  # Lightning's word for a bad trainer argument
 )
-
-
-def _check_config_files(argv: list[str]) -> None:
-    """Parse every ``--config`` file first, so that a YAML error names the file (jsonargparse names a string)."""
-    import yaml
-
-    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
-    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
-    for path in paths:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                yaml.safe_load(fh)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"config file {path} does not exist") from None
-        except yaml.YAMLError as err:
-            raise ValueError(f"config file {path} is not valid YAML: {err}") from None
 
 
 def user_message(err: BaseException) -> str:
@@ -88,15 +78,36 @@ class AmirCLI(LightningCLI):
             help="Run validation once before training (held-out accuracy of the initial policy).",
         )
 
+    def parse_arguments(self, parser, args) -> None:  # noqa: D102
+        super().parse_arguments(parser, args)
+        self.given = copy.deepcopy(self.config)  # before --ckpt_path's saved hyperparameters are laid over it
+        subcommand = self.config.get("subcommand")
+        if subcommand:  # Lightning reads the checkpoint next: a text file there would raise from torch
+            check_checkpoint(self.config[subcommand].get("ckpt_path"))
+
     def before_instantiate_classes(self) -> None:  # noqa: D102
         config = self.config.get(self.subcommand) if self.subcommand else None
         if config is None:
             return
         if "weights_only" in config and config["weights_only"] is None:
             config["weights_only"] = True  # checkpoints are loaded as data, never as code
+        # Before Lightning builds the trainer or reads the checkpoint, so the message is ours and comes first.
+        check_trainer(config["trainer"])
         strategy = config["trainer"]["strategy"]
-        # Before Lightning builds the trainer, so the message is this one whatever the accelerator.
         check_strategy(strategy if isinstance(strategy, str) else strategy.get("class_path", ""))
+        self._keep_given_model_values(config)
+
+    def _keep_given_model_values(self, config) -> None:
+        """On resume, the values given to this run win over the checkpoint's saved ones (Lightning: the reverse)."""
+        given = self.given[self.subcommand]["model"]
+        changed = [
+            f"model.{key} {given[key]!r} (checkpoint: {config['model'][key]!r})"
+            for key in given.keys()
+            if key in config["model"] and config["model"][key] != given[key]
+        ]
+        if changed:
+            log.warning("resuming with the values given to this run, not the checkpoint's: %s", "; ".join(changed))
+            config["model"] = given
 
     def instantiate_trainer(self, **kwargs):  # noqa: D102
         trainer = super().instantiate_trainer(**kwargs)
@@ -119,7 +130,7 @@ def main(args: ArgsType = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        _check_config_files(argv or [])
+        check_config_files(argv or [])
         AmirCLI(
             AmirGRPOModule,
             RolloutDataModule,
@@ -132,7 +143,8 @@ def main(args: ArgsType = None) -> None:
         # Bad input is reported in one line that names the key or file; AMIR_DEBUG=1 shows the traceback.
         if os.environ.get("AMIR_DEBUG"):
             raise
-        sys.stderr.write(f"amir: error: {user_message(err)}\n(set AMIR_DEBUG=1 for the traceback)\n")
+        prefix = "trainer: " if isinstance(err, MisconfigurationException) else ""
+        sys.stderr.write(f"amir: error: {prefix}{user_message(err)}\n(set AMIR_DEBUG=1 for the traceback)\n")
         raise SystemExit(2) from None
 
 

@@ -37,9 +37,11 @@ from amir_lightning.models.loading import (
 from amir_lightning.models.precision import autocast, check_strategy, dtype_by_name, take_over_precision
 from amir_lightning.models.sources import ModelSource
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, selective_log_softmax, token_entropy
+from amir_lightning.preflight import check_compatible
 from amir_lightning.rollout.batch import RolloutBatch
 from amir_lightning.step import StepAccumulator, metric_names
 from amir_lightning.tracking import log_metrics
+from amir_lightning.validation import check_number, raise_errors
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +102,12 @@ class AmirGRPOModule(LightningModule):
         self._fsdp2 = False  # whether configure_model sharded the policy (FSDP2 then casts for compute)
         self.temperature, self.max_grad_norm = temperature, max_grad_norm
         self.logprob_chunk_size, self.log_entropy, self.export_dir = logprob_chunk_size, log_entropy, export_dir
-        if max_bad_steps < 1:
-            raise ValueError(f"model.max_bad_steps must be >= 1, got {max_bad_steps}")
+        errors: list[str] = []
+        check_number(errors, "model.max_grad_norm", max_grad_norm, gt=0, optional=True)
+        check_number(errors, "model.temperature", temperature, gt=0)
+        check_number(errors, "model.logprob_chunk_size", logprob_chunk_size, ge=1)
+        check_number(errors, "model.max_bad_steps", max_bad_steps, ge=1)
+        raise_errors(errors)
         self.max_bad_steps = max_bad_steps
         self.policy = None
         self._reference: tuple = ()  # not a registered submodule: never trained, never checkpointed
@@ -322,6 +328,8 @@ class AmirGRPOModule(LightningModule):
         checkpoint["amir"] = {"random_states": random_states(), "skipped_steps": self._skipped_steps}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:  # noqa: D102
+        if "state_dict" in checkpoint:  # a distributed checkpoint is loaded by the strategy, shard by shard
+            check_compatible(self.state_dict(), checkpoint["state_dict"], self.trainer.ckpt_path)
         if "amir" in checkpoint:
             restore_random_states(checkpoint["amir"]["random_states"])
             self._skipped_steps = checkpoint["amir"]["skipped_steps"]

@@ -138,9 +138,99 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("case", "extra", "expected"), CASES, ids=[c[0] for c in CASES])
-def test_bad_input_gives_one_clear_message(case, extra, expected, tmp_path, monkeypatch, capsys):
-    paths = files(tmp_path)
+def more_files(tmp: Path) -> dict[str, str]:
+    """Files of the second table: undecodable, empty, wrongly typed, and checkpoints that are not ours."""
+    import torch
+
+    (tmp / "latin1.yaml").write_bytes("trainer: {max_epochs: 1}  # caf\xe9\n".encode("latin-1"))
+    (tmp / "latin1.jsonl").write_bytes('{"question": "caf\xe9", "answer": "1"}\n'.encode("latin-1"))
+    (tmp / "empty.yaml").write_text("")
+    (tmp / "object_question.jsonl").write_text(json.dumps({"question": {"text": "2+2"}, "answer": "4"}) + "\n")
+    (tmp / "list_question.jsonl").write_text(json.dumps({"question": ["2+2"], "answer": "4"}) + "\n")
+    (tmp / "bool_answer.jsonl").write_text(json.dumps({"question": "Is 2 even?", "answer": True}) + "\n")
+    (tmp / "text.ckpt").write_text("not a checkpoint\n")
+    torch.save({"state_dict": {}, "epoch": 0, "global_step": 0}, tmp / "whole.ckpt")
+    whole = (tmp / "whole.ckpt").read_bytes()
+    (tmp / "truncated.ckpt").write_bytes(whole[: len(whole) // 2])
+    foreign = {"policy.model.embed_tokens.weight": torch.zeros(7, 16), "policy.lm_head.weight": torch.zeros(7, 16)}
+    torch.save(
+        {"state_dict": foreign, "epoch": 0, "global_step": 1, "pytorch-lightning_version": "2.6.6"}, tmp / "o.ckpt"
+    )
+    names = ("latin1.yaml", "latin1.jsonl", "empty.yaml", "object_question.jsonl", "list_question.jsonl")
+    names += ("bool_answer.jsonl", "text.ckpt", "truncated.ckpt", "o.ckpt")
+    return {name: str(tmp / name) for name in names}
+
+
+RG = "amir_lightning.rewards.MathAnswerReward"
+# The second table: bad inputs a new user tried after the first table existed (NaN and infinities, Lightning's own
+# errors, the OS, undecodable files, wrongly typed data, foreign checkpoints). Same runner, same rules.
+MORE_CASES = [
+    ("negative grad clip", ["--model.max_grad_norm", "-1"], "model.max_grad_norm must be > 0 or null, got -1"),
+    ("NaN grad clip", ["--model.max_grad_norm", ".nan"], "model.max_grad_norm must be > 0 or null, got nan"),
+    ("infinite margin", ["--model.loss.init_args.margin", ".inf"], "model.loss.init_args.margin must be finite"),
+    ("NaN lambda", ["--model.loss.init_args.lambda_", ".nan"], "model.loss.init_args.lambda_ must be >= 0, got nan"),
+    ("infinite pair beta", ["--model.loss.init_args.pair_beta", ".inf"], "pair_beta must be finite"),
+    ("NaN KL", ["--model.loss.init_args.beta", ".nan"], "model.loss.init_args.beta (KL coefficient) must be >= 0"),
+    ("infinite lambda_up", ["--model.loss.init_args.lambda_up", ".inf"], "lambda_up must be finite"),
+    ("NaN epsilon_high", ["--model.loss.init_args.epsilon_high", ".nan"], "epsilon_high must be >= 0 or null, got nan"),
+    ("NaN ratio band", ["--model.loss.init_args.ratio_high", ".nan"], "need 0 <= ratio_low < ratio_high"),
+    ("NaN sampling cap", ["--model.loss.init_args.sampling_cap", ".nan"], "sampling_cap must be >= 1"),
+    ("NaN temperature", ["--data.sampling.temperature", ".nan"], "sampling.temperature must be > 0, got nan"),
+    ("infinite temperature", ["--data.sampling.temperature", ".inf"], "sampling.temperature must be finite"),
+    ("NaN top_p", ["--data.sampling.top_p", ".nan"], "sampling.top_p must be in (0, 1]"),
+    ("negative top_k", ["--data.sampling.top_k", "-3"], "sampling.top_k must be >= 0"),
+    ("NaN eval temperature", ["--data.val_sampling", "{temperature: .nan}"], "sampling.temperature must be > 0"),
+    ("zero logprob chunk", ["--model.logprob_chunk_size", "0"], "model.logprob_chunk_size must be >= 1, got 0"),
+    ("NaN LoRA dropout", ["--model.lora", "{r: 4, dropout: .nan}"], "model.lora needs r >= 1"),
+    ("infinite LoRA alpha", ["--model.lora", "{r: 4, alpha: .inf}"], "alpha"),
+    ("NaN sync tolerance", ["--data.sync_tolerance", ".nan"], "data.sync_tolerance must be > 0 or null"),
+    ("infinite sync tolerance", ["--data.sync_tolerance", ".inf"], "data.sync_tolerance must be finite"),
+    ("zero engine context", ["--data.engine.init_args.max_model_len", "0"], "init_args.max_model_len must be >= 1"),
+    ("GPU share above one", ["--data.engine.init_args.gpu_memory_utilization", "1.5"], "gpu_memory_utilization"),
+    ("negative KV cache", ["--data.engine.init_args.kv_cache_memory_bytes", "-1"], "kv_cache_memory_bytes must be"),
+    ("zero sequences", ["--data.engine.init_args.max_num_seqs", "0"], "init_args.max_num_seqs must be >= 1"),
+    ("NaN reward weight", ["--data.rewards", f"[{{class_path: {RG}, init_args: {{weight: .nan}}}}]"], "weight"),
+    ("zero grading timeout", ["--data.rewards", f"[{{class_path: {RG}, init_args: {{timeout_s: 0}}}}]"], "timeout_s"),
+    ("no grading workers", ["--data.rewards", f"[{{class_path: {RG}, init_args: {{num_workers: 0}}}}]"], "num_workers"),
+    ("negative max_epochs", ["--trainer.max_epochs", "-5"], "trainer.max_epochs"),
+    ("validation every 0 epochs", ["--trainer.check_val_every_n_epoch", "0"], "trainer.check_val_every_n_epoch"),
+    ("zero devices", ["--trainer.devices", "0"], "trainer: `Trainer(devices='0')` value is not a valid input"),
+    ("unknown accelerator", ["--trainer.accelerator", "tpu"], "trainer.accelerator must be one of auto, cpu, gpu"),
+    ("config is a directory", ["--config", "@no_config@"], "is a directory"),
+    ("empty config file", ["--config", "@empty.yaml@"], "empty.yaml is empty"),
+    ("undecodable config", ["--config", "@latin1.yaml@"], "latin1.yaml is not UTF-8"),
+    ("undecodable JSONL", ["--data.prompts", JSONL, "--data.prompts.init_args.path", "@latin1.jsonl@"], "latin1.jsonl"),
+    (
+        "question is an object",
+        ["--data.prompts", JSONL, "--data.prompts.init_args.path", "@object_question.jsonl@"],
+        "object_question.jsonl:1: field 'question' must be text, got an object",
+    ),
+    (
+        "question is a list",
+        ["--data.prompts", JSONL, "--data.prompts.init_args.path", "@list_question.jsonl@"],
+        "list_question.jsonl:1: field 'question' must be text, got a list",
+    ),
+    (
+        "answer is a boolean",
+        ["--data.prompts", JSONL, "--data.prompts.init_args.path", "@bool_answer.jsonl@"],
+        "bool_answer.jsonl:1: field 'answer' must be text or a number, got a boolean",
+    ),
+    (
+        "template without its placeholder",
+        ["--data.prompts", ARITH, "--data.prompts.init_args.template", "What is it?"],
+        "template must contain '{expression}'",
+    ),
+    ("checkpoint is text", ["--ckpt_path", "@text.ckpt@"], "text.ckpt is not a checkpoint"),
+    ("checkpoint truncated", ["--ckpt_path", "@truncated.ckpt@"], "truncated.ckpt is not a checkpoint"),
+    ("checkpoint missing", ["--ckpt_path", "/nonexistent/last.ckpt"], "/nonexistent/last.ckpt"),
+    ("checkpoint of another model", ["--ckpt_path", "@o.ckpt@"], "o.ckpt was written by another model"),
+    ("NaN heldout fraction", ["--data.prompts", ARITH, "--data.prompts.init_args.heldout_fraction", ".nan"], "heldout"),
+    ("NaN max bad steps", ["--model.max_bad_steps", ".nan"], "max_bad_steps"),
+]
+
+
+def run_bad_input(extra, expected, tmp_path, monkeypatch, capsys):
+    paths = {**files(tmp_path), **more_files(tmp_path)}
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("AMIR_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("AMIR_DEBUG", raising=False)
@@ -154,6 +244,16 @@ def test_bad_input_gives_one_clear_message(case, extra, expected, tmp_path, monk
     assert exit_info.value.code == 2, err[-2000:]
     assert expected in err, err[-2000:]
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("case", "extra", "expected"), CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gives_one_clear_message(case, extra, expected, tmp_path, monkeypatch, capsys):
+    run_bad_input(extra, expected, tmp_path, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize(("case", "extra", "expected"), MORE_CASES, ids=[c[0] for c in MORE_CASES])
+def test_more_bad_input_gives_one_clear_message(case, extra, expected, tmp_path, monkeypatch, capsys):
+    run_bad_input(extra, expected, tmp_path, monkeypatch, capsys)
 
 
 def test_there_are_at_least_30_cases():

@@ -33,11 +33,25 @@ def _pick_keys(record: dict, question_key: str | None, answer_key: str | None, w
     )
 
 
+_KINDS = {bool: "a boolean", dict: "an object", list: "a list"}
+
+
+def _question_text(value, where: str, key: str) -> str:
+    if isinstance(value, str) and value.strip():
+        return value
+    if value is None or isinstance(value, str):
+        raise DataFileError(f"{where}: field {key!r} is empty")
+    raise DataFileError(f"{where}: field {key!r} must be text, got {_KINDS.get(type(value), type(value).__name__)}")
+
+
 def _answer_text(value, where: str, key: str) -> str:
     if isinstance(value, list):  # OlympiadBench lists final answers
         value = value[0] if value else None
     if value is None or (isinstance(value, str) and not value.strip()):
         raise DataFileError(f"{where}: field {key!r} is empty")
+    if isinstance(value, bool | dict | list):
+        kind = _KINDS[type(value)]
+        raise DataFileError(f"{where}: field {key!r} must be text or a number, got {kind}")
     return str(value)
 
 
@@ -60,26 +74,29 @@ class JsonlPrompts(PromptSource):
             raise FileNotFoundError(f"prompt file {self.path} does not exist (data.prompts.init_args.path)")
         self.items: list[Prompt] = []
         keys: tuple[str, str] | None = None
-        with self.path.open(encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                where = f"{self.path}:{lineno}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DataFileError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
-                if not isinstance(record, dict):
-                    raise DataFileError(f"{where}: expected a JSON object, got {type(record).__name__}")
-                keys = keys or _pick_keys(record, question_key, answer_key, where)
-                q, a = keys
-                if q not in record or a not in record:
-                    missing = q if q not in record else a
-                    raise DataFileError(f"{where}: missing field {missing!r} (keys: {sorted(record)})")
-                question = _answer_text(record[q], where, q)
-                self.items.append(Prompt(question, _answer_text(record[a], where, a), {"source": where}))
-                if limit is not None and len(self.items) >= limit:
-                    break
+        for lineno, raw in enumerate(self.path.read_bytes().splitlines(), 1):
+            where = f"{self.path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataFileError(f"{where}: not UTF-8 text (byte {err.start + 1} of the line)") from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataFileError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
+            if not isinstance(record, dict):
+                raise DataFileError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            keys = keys or _pick_keys(record, question_key, answer_key, where)
+            q, a = keys
+            if q not in record or a not in record:
+                missing = q if q not in record else a
+                raise DataFileError(f"{where}: missing field {missing!r} (keys: {sorted(record)})")
+            question = _question_text(record[q], where, q)
+            self.items.append(Prompt(question, _answer_text(record[a], where, a), {"source": where}))
+            if limit is not None and len(self.items) >= limit:
+                break
         if not self.items:
             raise DataFileError(f"{self.path}: no prompts (the file is empty)")
 
@@ -135,7 +152,9 @@ class HFDatasetPrompts(PromptSource):
             raise DataFileError(f"dataset {self.label}: missing column(s) {missing} (columns: {ds.column_names})")
         self.items = [
             Prompt(
-                str(row[q]), _answer_text(row[a], f"dataset {self.label} row {i}", a), {"source": f"{self.label}:{i}"}
+                _question_text(row[q], f"dataset {self.label} row {i}", q),
+                _answer_text(row[a], f"dataset {self.label} row {i}", a),
+                {"source": f"{self.label}:{i}"},
             )
             for i, row in enumerate(ds)
         ]

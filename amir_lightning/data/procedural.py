@@ -71,7 +71,7 @@ class ArithmeticPrompts(PromptSource):
             errors.append(f"template must contain '{{expression}}', got {template!r}")
         if split not in ("train", "heldout", "all"):
             errors.append(f"split must be train, heldout or all, got {split!r}")
-        if not 0 < heldout_fraction < 1 and split != "all":
+        if not 0 < heldout_fraction < 1:  # checked even when split is all: a NaN is a typo wherever it stands
             errors.append(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
         if order not in ("random", "enumerate"):
             errors.append(f"order must be random or enumerate, got {order!r}")
@@ -125,7 +125,9 @@ class ArithmeticPrompts(PromptSource):
 
     def _prompt(self, expression: str) -> Prompt:
         answer = str(_evaluate(expression.split()))
-        return Prompt(self.template.format(expression=expression), answer, {"expression": expression})
+        # Only the placeholder is replaced: '{expression}= Put the answer in \\boxed{}.' keeps its other braces.
+        question = self.template.replace("{expression}", expression)
+        return Prompt(question, answer, {"expression": expression})
 
     def describe(self) -> str:  # noqa: D102
         return (

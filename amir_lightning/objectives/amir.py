@@ -46,6 +46,7 @@ from amir_lightning.objectives.policy import (
     LossOutput,
     SamplingCorrection,
 )
+from amir_lightning.validation import check_number, raise_errors
 
 #: Where these arguments live in a YAML config, for error messages.
 _KEY = "model.loss.init_args"
@@ -122,13 +123,14 @@ class AmirGRPOLoss(GRPOLoss):
             sampling_correction=sampling_correction,
             sampling_cap=sampling_cap,
         )
-        errors = []
-        if lambda_ < 0:
-            errors.append(f"{_KEY}.lambda_ must be >= 0, got {lambda_}")
-        if pair_beta <= 0:
-            errors.append(f"{_KEY}.pair_beta must be > 0, got {pair_beta}")
-        if margin < 0:
-            errors.append(f"{_KEY}.margin must be >= 0 (pairs are strictly ordered by reward), got {margin}")
+        errors: list[str] = []
+        check_number(errors, f"{_KEY}.lambda_", lambda_, ge=0)
+        check_number(errors, f"{_KEY}.pair_beta", pair_beta, gt=0)
+        check_number(errors, f"{_KEY}.margin", margin, ge=0)  # pairs are strictly ordered by reward
+        for name, value in (("lambda_min", lambda_min), ("lambda_max", lambda_max), ("lambda_up", lambda_up)):
+            check_number(errors, f"{_KEY}.{name}", value, gt=0)
+        for name, value in (("ratio_low", ratio_low), ("ratio_high", ratio_high), ("lambda_down", lambda_down)):
+            check_number(errors, f"{_KEY}.{name}", value, ge=0)
         if pair_mode not in ("all", "top1"):
             errors.append(f"{_KEY}.pair_mode must be 'all' or 'top1', got {pair_mode!r}")
         if max_pairs_per_group is not None and max_pairs_per_group < 1:
@@ -145,8 +147,7 @@ class AmirGRPOLoss(GRPOLoss):
             errors.append(f"{_KEY}: need lambda_up > 1 and 0 < lambda_down < 1, got {lambda_up} and {lambda_down}")
         if not 0 <= scale_ema < 1:
             errors.append(f"{_KEY}.scale_ema must be in [0, 1), got {scale_ema}")
-        if errors:
-            raise ValueError("; ".join(errors))
+        raise_errors(errors)
         self.pair_beta = pair_beta
         self.margin = margin
         self.pair_mode = pair_mode

@@ -40,6 +40,7 @@ from torch import nn
 from amir_lightning.objectives.aggregation import global_normalizers, row_weights, step_normalizers
 from amir_lightning.objectives.base import LossOutput, WithGrad
 from amir_lightning.objectives.mismatch import mismatch_weights
+from amir_lightning.validation import check_number, raise_errors
 
 #: Where these arguments live in a YAML config, for error messages.
 _KEY = "model.loss.init_args"
@@ -84,21 +85,16 @@ class GRPOLoss(nn.Module):
             errors.append(f"{_KEY}.importance_sampling must be 'token' or 'sequence', got {importance_sampling!r}")
         if not 0 <= epsilon < 1:
             errors.append(f"{_KEY}.epsilon must be in [0, 1), got {epsilon}")
-        if epsilon_high is not None and epsilon_high < 0:
-            errors.append(f"{_KEY}.epsilon_high must be >= 0, got {epsilon_high}")
-        if beta < 0:
-            errors.append(f"{_KEY}.beta (KL coefficient) must be >= 0, got {beta}")
-        if max_completion_length is not None and max_completion_length < 1:
-            errors.append(f"{_KEY}.max_completion_length must be >= 1, got {max_completion_length}")
+        check_number(errors, f"{_KEY}.epsilon_high", epsilon_high, ge=0, optional=True)
+        check_number(errors, f"{_KEY}.beta (KL coefficient)", beta, ge=0)
+        check_number(errors, f"{_KEY}.max_completion_length", max_completion_length, ge=1, optional=True)
         corrections = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
         if sampling_correction not in corrections:
             errors.append(
                 f"{_KEY}.sampling_correction must be one of {', '.join(corrections)}, got {sampling_correction!r}"
             )
-        if not sampling_cap >= 1:
-            errors.append(f"{_KEY}.sampling_cap must be >= 1 (1 keeps no weight above on-policy), got {sampling_cap}")
-        if errors:
-            raise ValueError("; ".join(errors))
+        check_number(errors, f"{_KEY}.sampling_cap", sampling_cap, ge=1)
+        raise_errors(errors)
         self.sampling_correction, self.sampling_cap = sampling_correction, sampling_cap
         self.aggregation = aggregation
         self.epsilon = epsilon

@@ -5,6 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from amir_lightning.validation import check_number, raise_errors
+
 
 class Reward(ABC):
     """Scores completions; the rollout combines rewards as a weighted sum and logs each as ``rollout/reward/<name>``.
@@ -15,6 +17,9 @@ class Reward(ABC):
     """
 
     def __init__(self, weight: float = 1.0, name: str | None = None) -> None:
+        errors: list[str] = []
+        check_number(errors, f"data.rewards: {type(self).__name__}.weight", weight)
+        raise_errors(errors)
         self.weight = float(weight)
         self.name = name or _snake(type(self).__name__.removesuffix("Reward"))
 

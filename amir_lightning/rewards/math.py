@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rewards.grading import grade_answer
 from amir_lightning.rewards.sandbox import SandboxedGrader
+from amir_lightning.validation import check_number, raise_errors
 
 
 class MathAnswerReward(Reward):
@@ -38,6 +39,14 @@ class MathAnswerReward(Reward):
         name: str | None = None,
     ) -> None:
         super().__init__(weight, name)
+        errors: list[str] = []
+        key = "data.rewards: MathAnswerReward"
+        check_number(errors, f"{key}.correct_score", correct_score)
+        check_number(errors, f"{key}.wrong_score", wrong_score)
+        check_number(errors, f"{key}.timeout_s", timeout_s, gt=0)
+        check_number(errors, f"{key}.num_workers", num_workers, ge=1)
+        check_number(errors, f"{key}.memory_mb", memory_mb, ge=64, optional=True)
+        raise_errors(errors)
         self.correct_score, self.wrong_score = correct_score, wrong_score
         self.fallback_last_number = fallback_last_number
         self.grader = SandboxedGrader(timeout_s, num_workers, memory_mb, timeout_score=0.0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from amir_lightning.validation import check_number, raise_errors
+
 
 def check_arguments(
     group_size: int,
@@ -36,7 +38,5 @@ def check_arguments(
         errors.append(f"data.steps_per_rollout ({steps_per_rollout}) > data.prompts_per_epoch ({prompts_per_epoch})")
     if min(eval_ks) < 1 or max(eval_ks) > eval_samples:
         errors.append(f"data.eval_ks {eval_ks} must lie in [1, data.eval_samples={eval_samples}] for pass@k")
-    if sync_tolerance is not None and not sync_tolerance > 0:
-        errors.append(f"data.sync_tolerance must be > 0 or null (calibrated), got {sync_tolerance}")
-    if errors:
-        raise ValueError("; ".join(errors))
+    check_number(errors, "data.sync_tolerance", sync_tolerance, gt=0, optional=True)
+    raise_errors(errors)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from amir_lightning.validation import check_number, raise_errors
+
 
 @dataclass
 class SamplingConfig:
@@ -27,17 +29,13 @@ class SamplingConfig:
     max_new_tokens: int = 256
 
     def __post_init__(self) -> None:
-        errors = []
-        if self.temperature <= 0:
-            errors.append(f"sampling.temperature must be > 0, got {self.temperature}")
+        errors: list[str] = []
+        check_number(errors, "sampling.temperature", self.temperature, gt=0)
         if not 0 < self.top_p <= 1:
             errors.append(f"sampling.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            errors.append(f"sampling.top_k must be >= 0, got {self.top_k}")
-        if self.max_new_tokens < 1:
-            errors.append(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if errors:
-            raise ValueError("; ".join(errors))
+        check_number(errors, "sampling.top_k", self.top_k, ge=0)
+        check_number(errors, "sampling.max_new_tokens", self.max_new_tokens, ge=1)
+        raise_errors(errors)
 
 
 @dataclass

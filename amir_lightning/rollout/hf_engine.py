@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig
+from amir_lightning.validation import check_number, raise_errors
 
 
 class HFEngine(RolloutEngine):
@@ -30,8 +31,9 @@ class HFEngine(RolloutEngine):
     def __init__(
         self, batch_size: int = 64, dtype: str = "float32", device: str | None = None, progress: bool = True
     ) -> None:
-        if batch_size < 1:
-            raise ValueError(f"engine.batch_size must be >= 1, got {batch_size}")
+        errors: list[str] = []
+        check_number(errors, "data.engine.init_args.batch_size", batch_size, ge=1)
+        raise_errors(errors)
         self.batch_size, self.dtype, self.progress = batch_size, dtype, progress
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = None

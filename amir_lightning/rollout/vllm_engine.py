@@ -18,6 +18,7 @@ import torch
 
 from amir_lightning.distributed import world_size
 from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig
+from amir_lightning.validation import check_number, raise_errors
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,14 @@ class VLLMEngine(RolloutEngine):
         max_num_seqs: int = 256,
         progress: bool = True,
     ) -> None:
+        errors: list[str] = []
+        key = "data.engine.init_args"
+        check_number(errors, f"{key}.max_model_len", max_model_len, ge=1)
+        check_number(errors, f"{key}.kv_cache_memory_bytes", kv_cache_memory_bytes, gt=0, optional=True)
+        check_number(errors, f"{key}.gpu_memory_utilization", gpu_memory_utilization, gt=0, le=1)
+        check_number(errors, f"{key}.tensor_parallel_size", tensor_parallel_size, ge=1)
+        check_number(errors, f"{key}.max_num_seqs", max_num_seqs, ge=1)
+        raise_errors(errors)
         self.dtype, self.max_model_len = dtype, max_model_len
         self.kv_cache_memory_bytes, self.gpu_memory_utilization = kv_cache_memory_bytes, gpu_memory_utilization
         self.enforce_eager, self.tensor_parallel_size = enforce_eager, tensor_parallel_size

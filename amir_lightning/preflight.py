@@ -1,0 +1,93 @@
+"""Checks of the command line's inputs before anything is built: config files, trainer limits, checkpoint files.
+
+Each failure is a ``ValueError`` (or ``FileNotFoundError``) whose message names the key or the file, so the CLI
+prints one line instead of a traceback from YAML, Lightning or torch minutes later.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+from amir_lightning.validation import check_number, raise_errors
+
+#: The accelerators a policy trains on here (TPUs and HPUs would need their own strategies).
+_ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+#: ``--ckpt_path`` values Lightning resolves itself.
+_SPECIAL_CHECKPOINTS = ("last", "best", "hpc", "registry")
+
+
+def check_config_files(argv: list[str]) -> None:
+    """Read every ``--config`` file first, so that a bad one is named (jsonargparse would name a string)."""
+    import yaml
+
+    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--config", "-c")]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for path in paths:
+        file = Path(path)
+        if file.is_dir():
+            raise ValueError(f"config file {path} is a directory")
+        try:
+            text = file.read_bytes().decode("utf-8")
+        except FileNotFoundError:
+            raise FileNotFoundError(f"config file {path} does not exist") from None
+        except UnicodeDecodeError as err:
+            byte = err.object[err.start]
+            raise ValueError(f"config file {path} is not UTF-8 text (byte {err.start} is {byte:#x})") from None
+        if not text.strip():
+            raise ValueError(f"config file {path} is empty")
+        try:
+            content = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ValueError(f"config file {path} is not valid YAML: {err}") from None
+        if not isinstance(content, dict):
+            raise ValueError(f"config file {path} must hold a mapping of keys, got {type(content).__name__}")
+
+
+def check_trainer(trainer) -> None:
+    """Limits Lightning would take and fail on later (a negative epoch count, validation every 0 epochs)."""
+    errors: list[str] = []
+    check_number(errors, "trainer.max_epochs", trainer.get("max_epochs"), ge=-1, optional=True)
+    check_number(errors, "trainer.max_steps", trainer.get("max_steps"), ge=-1, optional=True)
+    check_number(errors, "trainer.check_val_every_n_epoch", trainer.get("check_val_every_n_epoch"), ge=1, optional=True)
+    check_number(errors, "trainer.log_every_n_steps", trainer.get("log_every_n_steps"), ge=1, optional=True)
+    accelerator = trainer.get("accelerator")
+    if isinstance(accelerator, str) and accelerator not in _ACCELERATORS:
+        errors.append(f"trainer.accelerator must be one of {', '.join(_ACCELERATORS)}, got {accelerator!r}")
+    raise_errors(errors)
+
+
+def check_checkpoint(path: str | None) -> None:
+    """``--ckpt_path`` must be a checkpoint: a torch file (a zip archive, whole) or a distributed checkpoint folder."""
+    if path is None or path in _SPECIAL_CHECKPOINTS:
+        return
+    file = Path(path)
+    if not file.exists():
+        raise FileNotFoundError(f"--ckpt_path {path} does not exist")
+    if file.is_dir():
+        if not (file / ".metadata").is_file():
+            raise ValueError(f"--ckpt_path {path} is not a checkpoint: a folder without a distributed checkpoint")
+        return
+    try:
+        with zipfile.ZipFile(file) as archive:  # reads the index at the end: a truncated file has none
+            if not any(name.endswith("data.pkl") for name in archive.namelist()):
+                raise zipfile.BadZipFile("no data.pkl")
+    except (zipfile.BadZipFile, OSError) as err:
+        raise ValueError(f"--ckpt_path {path} is not a checkpoint (not a whole torch archive: {err})") from None
+
+
+def check_compatible(own: dict, saved: dict, path: str | None) -> None:
+    """The checkpoint's weights must be this model's: same parameter names and shapes (first difference named)."""
+    where = f"checkpoint {path}" if path else "the checkpoint"
+    for name, tensor in own.items():
+        if name in saved and tuple(saved[name].shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"{where} was written by another model: {name} has shape {tuple(saved[name].shape)} there and "
+                f"{tuple(tensor.shape)} here; resume with the configuration it was trained with"
+            )
+    missing = sorted(name for name in own if name.startswith("policy.") and name not in saved)
+    if missing:
+        raise ValueError(
+            f"{where} was written by another model: it has no {missing[0]} ({len(missing)} of this model's "
+            "weights are missing); resume with the configuration it was trained with"
+        )
