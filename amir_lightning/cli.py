@@ -15,13 +15,19 @@ import sys
 from jsonargparse import lazy_instance
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import ArgsType, LightningCLI
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from amir_lightning.checkpointing import install_atomic_checkpoints
 from amir_lightning.models.precision import check_strategy
 from amir_lightning.module import AmirGRPOModule
-from amir_lightning.preflight import check_checkpoint, check_config_files, check_trainer
+from amir_lightning.preflight import (
+    check_checkpoint,
+    check_compatible,
+    check_config_files,
+    check_trainer,
+    saved_weights,
+)
 from amir_lightning.rollout.datamodule import RolloutDataModule
 from amir_lightning.rollout.sync import StaleEngineError
 
@@ -48,18 +54,33 @@ USER_ERRORS = (
 )
 
 
-def user_message(err: BaseException) -> str:
-    """The useful lines of an input error.
+def user_message(err: BaseException | str) -> str:
+    """The useful part of an input error, on one line.
 
-    jsonargparse reports a failing optional component as a Union mismatch listing every alternative and the whole
-    given value; only the component's own complaint is kept.
+    jsonargparse reports a failing optional component as a Union mismatch listing every alternative (including
+    "a path" and None) and the whole given value; only the component's own complaint is kept.
     """
     text = str(err)
-    if "Does not validate against any of the Union subtypes" not in text:
-        return text
-    reasons = [line.strip()[2:] for line in text.splitlines() if line.strip().startswith("- ")]
-    reasons = [r for r in reasons if not r.startswith("Expected a <class 'NoneType'>")]
-    return "; ".join(reasons) or text
+    if "Does not validate against any of the Union subtypes" in text:
+        head = text.splitlines()[0].strip() if text.startswith("Parser key") else ""
+        errors = text.split("Errors:", 1)[-1].split("Given value type:", 1)[0]
+        reasons = [line.strip().removeprefix("- ") for line in errors.splitlines()]
+        noise = ("Expected a <class 'NoneType'>", "Expected a path but")
+        reasons = [r for r in reasons if r and not r.startswith(noise)]
+        text = " ".join([head, *reasons]).strip() or text
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+class _Parser(LightningArgumentParser):
+    """jsonargparse's parser, reporting a bad argument in one line instead of the usage of every option."""
+
+    def error(self, message: str, ex: Exception | None = None):  # noqa: D102
+        if not self.exit_on_error or os.environ.get("AMIR_DEBUG") or os.environ.get("JSONARGPARSE_DEBUG"):
+            return super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        command = " ".join(["amir", *parser.prog.replace(" [options]", "").split()[1:]])
+        sys.stderr.write(f"amir: error: {user_message(message)}\n(`{command} --help` lists the options)\n")
+        raise SystemExit(2)
 
 
 class AmirCLI(LightningCLI):
@@ -109,6 +130,13 @@ class AmirCLI(LightningCLI):
             log.warning("resuming with the values given to this run, not the checkpoint's: %s", "; ".join(changed))
             config["model"] = given
 
+    def instantiate_classes(self) -> None:  # noqa: D102
+        super().instantiate_classes()
+        path = self.config[self.subcommand].get("ckpt_path") if self.subcommand else None
+        saved = saved_weights(path)
+        if saved is not None:  # before the engine starts and the weights load: a foreign checkpoint fails in seconds
+            check_compatible(self.model.expected_shapes(), saved, path)
+
     def instantiate_trainer(self, **kwargs):  # noqa: D102
         trainer = super().instantiate_trainer(**kwargs)
         install_atomic_checkpoints(trainer)  # a checkpoint is never half-written, whatever kills the run
@@ -137,6 +165,7 @@ def main(args: ArgsType = None) -> None:
             trainer_defaults=TRAINER_DEFAULTS,
             save_config_kwargs={"overwrite": True},
             auto_configure_optimizers=False,
+            parser_class=_Parser,
             args=args,
         )
     except USER_ERRORS as err:
@@ -146,6 +175,9 @@ def main(args: ArgsType = None) -> None:
         prefix = "trainer: " if isinstance(err, MisconfigurationException) else ""
         sys.stderr.write(f"amir: error: {prefix}{user_message(err)}\n(set AMIR_DEBUG=1 for the traceback)\n")
         raise SystemExit(2) from None
+    except KeyboardInterrupt:  # before or after the trainer runs (Lightning handles Ctrl-C while it does)
+        sys.stderr.write("amir: interrupted\n")
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from amir_lightning.models.loading import (
     load_policy,
     load_reference,
     merged_state,
+    policy_shapes,
     shard_fsdp2,
 )
 from amir_lightning.models.precision import autocast, check_strategy, dtype_by_name, take_over_precision
@@ -120,6 +121,12 @@ class AmirGRPOModule(LightningModule):
     def model_dir(self) -> Path:
         """Local directory of the initial policy (resolved, downloaded or built once, by rank 0 first)."""
         return Path(rank_zero_first(self.source.resolve))
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Names and shapes of this module's state (policy weights and loss buffers), without loading the policy."""
+        built = policy_shapes(self.model_dir, self.lora, self.source.trust_remote_code)
+        shapes = {f"policy.{name}": shape for name, shape in built.items()}
+        return shapes | {k: tuple(v.shape) for k, v in self.state_dict().items() if not k.startswith("policy.")}
 
     @cached_property
     def tokenizer(self):

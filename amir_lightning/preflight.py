@@ -76,18 +76,45 @@ def check_checkpoint(path: str | None) -> None:
         raise ValueError(f"--ckpt_path {path} is not a checkpoint (not a whole torch archive: {err})") from None
 
 
+def saved_weights(path: str | None) -> dict | None:
+    """The ``state_dict`` of a whole-file checkpoint, memory-mapped (no weight is read); None for anything else."""
+    import torch
+
+    if path is None or path in _SPECIAL_CHECKPOINTS or Path(path).is_dir():
+        return None
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any failure to unpickle means the file is not ours
+        raise ValueError(f"--ckpt_path {path} is not a checkpoint this package wrote ({type(err).__name__})") from None
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        raise ValueError(f"--ckpt_path {path} is not a Lightning checkpoint: it has no state_dict")
+    return checkpoint["state_dict"]
+
+
 def check_compatible(own: dict, saved: dict, path: str | None) -> None:
-    """The checkpoint's weights must be this model's: same parameter names and shapes (first difference named)."""
+    """The checkpoint's weights must be this run's: same policy weights and loss state, same shapes.
+
+    ``own`` maps names to shapes or tensors, ``saved`` names to tensors. The first difference is named.
+    """
     where = f"checkpoint {path}" if path else "the checkpoint"
-    for name, tensor in own.items():
-        if name in saved and tuple(saved[name].shape) != tuple(tensor.shape):
+    redo = "resume with the configuration it was trained with"
+    for name, value in own.items():
+        shape = tuple(value.shape) if hasattr(value, "shape") else tuple(value)
+        if name in saved and tuple(saved[name].shape) != shape:
             raise ValueError(
                 f"{where} was written by another model: {name} has shape {tuple(saved[name].shape)} there and "
-                f"{tuple(tensor.shape)} here; resume with the configuration it was trained with"
+                f"{shape} here; {redo}"
             )
-    missing = sorted(name for name in own if name.startswith("policy.") and name not in saved)
-    if missing:
-        raise ValueError(
-            f"{where} was written by another model: it has no {missing[0]} ({len(missing)} of this model's "
-            "weights are missing); resume with the configuration it was trained with"
-        )
+    for kind, prefix in (("another model", "policy."), ("another objective (model.loss)", "")):
+        missing = sorted(name for name in own if name.startswith(prefix) and name not in saved)
+        extra = sorted(name for name in saved if name.startswith(prefix) and name not in own)
+        if missing:
+            raise ValueError(
+                f"{where} was written by {kind}: it has no {missing[0]} ({len(missing)} of this run's "
+                f"weights and buffers are missing); {redo}"
+            )
+        if extra:
+            raise ValueError(
+                f"{where} was written by {kind}: this run has no {extra[0]} ({len(extra)} of the "
+                f"checkpoint's weights and buffers are unknown here); {redo}"
+            )

@@ -86,3 +86,13 @@ def test_render_prompt_applies_chat_template_and_system_prompt():
     p = ArithmeticPrompts(num_terms=1, template="{expression}=", split="all")[0]
     ids = render_prompt(tok, p, system_prompt="1")
     assert tok.decode(ids) == "1" + p.question
+
+
+def test_template_braces_other_than_the_placeholder_are_literal():
+    """LaTeX in a template (``\\boxed{}``, ``{a}``) is kept as written; only ``{expression}`` is filled."""
+    template = "{expression} = ? Put the answer in \\boxed{}, not {a} or {{x}}. Again: {expression}"
+    p = ArithmeticPrompts(num_terms=2, template=template, split="all")[0]
+    expression = p.question.split(" = ?")[0]
+    assert p.question == template.replace("{expression}", expression)
+    assert "\\boxed{}" in p.question and "{a}" in p.question and "{{x}}" in p.question
+    assert p.question.endswith("Again: " + expression) and "{expression}" not in p.question

@@ -258,3 +258,26 @@ def test_more_bad_input_gives_one_clear_message(case, extra, expected, tmp_path,
 
 def test_there_are_at_least_30_cases():
     assert len(CASES) >= 30
+
+
+def test_checkpoint_of_another_shape_or_objective_is_named():
+    """The first mismatched parameter is named with both shapes; loss state of another objective is named too."""
+    import torch
+
+    from amir_lightning.preflight import check_compatible
+
+    own = {"policy.lm_head.weight": (7, 16), "policy.model.norm.weight": (16,), "loss.lambda_value": ()}
+    saved = {"policy.lm_head.weight": torch.zeros(7, 16), "policy.model.norm.weight": torch.zeros(16)}
+    saved["loss.lambda_value"] = torch.zeros(())
+    check_compatible(own, saved, "a.ckpt")  # the same run: no error
+    wider = {**saved, "policy.lm_head.weight": torch.zeros(7, 32)}
+    with pytest.raises(
+        ValueError, match=r"another model: policy.lm_head.weight has shape \(7, 32\) there and \(7, 16\)"
+    ):
+        check_compatible(own, wider, "a.ckpt")
+    grpo = {k: v for k, v in own.items() if not k.startswith("loss.")}
+    with pytest.raises(ValueError, match=r"another objective \(model.loss\): this run has no loss.lambda_value"):
+        check_compatible(grpo, saved, "a.ckpt")
+    lora = {**own, "policy.model.q_proj.lora_A.default.weight": (4, 16)}
+    with pytest.raises(ValueError, match=r"another model: it has no policy.model.q_proj.lora_A"):
+        check_compatible(lora, saved, "a.ckpt")

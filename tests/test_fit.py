@@ -172,8 +172,12 @@ def test_amir_test_reports_pass_at_k_and_compare_writes_the_analyses(tiny_run, t
 
 
 def test_resume_continues_with_the_next_rollout(tiny_run, tmp_path):
-    """Resuming the 30-epoch run from last.ckpt for one more epoch runs exactly one rollout and one step."""
-    run_amir(
+    """Resuming the 30-epoch run from last.ckpt for one more epoch runs exactly one rollout and one step.
+
+    A model value given with ``--ckpt_path`` wins over the checkpoint's saved one (Lightning alone keeps the saved
+    one), and the run says which values differ.
+    """
+    result = run_amir(
         [
             "fit",
             "--config",
@@ -182,8 +186,18 @@ def test_resume_continues_with_the_next_rollout(tiny_run, tmp_path):
             "31",
             "--ckpt_path",
             str(tiny_run / "checkpoints" / "last.ckpt"),
+            "--model.max_grad_norm",
+            "0.25",
         ],
         tmp_path,
     )
-    resumed = read_scalars(tmp_path / "runs" / "tiny" / "version_0")
+    run = tmp_path / "runs" / "tiny" / "version_0"
+    resumed = read_scalars(run)
     assert len(resumed["rollout/reward_mean"]) == 1 and len(resumed["train/loss"]) == 1
+    assert "model.max_grad_norm 0.25 (checkpoint: 1.0)" in result.stderr
+    saved = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["hyper_parameters"]["max_grad_norm"] == 0.25
+    assert (
+        torch.load(tiny_run / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]["max_grad_norm"]
+        == 1.0
+    )

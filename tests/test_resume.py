@@ -129,3 +129,39 @@ def test_killed_runs_resume_from_the_last_good_checkpoint(tmp_path):
     faulty = load_file(tmp_path / "runs" / "faulty" / "version_0" / "policy" / "model.safetensors")
     for key in clean:
         assert torch.equal(clean[key], faulty[key]), key
+
+
+def test_ctrl_c_stops_cleanly_and_leaves_a_loadable_checkpoint(tmp_path):
+    """Ctrl-C (SIGINT to the process group) while two workers grade: no traceback, no process left, last.ckpt whole."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(
+        os.environ,
+        AMIR_CACHE=str(tmp_path / "cache"),
+        PYTHONPATH=str(Path(__file__).parent / "helpers") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    args = ["fit", "--config", CONFIG, "--trainer.max_epochs", "6", "--trainer.check_val_every_n_epoch", "9"]
+    args += ["--data.rewards", "[{class_path: faults.CtrlCDuringGrading, init_args: {at_call: 3, num_workers: 2}}]"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "amir_lightning", *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group: the Ctrl-C reaches the run and its workers, not pytest
+    )
+    try:
+        _, err = process.communicate(timeout=600)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, 9)
+    assert process.returncode == 1, err[-3000:]  # Lightning's graceful shutdown
+    assert "Detected KeyboardInterrupt" in err and "Traceback" not in err, err[-3000:]
+    group = subprocess.run(["ps", "-o", "stat=,pid=,args=", "-g", str(process.pid)], capture_output=True, text=True)
+    alive = [line for line in group.stdout.splitlines() if line.strip() and not line.strip().startswith("Z")]
+    assert not alive, f"processes of the run still alive after it exited: {alive}"  # grading workers included
+    checkpoint = torch.load(tmp_path / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == 2 and checkpoint["state_dict"]  # the two finished rollouts, loadable

@@ -77,6 +77,27 @@ def load_policy(
     return model
 
 
+def policy_shapes(model_dir: Path, lora: LoraSettings | None = None, trust_remote_code: bool = False) -> dict:
+    """Names and shapes of the policy's weights as ``load_policy`` would build them, without reading any weight.
+
+    The model is built on the meta device from its config (and its LoRA adapters added), so a checkpoint can be
+    checked against it in a second, before the weights are read and the engine starts.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        if lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            settings = LoraConfig(
+                r=lora.r, lora_alpha=lora.alpha, target_modules=lora.target_modules, task_type="CAUSAL_LM"
+            )
+            model = get_peft_model(model, settings, autocast_adapter_dtype=False)
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
 def load_reference(model_dir: Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
     """A frozen copy of the initial policy, for the KL term or the referenced pair term."""
     from transformers import AutoModelForCausalLM

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
 
 log = logging.getLogger(__name__)
 
 
 def _worker_main(conn: Connection, memory_mb: int | None) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes the workers
     if memory_mb:
         import resource
 
@@ -46,11 +50,24 @@ def _worker_main(conn: Connection, memory_mb: int | None) -> None:
         conn.send((index, score))
 
 
+@contextmanager
+def _sigint_ignored():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 class _Worker:
     def __init__(self, ctx, memory_mb: int | None) -> None:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_worker_main, args=(child, memory_mb), daemon=True)
-        self.process.start()
+        with _sigint_ignored():  # inherited through exec: a Ctrl-C while the worker starts is not its to report
+            self.process.start()
         child.close()
         self.job: tuple[int, float] | None = None  # (index, deadline)
         try:

@@ -9,6 +9,7 @@ import signal
 from lightning import Callback
 
 from amir_lightning.checkpointing import AtomicCheckpointIO
+from amir_lightning.rewards import MathAnswerReward
 from amir_lightning.rollout import VLLMEngine
 
 
@@ -64,3 +65,27 @@ class KillDuringSave(AtomicCheckpointIO):
                 fh.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
             _die()
         super().save_checkpoint(checkpoint, path, storage_options)
+
+
+class CtrlCDuringGrading(MathAnswerReward):
+    """Presses Ctrl-C 50 ms into the ``at_call``-th grading: SIGINT to the whole process group, workers included.
+
+    Only when this process leads its own group (the test starts it with a new session), so it never reaches the
+    test runner.
+    """
+
+    def __init__(self, at_call: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.at_call, self.calls = at_call, 0
+
+    def score(self, completions, answers):  # noqa: D102
+        import threading
+
+        self.calls += 1
+        if self.calls == self.at_call:
+            if os.getpgrp() != os.getpid():
+                raise RuntimeError("CtrlCDuringGrading needs a process that leads its own process group")
+            threading.Timer(0.05, os.killpg, (os.getpgrp(), signal.SIGINT)).start()
+            big = list(completions) * 50  # long enough that the interrupt lands while the workers grade
+            super().score(big, list(answers) * 50)
+        return super().score(completions, answers)
