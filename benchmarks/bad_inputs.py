@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the cases that get as far as the engine stay quiet
 
 from test_errors import CASES, MORE_CASES, TINY, files, more_files  # noqa: E402
 
@@ -33,7 +34,7 @@ def run_case(extra: list[str], paths: dict[str, str]) -> tuple[int | str, str]:
     handler = logging.StreamHandler(err)
     logging.getLogger().addHandler(handler)
     try:
-        with contextlib.redirect_stderr(err):
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             amir(["fit", "--config", TINY, "--trainer.max_epochs", "1", *extra])
         code: int | str = 0
     except SystemExit as exit_info:
