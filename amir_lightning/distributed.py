@@ -32,11 +32,9 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", device: torch.device | Non
     return out.cpu()
 
 
-def sum_shares(
-    stats: dict[str, torch.Tensor], keep: frozenset[str], device: torch.device | None = None
-) -> dict[str, torch.Tensor]:
-    """Sum scalar ``stats`` over processes (one collective), except the keys in ``keep``."""
-    keys = sorted(k for k in stats if k not in keep)
+def sum_shares(stats: dict[str, torch.Tensor], device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """Sum scalar ``stats`` over processes (one collective)."""
+    keys = sorted(stats)
     if world_size() == 1 or not keys:
         return dict(stats)
     summed = all_reduce(torch.stack([torch.as_tensor(stats[k]).float().cpu() for k in keys]), "sum", device)

@@ -37,10 +37,17 @@ from amir_lightning.models.loading import (
 )
 from amir_lightning.models.precision import autocast, check_strategy, dtype_by_name, take_over_precision
 from amir_lightning.models.sources import ModelSource
-from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, selective_log_softmax, token_entropy
+from amir_lightning.objectives import (
+    AmirGRPOLoss,
+    GRPOLoss,
+    LossOutput,
+    StepContext,
+    selective_log_softmax,
+    token_entropy,
+)
 from amir_lightning.preflight import check_compatible
 from amir_lightning.rollout.batch import RolloutBatch
-from amir_lightning.step import StepAccumulator, metric_names
+from amir_lightning.step import StepAccumulator
 from amir_lightning.tracking import log_metrics
 from amir_lightning.validation import check_number, raise_errors
 
@@ -185,7 +192,7 @@ class AmirGRPOModule(LightningModule):
             yield named
 
     # ------------------------------------------------------------------ log-probs
-    def _completion_logps(self, model, batch: RolloutBatch, temperature: float, entropy: bool = False):
+    def completion_logps(self, model, batch: RolloutBatch, temperature: float, entropy: bool = False):
         """``[n, T]`` log-probs of the completion tokens (and their entropies) from one forward."""
         position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift RoPE
         width = batch.completion_width
@@ -216,7 +223,7 @@ class AmirGRPOModule(LightningModule):
         """Log-probs of ``batch`` under the current policy, no gradient (old policy of later passes, evaluation)."""
         batch = self.transfer_batch_to_device(batch, self.device, 0)
         with self._eval_mode():
-            return self._completion_logps(self.policy, batch, temperature or self.temperature)[0].cpu()
+            return self.completion_logps(self.policy, batch, temperature or self.temperature)[0].cpu()
 
     @torch.no_grad()
     def score_tokens(self, prompt: list[int], completion: list[int]) -> list[float]:
@@ -227,13 +234,21 @@ class AmirGRPOModule(LightningModule):
         return torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None]).squeeze(-1).cpu().tolist()
 
     # ------------------------------------------------------------------ training
-    def training_step(self, batch: RolloutBatch, batch_idx: int) -> dict[str, torch.Tensor]:  # noqa: D102
-        norms = self._step.normalizers(self.loss, batch, self.device)
-        logps, entropy = self._completion_logps(self.policy, batch, self.temperature, self.log_entropy)
+    def step_context(self, batch: RolloutBatch) -> StepContext:
+        """The context of the optimisation step ``batch`` belongs to (computed on its first micro-batch, collective)."""
+        return self._step.context_of(self.loss, batch, self.device)
+
+    def compute_loss(self, batch: RolloutBatch, context: StepContext) -> tuple[LossOutput, torch.Tensor]:
+        """The loss of one micro-batch (its share of the step's) and the policy's token log-probs ``[n, T]``.
+
+        The policy's forward with gradient, the reference's without; ``context`` from ``step_context``. With
+        ``log_entropy`` the stats include ``train/entropy`` (the micro-batch's share of the step's mean).
+        """
+        logps, entropy = self.completion_logps(self.policy, batch, self.temperature, self.log_entropy)
         ref = None
         if self.loss.needs_reference:
             with torch.no_grad(), self.reference() as reference:
-                ref = self._completion_logps(reference, batch, self.temperature)[0]
+                ref = self.completion_logps(reference, batch, self.temperature)[0]
         out = self.loss(
             logps,
             batch.completion_mask,
@@ -244,19 +259,26 @@ class AmirGRPOModule(LightningModule):
             ref_token_logps=ref,
             truncated=batch.truncated,
             sampling_token_logps=batch.sampling_logps,
-            **norms,
+            context=context,
         )
+        if entropy is not None:
+            out.stats["train/entropy"] = (entropy * batch.completion_mask).sum() / max(context.num_tokens, 1.0)
+        return out, logps
+
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> dict:  # noqa: D102
+        context = self.step_context(batch)
+        out, logps = self.compute_loss(batch, context)
         ok = bool(torch.isfinite(out.loss))
         # Data parallelism averages gradients over processes; each process's loss is a share of the global loss.
         # A non-finite loss still runs a zero backward, so processes stay in step; its optimiser step is skipped.
         self.manual_backward(out.loss * world_size() if ok else logps.sum() * 0.0)
-        self._step.add(out.stats, entropy, batch.completion_mask, ok)
+        self._step.add(out.stats, ok)
         if batch.last_in_step:
-            self._optimizer_step()
-        # Read-only monitors (callbacks) get the log-probs through ``outputs``: no second forward for them either.
-        return {"loss": out.loss.detach(), "logps": logps.detach()}
+            self._optimizer_step(context)
+        # Read-only monitors (callbacks) get the loss's per-row diagnostics through ``outputs``.
+        return {"loss": out.loss.detach(), "rows": out.rows}
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self, context: StepContext) -> None:
         optimizer = self.optimizers()
         params = [p for p in self.policy.parameters() if p.grad is not None]
         # The global norm under every strategy: DDP's gradients are already averaged, and FSDP2's are DTensor
@@ -275,7 +297,9 @@ class AmirGRPOModule(LightningModule):
         if scheduler is not None:
             scheduler.step()
         self.loss.end_step(stats)
-        logged = metric_names(stats)
+        logged = dict(stats)
+        if isinstance(self.loss, AmirGRPOLoss):
+            logged["amir/lambda"] = context.lambda_  # the step's lambda (the schedule has set the next one)
         logged["train/grad_norm"] = grad_norm.detach().float()
         logged["train/lr"] = optimizer.param_groups[0]["lr"]
         logged["train/skipped_steps"] = self._skipped_steps

@@ -96,11 +96,11 @@ def synchronized(fn):
 
 
 def step(module, optimizer, loss, batches, official_pairs: bool = False) -> None:
+    module.loss = loss
     first = batches[0]
-    norms = loss.step_normalizers(first.step_lengths, first.step_rewards, first.group_size, first.step_truncated)
+    context = loss.step_context(first.step_lengths, first.step_rewards, first.group_size, first.step_truncated)
     for batch in batches:
-        logps, _ = module._completion_logps(module.policy, batch, module.temperature)
-        out = loss(logps, batch.completion_mask, batch.advantages, batch.rewards, batch.group_size, **norms)
+        out, _ = module.compute_loss(batch, context)
         out.loss.backward()
         if official_pairs:
             _official_pair_term(module, batch)
@@ -116,25 +116,8 @@ def _official_pair_term(module, batch, chunk: int = 2, beta: float = 0.2, lam: f
     total = max(len(pairs), 1)
     for start in range(0, len(rows), chunk):
         index = rows[start : start + chunk]
-        sub = type(batch)(
-            **{
-                **batch.__dict__,
-                **{
-                    k: getattr(batch, k)[index]
-                    for k in (
-                        "input_ids",
-                        "attention_mask",
-                        "completion_mask",
-                        "advantages",
-                        "rewards",
-                        "truncated",
-                        "correct",
-                        "sampling_logps",
-                    )
-                },
-            }
-        )
-        logps, _ = module._completion_logps(module.policy, sub, module.temperature)
+        sub = batch.select(index)
+        logps, _ = module.completion_logps(module.policy, sub, module.temperature)
         seq = sequence_logps(logps, sub.completion_mask, "mean")  # [chunk]
         if len(seq) == 2:
             (-lam * torch.nn.functional.logsigmoid(beta * (seq[0] - seq[1])) / total).backward()
@@ -162,7 +145,7 @@ def main() -> None:
     batches = build_micro_batches(groups, 1, 1, module.pad_token_id)
     batches = [module.transfer_batch_to_device(b, module.device, 0) for b in batches]
     grpo, amir = GRPOLoss(), AmirGRPOLoss(lambda_=0.01, lambda_schedule="fixed", margin=0.5)
-    pairs = int(amir.step_normalizers(batches[0].step_lengths, batches[0].step_rewards, args.group_size)["num_pairs"])
+    pairs = int(amir.step_context(batches[0].step_lengths, batches[0].step_rewards, args.group_size).num_pairs)
     functions = {
         "GRPO": synchronized(lambda: step(module, optimizer, grpo, batches)),
         "AMIR-GRPO": synchronized(lambda: step(module, optimizer, amir, batches)),

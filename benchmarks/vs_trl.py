@@ -84,7 +84,7 @@ def main() -> None:
     inputs = trl_inputs(batch)
 
     def our_loss(entropy: bool) -> torch.Tensor:
-        logps, _ = ours._completion_logps(ours.policy, batch, 1.0, entropy=entropy)
+        logps, _ = ours.completion_logps(ours.policy, batch, 1.0, entropy=entropy)
         return ours.loss(logps, batch.completion_mask, batch.advantages, batch.rewards, args.group_size).loss
 
     def step(loss_fn, model, optimizer) -> float:

@@ -8,6 +8,8 @@ import torch
 from lightning import Callback
 from torchmetrics import CatMetric, MeanMetric, SumMetric
 
+from amir_lightning.objectives import RowDiagnostics
+
 
 class StepMonitor(Callback):
     """Aggregates per-micro-batch values with torchmetrics (synced across processes) and logs them once per step.
@@ -62,6 +64,12 @@ class StepMonitor(Callback):
         for metric in [*self._means.values(), *self._sums.values(), *self._cats.values()]:
             metric.reset()
         return means, cats
+
+
+def rows_of(outputs) -> RowDiagnostics | None:
+    """The loss's per-row diagnostics from ``training_step``'s ``outputs`` (``None`` when there are none)."""
+    rows = outputs.get("rows") if isinstance(outputs, dict) else None
+    return rows if isinstance(rows, RowDiagnostics) else None
 
 
 def histogram(trainer, tag: str, values: torch.Tensor) -> None:

@@ -8,7 +8,8 @@ Per optimisation step:
 - ``length/neg_token_weight_pg``: the mean per-token gradient weight a negative-advantage completion gets from the
   policy-gradient term under the loss's aggregation (``|A| / (N |o|)`` for ``grpo``: diluted by length), and,
   for AMIR-GRPO, ``length/neg_token_weight_pair``, the per-token push-down of the pair term on the same
-  completions (``lambda beta / P * sum_i sigmoid(-z_ij) / |o_j|``), and their ratio ``length/pair_to_pg``;
+  completions (``lambda beta / P * sum_i sigmoid(-z_ij) / |o_j|``), and their ratio ``length/pair_to_pg``. Both
+  weights are the loss's own diagnostics (``LossOutput.rows``), computed with the step's normalisers and lambda;
 - histograms of correct and incorrect lengths. (The truncation rate is ``length/truncated_frac`` of the rollout.)
 
 The paper defines no length metric; these are this project's.
@@ -18,8 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from amir_lightning.callbacks._base import StepMonitor, histogram
-from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, pair_mask, sequence_logps
+from amir_lightning.callbacks._base import StepMonitor, histogram, rows_of
 from amir_lightning.tracking import log_metrics
 
 
@@ -62,28 +62,14 @@ class LengthBiasMonitor(StepMonitor):
         self.cat("hist_correct", lengths[known & (correct == 1)])
         self.cat("hist_incorrect", lengths[known & (correct == 0)])
         self.mean("corr_advantage", spearman_per_group(lengths.view(-1, G), batch.advantages.view(-1, G)))
-        loss = getattr(pl_module, "loss", None)
-        if isinstance(loss, GRPOLoss):
-            self._token_weights(loss, batch, lengths, outputs)
+        rows = rows_of(outputs)
+        if rows is not None:
+            negative = batch.advantages < 0
+            self.mean("neg_pg", rows.pg_token_weight[negative])
+            if rows.pair_push is not None:
+                self.mean("neg_pair", rows.pair_push[negative])
         if batch.last_in_step:
             self._flush(trainer, pl_module)
-
-    def _token_weights(self, loss: GRPOLoss, batch, lengths: torch.Tensor, outputs) -> None:
-        norms = loss.step_normalizers(batch.step_lengths, batch.step_rewards, batch.group_size, batch.step_truncated)
-        weights = loss._row_weights(lengths, norms)  # [n] weight of each token in the step loss
-        negative = batch.advantages < 0
-        self.mean("neg_pg", (batch.advantages.abs() * weights)[negative])
-        if not isinstance(loss, AmirGRPOLoss) or not isinstance(outputs, dict) or "logps" not in outputs:
-            return
-        G = batch.group_size
-        seq = sequence_logps(outputs["logps"].float(), batch.completion_mask, loss.reduction).view(-1, G)  # [B, G]
-        valid = pair_mask(batch.rewards, G, loss.margin, loss.pair_mode, loss.max_pairs_per_group)  # [B, G, G]
-        z = loss.pair_beta * (seq.unsqueeze(2) - seq.unsqueeze(1))  # [B, G, G] z_ij
-        push = (torch.sigmoid(-z) * valid).sum(1).view(-1)  # [n] sum over the pairs each completion loses
-        per_token = float(loss.lambda_value) * loss.pair_beta / max(norms["num_pairs"], 1.0) * push
-        if loss.reduction == "mean":
-            per_token = per_token / lengths.clamp(min=1.0)
-        self.mean("neg_pair", per_token[negative])
 
     def _flush(self, trainer, pl_module) -> None:
         means, cats = self.computed()

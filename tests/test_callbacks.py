@@ -49,11 +49,19 @@ def make_step():
     return groups, batches, logps
 
 
-def run(monitor, loss, batches, logps):
+def run(monitor, loss, batches, logps, refs=None):
+    """Feed the monitor what ``training_step`` gives it; return its logged values and the step's summed loss stats."""
     module, trainer = FakeModule(loss), FakeTrainer()
+    first = batches[0]
+    context = loss.step_context(first.step_lengths, first.step_rewards, first.group_size, first.step_truncated)
+    stats = {}
     for i, (batch, lp) in enumerate(zip(batches, logps)):
-        monitor.on_train_batch_end(trainer, module, {"logps": lp}, batch, i)
-    return trainer.logger.logged
+        ref = None if refs is None else refs[i]
+        out = loss(lp, batch.completion_mask, batch.advantages, batch.rewards, G, ref_token_logps=ref, context=context)
+        for key, value in out.stats.items():
+            stats[key] = stats.get(key, 0.0) + float(value)
+        monitor.on_train_batch_end(trainer, module, {"loss": out.loss, "rows": out.rows}, batch, i)
+    return trainer.logger.logged, stats
 
 
 def test_pair_margin_monitor_matches_direct_computation():
@@ -62,26 +70,30 @@ def test_pair_margin_monitor_matches_direct_computation():
     (0,1): -0.1 + 0.2 = 0.1; (0,3): 0.3; (2,1): -0.1; (2,3): 0.1. Group 2 pairs (2,0): -0.2, (2,1): -0.1,
     (3,0): -0.3, (3,1): -0.2. Mean = -0.0375 * 8 / 8 = (0.4 - 0.8) / 8 = -0.05; median of 8 sorted values
     [-0.3, -0.2, -0.2, -0.1, -0.1, 0.1, 0.1, 0.3] = -0.1 (torch takes the lower middle); acc = 3 / 8.
+    The pooled values are the loss's stats (GRPO mines for measurement), the median the monitor's.
     """
     _, batches, logps = make_step()
-    logged = run(PairMarginMonitor(histogram=False), GRPOLoss(), batches, logps)
-    assert logged["amir/num_pairs"] == 8
-    assert math.isclose(logged["amir/pair_margin"], -0.05, abs_tol=1e-6)
+    logged, stats = run(PairMarginMonitor(histogram=False), GRPOLoss(), batches, logps)
+    assert stats["amir/num_pairs"] == 8
+    assert math.isclose(stats["amir/pair_margin"], -0.05, abs_tol=1e-6)
     assert math.isclose(logged["amir/pair_margin_median"], -0.1, abs_tol=1e-6)
-    assert math.isclose(logged["amir/pair_acc"], 3 / 8)
-    assert math.isclose(logged["amir/pair_reward_gap"], 1.0)
+    assert math.isclose(stats["amir/pair_acc"], 3 / 8)
+    assert math.isclose(stats["amir/pair_reward_gap"], 1.0)
 
 
 def test_pair_margin_monitor_uses_the_amir_loss_mining():
+    """top1: the best of each group against its losers, 4 pairs; the median is over those 4 margins."""
     _, batches, logps = make_step()
-    logged = run(PairMarginMonitor(histogram=False), AmirGRPOLoss(pair_mode="top1"), batches, logps)
-    assert logged["amir/num_pairs"] == 4  # top1: the best of each group (index 0 and index 2) against its losers
+    logged, stats = run(PairMarginMonitor(histogram=False), AmirGRPOLoss(pair_mode="top1"), batches, logps)
+    assert stats["amir/num_pairs"] == 4
+    # top1 picks the first best: group 1 row 0 over rows 1, 3 (0.1, 0.3); group 2 row 2 over rows 0, 1 (-0.2, -0.1)
+    assert math.isclose(logged["amir/pair_margin_median"], -0.1, abs_tol=1e-6)
 
 
 def test_length_bias_monitor():
     """Correct lengths: group 1 -> 1, 3; group 2 -> 3, 4: mean 2.75. Incorrect: 2, 4, 1, 2: mean 2.25."""
     groups, batches, logps = make_step()
-    logged = run(LengthBiasMonitor(histogram=False), AmirGRPOLoss(lambda_=0.05), batches, logps)
+    logged, _ = run(LengthBiasMonitor(histogram=False), AmirGRPOLoss(lambda_=0.05), batches, logps)
     assert math.isclose(logged["length/correct_mean"], 2.75) and math.isclose(logged["length/incorrect_mean"], 2.25)
     assert math.isclose(logged["length/gap"], -0.5)
     lengths = torch.arange(1.0, 5.0)
@@ -91,7 +103,40 @@ def test_length_bias_monitor():
     negative = [(a.abs().item(), n) for g in groups for a, n in zip(g.advantages, lengths.tolist()) if a < 0]
     expected_pg = sum(a / (8 * n) for a, n in negative) / len(negative)
     assert math.isclose(logged["length/neg_token_weight_pg"], expected_pg, rel_tol=1e-6)
-    assert logged["length/neg_token_weight_pair"] > 0 and "length/pair_to_pg" in logged
+    ratio = logged["length/neg_token_weight_pair"] / logged["length/neg_token_weight_pg"]
+    assert math.isclose(logged["length/pair_to_pg"], ratio, rel_tol=1e-6)
+
+
+def test_length_bias_pair_weight_is_the_pair_terms_gradient():
+    """The pair push-down the monitor logs equals autograd's gradient of lambda * L_pref on the rows that only lose.
+
+    With a reference model (reference_free=False), split into two micro-batches sharing the step's pair count:
+    the three ways the earlier monitor disagreed with the loss.
+    """
+    groups, batches, logps = make_step()
+    gen = torch.Generator().manual_seed(0)
+    refs = [lp - torch.rand(lp.shape, generator=gen) * b.completion_mask for lp, b in zip(logps, batches)]
+    settings = dict(lambda_=0.3, lambda_max=1.0, lambda_schedule="fixed", reference_free=False, pair_beta=0.5)
+    amir, grpo = AmirGRPOLoss(**settings), GRPOLoss()
+    logged, _ = run(LengthBiasMonitor(histogram=False), amir, batches, logps, refs)
+    first = batches[0]
+    contexts = [loss.step_context(first.step_lengths, first.step_rewards, G) for loss in (amir, grpo)]
+    losers = []
+    for batch, lp, ref in zip(batches, logps, refs):
+        grads = []
+        for loss, context in zip((amir, grpo), contexts):
+            x = lp.clone().requires_grad_(True)
+            out = loss(
+                x, batch.completion_mask, batch.advantages, batch.rewards, G, ref_token_logps=ref, context=context
+            )
+            grads.append(torch.autograd.grad(out.loss, x)[0])
+        pair_grad = grads[0] - grads[1]  # [n, T]: the pair term's gradient alone
+        r = batch.rewards.view(-1, G)
+        only_lose = (r == r.min(-1, keepdim=True).values).view(-1) & (batch.advantages < 0)
+        losers += [pair_grad[i, 0] for i in torch.nonzero(only_lose).flatten()]
+    negatives = sum(int((b.advantages < 0).sum()) for b in batches)
+    assert len(losers) == negatives  # every negative row of this step is a lowest-reward row: it only loses pairs
+    assert math.isclose(logged["length/neg_token_weight_pair"], float(torch.stack(losers).mean()), rel_tol=1e-6)
 
 
 def test_spearman_hand_computed():
@@ -107,7 +152,7 @@ def test_monitors_only_read():
     before = [(b.rewards.clone(), b.advantages.clone(), lp.clone()) for b, lp in zip(batches, logps)]
     rng = torch.get_rng_state()
     for monitor in (PairMarginMonitor(), LengthBiasMonitor()):
-        run(monitor, AmirGRPOLoss(), batches, logps)
+        run(monitor, AmirGRPOLoss(), batches, logps)  # the loss reads the log-probs and the batch too
     assert torch.equal(rng, torch.get_rng_state())
     for (r, a, lp), b, lp_now in zip(before, batches, logps):
         assert torch.equal(r, b.rewards) and torch.equal(a, b.advantages) and torch.equal(lp, lp_now)

@@ -266,9 +266,9 @@ def test_checkpoint_of_another_shape_or_objective_is_named():
 
     from amir_lightning.preflight import check_compatible
 
-    own = {"policy.lm_head.weight": (7, 16), "policy.model.norm.weight": (16,), "loss.lambda_value": ()}
+    own = {"policy.lm_head.weight": (7, 16), "policy.model.norm.weight": (16,), "loss.schedule.lambda_value": ()}
     saved = {"policy.lm_head.weight": torch.zeros(7, 16), "policy.model.norm.weight": torch.zeros(16)}
-    saved["loss.lambda_value"] = torch.zeros(())
+    saved["loss.schedule.lambda_value"] = torch.zeros(())
     check_compatible(own, saved, "a.ckpt")  # the same run: no error
     wider = {**saved, "policy.lm_head.weight": torch.zeros(7, 32)}
     with pytest.raises(
@@ -276,7 +276,9 @@ def test_checkpoint_of_another_shape_or_objective_is_named():
     ):
         check_compatible(own, wider, "a.ckpt")
     grpo = {k: v for k, v in own.items() if not k.startswith("loss.")}
-    with pytest.raises(ValueError, match=r"another objective \(model.loss\): this run has no loss.lambda_value"):
+    with pytest.raises(
+        ValueError, match=r"another objective \(model.loss\): this run has no loss.schedule.lambda_value"
+    ):
         check_compatible(grpo, saved, "a.ckpt")
     lora = {**own, "policy.model.q_proj.lora_A.default.weight": (4, 16)}
     with pytest.raises(ValueError, match=r"another model: it has no policy.model.q_proj.lora_A"):

@@ -60,7 +60,7 @@ def test_nan_rewards_are_counted_and_their_groups_carry_no_signal():
     advantages = group_advantages(total, 4).nan_to_num(nan=0.0)
     assert torch.equal(advantages, torch.zeros(8))
     loss = AmirGRPOLoss()(-torch.rand(8, 3, requires_grad=True), torch.ones(8, 3), advantages, total, 4)
-    assert torch.isfinite(loss.loss) and loss.stats["num_pairs"] == 0
+    assert torch.isfinite(loss.loss) and loss.stats["amir/num_pairs"] == 0
 
 
 def test_reward_guard_stops_after_consecutive_bad_rollouts():

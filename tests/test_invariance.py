@@ -57,7 +57,7 @@ def run(loss, step, micro_batches):
     """Gradient of the step split into ``micro_batches`` chunks of whole groups, each trimmed to its own width."""
     logps = step["logps"].clone().requires_grad_(True)
     adv = group_advantages(step["rewards"], G)
-    norms = loss.step_normalizers(step["mask"].sum(-1), step["rewards"], G, truncated=step["truncated"])
+    context = loss.step_context(step["mask"].sum(-1), step["rewards"], G, truncated=step["truncated"])
     total, stats = 0.0, {}
     per = B * G // micro_batches
     for start in range(0, B * G, per):
@@ -74,7 +74,7 @@ def run(loss, step, micro_batches):
             ref_token_logps=step["ref"][rows, cols],
             truncated=step["truncated"][rows],
             sampling_token_logps=step["sampling"][rows, cols],
-            **norms,
+            context=context,
         )
         out.loss.backward()
         total += out.loss.detach()
@@ -94,15 +94,18 @@ def test_micro_batches_give_the_full_batch_gradient(aggregation, name):
         torch.testing.assert_close(part_grad, full_grad, rtol=1e-6, atol=1e-12)
         torch.testing.assert_close(part_loss, full_loss, rtol=1e-6, atol=1e-12)
         keys = (
-            "pg_loss",
-            "clip_frac",
-            "num_pairs",
-            "pair_loss",
-            "pair_acc",
-            "pair_margin",
-            "engine_kl",
-            "is_weight_mean",
+            "train/pg_loss",
+            "train/clip_frac",
+            "amir/num_pairs",
+            "amir/pair_loss",
+            "amir/pair_acc",
+            "amir/implicit_acc",
+            "amir/pair_margin",
+            "amir/pair_grad",
+            "rollout/engine_trainer_kl",
+            "train/is_weight_mean",
         )
+        assert set(keys) - {"amir/pair_loss", "amir/implicit_acc", "amir/pair_grad"} <= set(full_stats)
         for key in keys:
             if key in full_stats:
                 torch.testing.assert_close(
@@ -219,11 +222,15 @@ def test_mismatch_stats_match_their_definitions():
     )
     log_w = (old - sampling) * mask
     tokens = mask.sum()
-    torch.testing.assert_close(stats.stats["engine_kl"], ((log_w.exp() - 1 - log_w) * mask).sum() / tokens)
-    assert float(stats.stats["is_capped_frac"]) == pytest.approx(2 / float(tokens))
-    assert float(stats.stats["is_weight_mean"]) == pytest.approx((float(tokens) - 2 + 2 * 3.0) / float(tokens))
+    torch.testing.assert_close(
+        stats.stats["rollout/engine_trainer_kl"], ((log_w.exp() - 1 - log_w) * mask).sum() / tokens
+    )
+    assert float(stats.stats["train/is_capped_frac"]) == pytest.approx(2 / float(tokens))
+    assert float(stats.stats["train/is_weight_mean"]) == pytest.approx((float(tokens) - 2 + 2 * 3.0) / float(tokens))
     off = GRPOLoss(sampling_correction="none")
     plain = off(
         step["logps"], step["mask"], adv, step["rewards"], G, old_token_logps=old, sampling_token_logps=sampling
     )
-    assert "is_weight_mean" not in plain.stats and torch.equal(plain.stats["engine_kl"], stats.stats["engine_kl"])
+    assert "train/is_weight_mean" not in plain.stats and torch.equal(
+        plain.stats["rollout/engine_trainer_kl"], stats.stats["rollout/engine_trainer_kl"]
+    )

@@ -13,13 +13,13 @@ def step(loss, pair_grad, pg_scale, num_pairs=3.0, pg_loss=0.0):
     f64 = torch.float64
     loss.end_step(
         {
-            "pair_grad": torch.tensor(pair_grad, dtype=f64),
-            "pg_scale": torch.tensor(pg_scale, dtype=f64),
-            "num_pairs": torch.tensor(num_pairs),
-            "pg_loss": torch.tensor(pg_loss),
+            "amir/pair_grad": torch.tensor(pair_grad, dtype=f64),
+            "train/pg_scale": torch.tensor(pg_scale, dtype=f64),
+            "amir/num_pairs": torch.tensor(num_pairs),
+            "train/pg_loss": torch.tensor(pg_loss),
         }
     )
-    return float(loss.lambda_value)
+    return float(loss.schedule.lambda_value)
 
 
 def test_band_rule_hand_computed():
@@ -30,7 +30,7 @@ def test_band_rule_hand_computed():
     """
     loss = AmirGRPOLoss(lambda_=0.01)
     assert abs(step(loss, 0.19, 0.5) - 0.0125) < 1e-12
-    assert abs(float(loss.pg_scale_ema) - 0.5) < 1e-12
+    assert abs(float(loss.schedule.pg_scale_ema) - 0.5) < 1e-12
     assert abs(step(loss, 0.19, 0.3) - 0.015625) < 1e-12
     assert abs(step(loss, 0.19, 0.05) - 0.015625) < 1e-12
 
@@ -87,8 +87,8 @@ def test_state_round_trips_through_state_dict():
     step(loss, 0.19, 0.5)
     restored = AmirGRPOLoss(lambda_=0.01)
     restored.load_state_dict(loss.state_dict())
-    assert float(restored.lambda_value) == float(loss.lambda_value) == 0.0125
-    assert float(restored.pg_scale_ema) == 0.5
+    assert float(restored.schedule.lambda_value) == float(loss.schedule.lambda_value) == 0.0125
+    assert float(restored.schedule.pg_scale_ema) == 0.5
 
 
 def test_on_a_real_runs_statistics_lambda_moves_inside_its_bounds():

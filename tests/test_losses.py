@@ -37,7 +37,7 @@ def test_aggregation_on_policy(aggregation, expected, grad00):
     out.loss.backward()
     torch.testing.assert_close(lp.grad[0, 0], torch.tensor(grad00))
     assert lp.grad[0, 2] == 0  # padding gets no gradient
-    assert out.stats["clip_frac"] == 0
+    assert out.stats["train/clip_frac"] == 0
 
 
 def test_clipping_off_policy_token_level():
@@ -57,9 +57,9 @@ def test_clipping_off_policy_token_level():
     out.loss.backward()
     assert lp.grad[0, 0] == 0 and lp.grad[1, 0] == 0
     torch.testing.assert_close(lp.grad[0, 1], torch.tensor(-2 / 2 / 2))  # -A * ratio / |o| / N
-    torch.testing.assert_close(out.stats["clip_frac_high"], torch.tensor(0.2))
-    torch.testing.assert_close(out.stats["clip_frac_low"], torch.tensor(0.2))
-    torch.testing.assert_close(out.stats["clip_frac"], torch.tensor(0.4))
+    torch.testing.assert_close(out.stats["train/clip_frac_high"], torch.tensor(0.2))
+    torch.testing.assert_close(out.stats["train/clip_frac_low"], torch.tensor(0.2))
+    torch.testing.assert_close(out.stats["train/clip_frac"], torch.tensor(0.4))
 
 
 def test_epsilon_high_widens_upper_clip():
@@ -70,7 +70,7 @@ def test_epsilon_high_widens_upper_clip():
     out = GRPOLoss(epsilon_high=0.6)(lp, MASK, ADV, REWARDS, 2, old_token_logps=old)
     out.loss.backward()
     torch.testing.assert_close(lp.grad[0, 0], torch.tensor(-2 * 1.5 / 2 / 2))
-    assert out.stats["clip_frac"] == 0
+    assert out.stats["train/clip_frac"] == 0
 
 
 def test_sequence_importance_sampling():
@@ -98,7 +98,7 @@ def test_k3_kl_term():
     out = GRPOLoss(beta=0.1)(lp, MASK, ADV, REWARDS, 2, ref_token_logps=ref)
     k3 = 1 - math.log(2)
     torch.testing.assert_close(out.loss, torch.tensor(-0.5 + 0.1 * k3))
-    torch.testing.assert_close(out.stats["kl"], torch.tensor(k3))
+    torch.testing.assert_close(out.stats["train/kl"], torch.tensor(k3))
     with pytest.raises(ValueError, match="ref_token_logps"):
         GRPOLoss(beta=0.1)(logps(), MASK, ADV, REWARDS, 2)
 
@@ -110,24 +110,26 @@ def test_mask_truncated_completions():
         loss = GRPOLoss(aggregation=aggregation, mask_truncated_completions=True)
         out = loss(logps(), MASK, ADV, REWARDS, 2, truncated=trunc)
         torch.testing.assert_close(out.loss, torch.tensor(expected))
-        norms = loss.step_normalizers(MASK.sum(-1), REWARDS, 2, truncated=trunc)
-        assert norms["num_tokens"] == 2 and norms["num_sequences"] == 2
+        context = loss.step_context(MASK.sum(-1), REWARDS, 2, truncated=trunc)
+        assert context.num_tokens == 2 and context.num_sequences == 2
 
 
 def test_amir_adds_lambda_times_pair_loss():
     """Rewards [1, 0] give one pair (0, 1). Mean logps l = [-1.5, -1.5] -> z = 0, pair loss = log 2.
 
-    loss = grpo (-0.5) + 0.1 * log 2 = -0.430685; pair_acc 0 (z is not > 0); margin 0.
-    With reduction sum, l = [-3, -4.5], z = 0.2 * 1.5 = 0.3: pair loss = log(1 + e^-0.3) = 0.554355, acc 1.
+    loss = grpo (-0.5) + 0.1 * log 2 = -0.430685; implicit and margin accuracy 0 (z is not > 0); margin 0.
+    With reduction sum, l = [-3, -4.5], z = 0.2 * 1.5 = 0.3: pair loss = log(1 + e^-0.3) = 0.554355, implicit
+    accuracy 1; the logged margin stays the length-normalised one (0).
     """
-    out = AmirGRPOLoss(lambda_=0.1, lambda_schedule="fixed")(logps(), MASK, ADV, REWARDS, 2)
+    loss = AmirGRPOLoss(lambda_=0.1, lambda_schedule="fixed")
+    out = loss(logps(), MASK, ADV, REWARDS, 2)
     torch.testing.assert_close(out.loss, torch.tensor(-0.5 + 0.1 * math.log(2)))
-    assert out.stats["num_pairs"] == 1 and out.stats["pair_acc"] == 0 and out.stats["pair_margin"] == 0
-    torch.testing.assert_close(out.stats["lambda"], torch.tensor(0.1))
+    assert out.stats["amir/num_pairs"] == 1 and out.stats["amir/implicit_acc"] == 0
+    assert out.stats["amir/pair_acc"] == 0 and out.stats["amir/pair_margin"] == 0
+    assert loss.step_context(MASK.sum(-1), REWARDS, 2).lambda_ == 0.1
     out = AmirGRPOLoss(lambda_=0.1, reduction="sum", lambda_schedule="fixed")(logps(), MASK, ADV, REWARDS, 2)
-    torch.testing.assert_close(out.stats["pair_loss"], torch.tensor(math.log1p(math.exp(-0.3))))
-    assert out.stats["pair_acc"] == 1
-    torch.testing.assert_close(out.stats["pair_margin"], torch.tensor(1.5))
+    torch.testing.assert_close(out.stats["amir/pair_loss"], torch.tensor(math.log1p(math.exp(-0.3))))
+    assert out.stats["amir/implicit_acc"] == 1 and out.stats["amir/pair_margin"] == 0
 
 
 def test_amir_with_reference():
@@ -135,7 +137,7 @@ def test_amir_with_reference():
     ref = torch.tensor([[-1.0, -1.0, 0.0], [-2.0, -2.0, -2.0]])
     loss = AmirGRPOLoss(lambda_=1.0, reference_free=False, lambda_schedule="fixed", lambda_max=1.0)
     out = loss(logps(), MASK, ADV, REWARDS, 2, ref_token_logps=ref)
-    torch.testing.assert_close(out.stats["pair_loss"], torch.tensor(math.log1p(math.exp(0.2))))
+    torch.testing.assert_close(out.stats["amir/pair_loss"], torch.tensor(math.log1p(math.exp(0.2))))
     assert loss.needs_reference and not AmirGRPOLoss().needs_reference
     with pytest.raises(ValueError, match="reference_free=False needs ref_token_logps"):
         loss(logps(), MASK, ADV, REWARDS, 2)
@@ -146,7 +148,7 @@ def test_amir_without_pairs_equals_grpo():
     a = AmirGRPOLoss(lambda_=0.05)(logps(), MASK, ADV, rewards, 2)
     g = GRPOLoss()(logps(), MASK, ADV, rewards, 2)
     torch.testing.assert_close(a.loss, g.loss)
-    assert a.stats["num_pairs"] == 0
+    assert a.stats["amir/num_pairs"] == 0
 
 
 @pytest.mark.parametrize(

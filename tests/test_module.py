@@ -57,10 +57,9 @@ def test_logps_do_not_depend_on_padding(module):
 def step_gradient(module, groups, micro_batch_groups):
     module.policy.zero_grad(set_to_none=True)
     batches = build_micro_batches(groups, micro_batch_groups, steps_per_rollout=1, pad_id=module.pad_token_id)
-    norms = module.loss.step_normalizers(batches[0].step_lengths, batches[0].step_rewards, G)
+    context = module.loss.step_context(batches[0].step_lengths, batches[0].step_rewards, G)
     for batch in batches:
-        logps, _ = module._completion_logps(module.policy, batch, module.temperature)
-        out = module.loss(logps, batch.completion_mask, batch.advantages, batch.rewards, G, **norms)
+        out, _ = module.compute_loss(batch, context)
         out.loss.backward()
     return torch.cat([p.grad.flatten() for p in module.policy.parameters()])
 

@@ -1,18 +1,20 @@
 """Pure tensor objectives: advantages, log-probs, pair mining, GRPO and AMIR-GRPO losses. No models here."""
 
 from amir_lightning.objectives.advantages import group_advantages
-from amir_lightning.objectives.amir import AmirGRPOLoss
-from amir_lightning.objectives.base import INTENSIVE_STATS, LossOutput
+from amir_lightning.objectives.amir import AmirGRPOLoss, LambdaSchedule
+from amir_lightning.objectives.base import LossOutput, RowDiagnostics, StepContext
 from amir_lightning.objectives.logprobs import selective_log_softmax, sequence_logps, token_entropy
 from amir_lightning.objectives.pairs import mine_pairs, pair_mask
 from amir_lightning.objectives.policy import GRPOLoss
 from amir_lightning.objectives.preference import pair_logits, preference_loss
 
 __all__ = [
-    "INTENSIVE_STATS",
     "AmirGRPOLoss",
     "GRPOLoss",
+    "LambdaSchedule",
     "LossOutput",
+    "RowDiagnostics",
+    "StepContext",
     "group_advantages",
     "mine_pairs",
     "pair_mask",

@@ -4,7 +4,9 @@
     L_pref = -(1 / P_step) sum_{(i, j) in S} log sigmoid(beta_pair * [(l_i - lref_i) - (l_j - lref_j)])
     S = {(i, j) same group : r_i - r_j > margin}
 
-``l`` comes from the token log-probs of the GRPO forward pass: no second forward, ever.
+``l`` comes from the token log-probs of the GRPO forward pass: no second forward, ever. The objective is a
+composition: the GRPO term (``GRPOLoss``), the pair term (``preference.preference_loss``) and the lambda schedule
+(``LambdaSchedule``), each small; autograd takes the gradient.
 
 The adaptive lambda schedule keeps the pair term's pull at a set share of the policy gradient's: once per step,
 with ``rho = lambda * |grad L_pref| / M``, lambda is multiplied by ``lambda_up`` when ``rho < ratio_low`` and by
@@ -36,38 +38,68 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
-from amir_lightning.objectives.pairs import PairMode, mine_pairs, pair_mask_and_gaps
-from amir_lightning.objectives.policy import (
-    Aggregation,
-    GRPOLoss,
-    ImportanceSampling,
-    LossOutput,
-    SamplingCorrection,
-)
+from amir_lightning.objectives.base import LossOutput, StepContext
+from amir_lightning.objectives.logprobs import sequence_logps
+from amir_lightning.objectives.pairs import PairMode, mine_pairs
+from amir_lightning.objectives.policy import GRPOLoss
+from amir_lightning.objectives.preference import pair_logits, preference_loss
 from amir_lightning.validation import check_number, raise_errors
 
 #: Where these arguments live in a YAML config, for error messages.
 _KEY = "model.loss.init_args"
-LambdaSchedule = Literal["fixed", "adaptive"]
+Schedule = Literal["fixed", "adaptive"]
+
+
+class LambdaSchedule(nn.Module):
+    """The weight lambda of the pair term: fixed, or the adaptive band on its gradient share (module docstring).
+
+    Its state is two buffers, saved in and restored from checkpoints with the module.
+    """
+
+    def __init__(
+        self,
+        lambda_: float,
+        schedule: Schedule,
+        lambda_min: float,
+        lambda_max: float,
+        ratio_low: float,
+        ratio_high: float,
+        lambda_up: float,
+        lambda_down: float,
+        scale_ema: float,
+    ) -> None:
+        super().__init__()
+        self.schedule = schedule
+        self.lambda_min, self.lambda_max = lambda_min, lambda_max
+        self.ratio_low, self.ratio_high = ratio_low, ratio_high
+        self.lambda_up, self.lambda_down = lambda_up, lambda_down
+        self.scale_ema = scale_ema
+        self.register_buffer("lambda_value", torch.tensor(float(lambda_), dtype=torch.float64))
+        self.register_buffer("pg_scale_ema", torch.tensor(-1.0, dtype=torch.float64))  # < 0: not yet seen
+
+    @torch.no_grad()
+    def update(self, pair_grad: float, pg_scale: float) -> None:
+        """One step's update from its pooled pair-gradient mass and policy-gradient magnitude."""
+        if self.schedule == "fixed":
+            return
+        ema = float(self.pg_scale_ema)
+        ema = pg_scale if ema < 0 else self.scale_ema * ema + (1.0 - self.scale_ema) * pg_scale
+        self.pg_scale_ema.fill_(ema)
+        lam = float(self.lambda_value)
+        ratio = lam * pair_grad / max(ema, 1e-8)
+        if ratio < self.ratio_low:
+            lam *= self.lambda_up
+        elif ratio > self.ratio_high:
+            lam *= self.lambda_down
+        self.lambda_value.fill_(min(max(lam, self.lambda_min), self.lambda_max))
 
 
 class AmirGRPOLoss(GRPOLoss):
-    """GRPO loss plus the AMIR pairwise preference term; takes every ``GRPOLoss`` argument too.
+    """GRPO loss plus the AMIR pairwise preference term; every ``GRPOLoss`` argument is accepted as well.
 
     Args:
-        aggregation: GRPO token aggregation (see ``GRPOLoss``).
-        epsilon: Lower clip range.
-        epsilon_high: Upper clip range; defaults to ``epsilon``.
-        importance_sampling: ``token`` or ``sequence`` ratios.
-        beta: KL coefficient of the GRPO term (k3 to the reference).
-        mask_truncated_completions: Drop truncated completions from the GRPO term (the pair term keeps them: a
-            truncated low-reward completion is a legitimate rejected sample).
-        max_completion_length: ``L`` of ``dr_grpo``.
-        sampling_correction: Importance weights for the engine/trainer mismatch (``GRPOLoss``); not applied to the
-            pair term.
-        sampling_cap: Largest importance weight kept.
         lambda_: Initial (or fixed) weight of the pair term.
         pair_beta: Inverse temperature ``beta_dpo`` of the pair logistic.
         margin: Reward gap a pair needs, strictly: ``r_chosen - r_rejected > margin``.
@@ -83,19 +115,13 @@ class AmirGRPOLoss(GRPOLoss):
         lambda_up: Growth factor.
         lambda_down: Shrink factor.
         scale_ema: Decay of the moving average ``M`` of the policy-gradient magnitude.
+        **grpo: ``GRPOLoss``'s arguments. ``mask_truncated_completions`` drops truncated completions from the GRPO
+            term only (a truncated low-reward completion is a legitimate rejected sample), and the
+            ``sampling_correction`` weights do not touch the pair term.
     """
 
     def __init__(
         self,
-        aggregation: Aggregation = "grpo",
-        epsilon: float = 0.2,
-        epsilon_high: float | None = None,
-        importance_sampling: ImportanceSampling = "token",
-        beta: float = 0.0,
-        mask_truncated_completions: bool = False,
-        max_completion_length: int | None = None,
-        sampling_correction: SamplingCorrection = "token_truncate",
-        sampling_cap: float = 3.0,
         lambda_: float = 0.01,
         pair_beta: float = 0.2,
         margin: float = 0.0,
@@ -103,7 +129,7 @@ class AmirGRPOLoss(GRPOLoss):
         max_pairs_per_group: int | None = None,
         reduction: Literal["mean", "sum"] = "mean",
         reference_free: bool = True,
-        lambda_schedule: LambdaSchedule = "adaptive",
+        lambda_schedule: Schedule = "adaptive",
         lambda_min: float = 0.005,
         lambda_max: float = 0.05,
         ratio_low: float = 0.005,
@@ -111,18 +137,9 @@ class AmirGRPOLoss(GRPOLoss):
         lambda_up: float = 1.25,
         lambda_down: float = 0.8,
         scale_ema: float = 0.9,
+        **grpo,
     ) -> None:
-        super().__init__(
-            aggregation=aggregation,
-            epsilon=epsilon,
-            epsilon_high=epsilon_high,
-            importance_sampling=importance_sampling,
-            beta=beta,
-            mask_truncated_completions=mask_truncated_completions,
-            max_completion_length=max_completion_length,
-            sampling_correction=sampling_correction,
-            sampling_cap=sampling_cap,
-        )
+        super().__init__(**grpo)
         errors: list[str] = []
         check_number(errors, f"{_KEY}.lambda_", lambda_, ge=0)
         check_number(errors, f"{_KEY}.pair_beta", pair_beta, gt=0)
@@ -148,144 +165,70 @@ class AmirGRPOLoss(GRPOLoss):
         if not 0 <= scale_ema < 1:
             errors.append(f"{_KEY}.scale_ema must be in [0, 1), got {scale_ema}")
         raise_errors(errors)
-        self.pair_beta = pair_beta
-        self.margin = margin
-        self.pair_mode = pair_mode
-        self.max_pairs_per_group = max_pairs_per_group
-        self.reduction = reduction
-        self.reference_free = reference_free
-        self.lambda_schedule = lambda_schedule
-        self.lambda_min, self.lambda_max = lambda_min, lambda_max
-        self.ratio_low, self.ratio_high = ratio_low, ratio_high
-        self.lambda_up, self.lambda_down = lambda_up, lambda_down
-        self.scale_ema = scale_ema
-        # Buffers, so the controller state is saved in and restored from checkpoints with the module.
-        self.register_buffer("lambda_value", torch.tensor(float(lambda_), dtype=torch.float64))
-        self.register_buffer("pg_scale_ema", torch.tensor(-1.0, dtype=torch.float64))  # < 0: not yet seen
+        self.pair_beta, self.margin, self.pair_mode = pair_beta, margin, pair_mode
+        self.max_pairs_per_group, self.reduction, self.reference_free = max_pairs_per_group, reduction, reference_free
+        self.schedule = LambdaSchedule(
+            lambda_, lambda_schedule, lambda_min, lambda_max, ratio_low, ratio_high, lambda_up, lambda_down, scale_ema
+        )
+
+    def reference_uses(self) -> list[str]:  # noqa: D102
+        return super().reference_uses() + ([] if self.reference_free else ["reference_free=False"])
 
     @property
-    def needs_reference(self) -> bool:
-        """Whether reference log-probs are needed (KL term, or the pair term with a reference)."""
-        return self.beta != 0.0 or not self.reference_free
+    def lambda_now(self) -> float:  # noqa: D102
+        return float(self.schedule.lambda_value)
 
     def pairs(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-        """Mine this loss's pairs from ``rewards`` ``[N]``: ``LongTensor[P, 2]``."""
+        """This loss's pairs of ``rewards`` ``[N]``: ``LongTensor[P, 2]`` of (chosen, rejected) rows."""
         return mine_pairs(rewards, group_size, self.margin, self.pair_mode, self.max_pairs_per_group)
 
-    def step_normalizers(
-        self,
-        completion_lengths: torch.Tensor,
-        rewards: torch.Tensor,
-        group_size: int,
-        truncated: torch.Tensor | None = None,
-    ) -> dict[str, float]:
-        """GRPO's normalisers plus ``num_pairs``, the pairs mined over the whole step."""
-        norms = super().step_normalizers(completion_lengths, rewards, group_size, truncated)
-        norms["num_pairs"] = float(self.pairs(rewards, group_size).shape[0])
-        return norms
+    def add_pair_term(
+        self, out: LossOutput, token_logps: torch.Tensor, completion_mask: torch.Tensor, ref_token_logps, context
+    ) -> LossOutput:
+        """``lambda *`` the pair loss pooled over the step's pairs, added to the GRPO term's output."""
+        pair_loss, stats, push = self.pair_term(token_logps, completion_mask, out.rows.pairs, ref_token_logps, context)
+        out.loss = out.loss + context.lambda_ * pair_loss
+        out.stats.update(stats)
+        out.stats["amir/pair_term"] = context.lambda_ * pair_loss.detach()
+        out.stats["train/loss"] = out.loss.detach()
+        out.rows.pair_push = context.lambda_ * push
+        return out
 
-    def forward(
+    def pair_term(
         self,
         token_logps: torch.Tensor,
         completion_mask: torch.Tensor,
-        advantages: torch.Tensor,
-        rewards: torch.Tensor,
-        group_size: int,
-        old_token_logps: torch.Tensor | None = None,
-        ref_token_logps: torch.Tensor | None = None,
-        truncated: torch.Tensor | None = None,
-        num_sequences: float | None = None,
-        num_tokens: float | None = None,
-        max_length: float | None = None,
-        sampling_token_logps: torch.Tensor | None = None,
-        num_pairs: float | None = None,
-    ) -> LossOutput:
-        """GRPO loss plus ``lambda *`` the pooled pair loss; arguments as ``GRPOLoss.forward`` plus ``num_pairs``.
-
-        ``num_pairs`` is the number of pairs in the whole step (default: those of this call).
-        """
-        lam = float(self.lambda_value)
-        with torch.no_grad():
-            pair_loss, row_grad, pair_stats = self._pair_term(
-                token_logps.detach(), completion_mask, rewards, group_size, ref_token_logps, num_pairs
-            )
-        out = self.policy_terms(
-            token_logps,
-            completion_mask,
-            advantages,
-            old_token_logps=old_token_logps,
-            ref_token_logps=ref_token_logps,
-            truncated=truncated,
-            num_sequences=num_sequences,
-            num_tokens=num_tokens,
-            max_length=max_length,
-            sampling_token_logps=sampling_token_logps,
-            extra_value=lam * pair_loss,
-            extra_row_grad=lam * row_grad if lam != 0.0 else None,
-        )
-        out.stats.update(pair_stats)
-        out.stats["pair_term"] = lam * pair_loss
-        out.stats["lambda"] = torch.tensor(lam)
-        return out
-
-    def _pair_term(
-        self,
-        logps: torch.Tensor,
-        completion_mask: torch.Tensor,
-        rewards: torch.Tensor,
-        group_size: int,
+        pairs: torch.Tensor,
         ref_token_logps: torch.Tensor | None,
-        num_pairs: float | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """Pooled pair loss, its gradient per row (times ``completion_mask`` gives d/d logp), and stats.
+        context: StepContext,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """The pooled pair loss of this micro-batch's pairs, its stats, and each row's per-token push-down.
 
-        Dense over ``[B, G, G]``: with ``z_ij = beta * (x_i - x_j)`` (x = l - l_ref),
-        d L / d l_i = (beta / P) * (sum_j -sigmoid(-z_ij) [pair ij] + sum_j sigmoid(-z_ji) [pair ji]).
+        With ``w_p = beta * sigmoid(-z_p) / P_step`` the pair loss's gradient on ``l`` of a pair's rejected
+        completion: the push-down a row gets is the sum of ``w_p`` over the pairs it loses, per token of it.
         """
-        mask = completion_mask.to(logps.dtype)  # [N, T]
-        lengths = mask.sum(-1).clamp(min=1.0) if self.reduction == "mean" else torch.ones_like(mask[:, 0])  # [N]
-        seq = torch.linalg.vecdot(logps, mask).div_(lengths)  # [N] sequence log-probs l
-        x = seq
+        seq = sequence_logps(token_logps, completion_mask, self.reduction)  # [N] l
+        ref = None
         if not self.reference_free:
-            if ref_token_logps is None:
-                raise ValueError("AmirGRPOLoss with reference_free=False needs ref_token_logps (a reference model)")
-            x = seq - torch.linalg.vecdot(ref_token_logps.to(logps.dtype), mask).div_(lengths)  # [N]
-        valid, gaps = pair_mask_and_gaps(rewards, group_size, self.margin, self.pair_mode, self.max_pairs_per_group)
-        on = valid.to(logps.dtype)  # [B, G, G]
-        count = on.sum()
-        denom = max(float(count) if num_pairs is None else float(num_pairs), 1.0)
-        xg = x.view(-1, group_size)  # [B, G]
-        neg_z = (xg.unsqueeze(1) - xg.unsqueeze(2)).mul_(self.pair_beta)  # [B, G, G] -z_ij
-        pair_loss = torch.linalg.vecdot(F.softplus(neg_z).view(-1), on.view(-1)) / denom  # -log sigmoid(z)
-        weight = torch.sigmoid(neg_z).mul_(on).mul_(self.pair_beta / denom)  # [B, G, G] -dL/dz_ij
-        row_grad = (weight.sum(1) - weight.sum(2)).view(-1).div_(lengths)  # [N]
-        sg = seq.view(-1, group_size)  # [B, G]
-        margins = (sg.unsqueeze(2) - sg.unsqueeze(1)).mul_(on)  # [B, G, G] policy margins of the pairs
-        stats = {
-            "pair_loss": pair_loss,
-            "num_pairs": count,
-            "pair_acc": (neg_z < 0).logical_and_(valid).sum().to(logps.dtype) / denom,
-            "pair_margin": margins.sum() / denom,
-            "pair_reward_gap": gaps.to(logps.dtype).nan_to_num_().mul_(on).sum() / denom,
-            # Gradient mass of L_pref on the log-probs, sum_it |dL_pref / d logp_it|: the pair term's pull, to set
-            # against the policy gradient's (pg_scale) at the same scale.
-            "pair_grad": (row_grad.abs() * mask.sum(-1)).sum(),
-        }
-        return pair_loss, row_grad, stats
+            ref = sequence_logps(ref_token_logps.to(token_logps.dtype), completion_mask, self.reduction).detach()
+        pair_loss = preference_loss(seq, pairs, self.pair_beta, ref, context.num_pairs)
+        with torch.no_grad():
+            z, _ = pair_logits(seq.detach(), pairs, self.pair_beta, ref)  # [P]
+            weight = torch.sigmoid(-z) * self.pair_beta / max(context.num_pairs, 1.0)  # [P] |dL / dz| * beta
+            per_token = completion_mask.sum(-1).clamp(min=1.0) if self.reduction == "mean" else seq.new_ones(())
+            push = seq.new_zeros(seq.shape).index_add_(0, pairs[:, 1], weight) / per_token  # [N]
+            grad_l = push * per_token - seq.new_zeros(seq.shape).index_add_(0, pairs[:, 0], weight)  # dL/dl
+            lengths = completion_mask.sum(-1).to(seq.dtype)
+            stats = {
+                "amir/pair_loss": pair_loss.detach(),
+                "amir/implicit_acc": (z > 0).sum().to(seq.dtype) / max(context.num_pairs, 1.0),
+                # Gradient mass of L_pref on the token log-probs, sum_it |dL_pref / d logp_it|: the pair term's pull,
+                # to set against the policy gradient's (pg_scale) at the same scale.
+                "amir/pair_grad": (grad_l.abs() * lengths / per_token).sum(),
+            }
+        return pair_loss, stats, push
 
-    @torch.no_grad()
     def end_step(self, step_stats: dict[str, torch.Tensor]) -> None:
-        """Update lambda from the step's pooled ``pair_grad`` and ``pg_scale`` (steps without pairs are skipped)."""
-        if self.lambda_schedule == "fixed" or float(step_stats.get("num_pairs", 0.0)) == 0.0:
-            return
-        scale = float(step_stats["pg_scale"])
-        ema = float(self.pg_scale_ema)
-        ema = scale if ema < 0 else self.scale_ema * ema + (1.0 - self.scale_ema) * scale
-        self.pg_scale_ema.fill_(ema)
-        lam = float(self.lambda_value)
-        ratio = lam * float(step_stats["pair_grad"]) / max(ema, 1e-8)
-        if ratio < self.ratio_low:
-            lam *= self.lambda_up
-        elif ratio > self.ratio_high:
-            lam *= self.lambda_down
-        self.lambda_value.fill_(min(max(lam, self.lambda_min), self.lambda_max))
+        """Update lambda from the step's pooled ``amir/pair_grad`` and ``train/pg_scale`` (not without pairs)."""
+        if float(step_stats.get("amir/num_pairs", 0.0)) > 0.0:
+            self.schedule.update(float(step_stats["amir/pair_grad"]), float(step_stats["train/pg_scale"]))

@@ -4,9 +4,9 @@
     token_*     w_t per token                    sequence_*  one w = prod_t w_t per completion
     *_truncate  min(w, cap)                      *_mask      0 where w > cap
 
-``engine_kl`` is the k3 estimate of KL(q || p_old) per token, (w - 1) - log w averaged over the sampled tokens:
-zero when the engine computes exactly what the trainer does, and growing when it drifts (other kernels, another
-dtype, or stale weights).
+``rollout/engine_trainer_kl`` is the k3 estimate of KL(q || p_old) per token, (w - 1) - log w averaged over the
+sampled tokens: zero when the engine computes exactly what the trainer does, and growing when it drifts (other
+kernels, another dtype, or stale weights).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def mismatch_weights(
         log_ratio = (behaviour_logps.detach() - sampling_logps.to(behaviour_logps.dtype)).nan_to_num_(0.0)
         log_ratio = log_ratio.mul_(mask)  # [N, T]
         norm = max(num_tokens, 1.0)
-        stats = {"engine_kl": (log_ratio.exp() - 1.0 - log_ratio).mul_(mask).sum() / norm}
+        stats = {"rollout/engine_trainer_kl": (log_ratio.exp() - 1.0 - log_ratio).mul_(mask).sum() / norm}
         if mode == "none":
             return None, stats
         if mode.startswith("sequence"):
@@ -46,6 +46,6 @@ def mismatch_weights(
         over = ratio > cap  # [N, T] or [N, 1]
         weights = ratio.clamp_(max=cap) if mode.endswith("truncate") else ratio.masked_fill_(over, 0.0)
         weights = weights.expand_as(mask) * mask  # [N, T]
-        stats["is_weight_mean"] = weights.sum() / norm
-        stats["is_capped_frac"] = over.expand_as(mask).to(mask.dtype).mul(mask).sum() / norm
+        stats["train/is_weight_mean"] = weights.sum() / norm
+        stats["train/is_capped_frac"] = over.expand_as(mask).to(mask.dtype).mul(mask).sum() / norm
     return weights, stats

@@ -11,8 +11,9 @@ Aggregation of the per-token loss ``c`` over one optimisation step of N completi
     dapo     sum_i,t c_i,t / sum_i |o_i|                    token mean over the global step batch (all processes)
     dr_grpo  sum_i,t c_i,t / (N * L)                        L = max_completion_length (or the step's longest)
 
-Micro-batches hold whole groups and receive the step's normalisers (``num_sequences``, ``num_tokens``,
-``max_length``) as keyword arguments, so summing their losses gives exactly the full-batch loss and gradient.
+Micro-batches hold whole groups and share the step's ``StepContext`` (``num_sequences``, ``num_tokens``,
+``max_length``, over all processes), so summing their losses gives exactly the full-batch loss and gradient. The
+gradient is autograd's.
 
 Engine/trainer mismatch (TRL's ``vllm_importance_sampling_correction``): the rollout engine samples with its own
 kernels and dtype, so its distribution q differs slightly from the trainer's p_old. Given the engine's log-probs
@@ -27,6 +28,9 @@ Deliberate deviations from TRL:
   the gradient depend on the micro-batch size. On one process ``bnpo`` and ``dapo`` therefore coincide.
 - Every stat is additive over the micro-batches of a step (its value is the micro-batch's share), so a step's
   stats are their sum; clip fractions are token fractions of the step.
+
+Both losses report the step's mined pairs (``amir/num_pairs``, ``amir/pair_margin``, ``amir/pair_acc``): GRPO mines
+them with the default rule (every pair with a reward gap) for measurement only, so GRPO and AMIR runs compare.
 """
 
 from __future__ import annotations
@@ -38,8 +42,10 @@ import torch
 from torch import nn
 
 from amir_lightning.objectives.aggregation import global_normalizers, row_weights, step_normalizers
-from amir_lightning.objectives.base import LossOutput, WithGrad
+from amir_lightning.objectives.base import LossOutput, RowDiagnostics, StepContext
+from amir_lightning.objectives.logprobs import sequence_logps
 from amir_lightning.objectives.mismatch import mismatch_weights
+from amir_lightning.objectives.pairs import mine_pairs
 from amir_lightning.validation import check_number, raise_errors
 
 #: Where these arguments live in a YAML config, for error messages.
@@ -47,6 +53,7 @@ _KEY = "model.loss.init_args"
 Aggregation = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 ImportanceSampling = Literal["token", "sequence"]
 SamplingCorrection = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"]
+AllReduce = Callable[[torch.Tensor, str], torch.Tensor]
 
 
 class GRPOLoss(nn.Module):
@@ -107,187 +114,47 @@ class GRPOLoss(nn.Module):
     @property
     def needs_reference(self) -> bool:
         """Whether ``ref_token_logps`` must be passed (a frozen reference model is needed)."""
-        return self.beta != 0.0
+        return bool(self.reference_uses())
 
-    def step_normalizers(
+    def reference_uses(self) -> list[str]:
+        """The settings that need reference log-probs."""
+        return ["beta != 0"] if self.beta != 0.0 else []
+
+    @property
+    def lambda_now(self) -> float:
+        """Weight of the pair term in the coming step (GRPO has none)."""
+        return 0.0
+
+    def pairs(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+        """(chosen, rejected) pairs of ``rewards`` ``[N]`` as ``LongTensor[P, 2]``; GRPO's are for measurement."""
+        return mine_pairs(rewards, group_size)
+
+    def step_context(
         self,
         completion_lengths: torch.Tensor,
         rewards: torch.Tensor,
         group_size: int,
         truncated: torch.Tensor | None = None,
-    ) -> dict[str, float]:
-        """Normalisers of a whole optimisation step, passed to every micro-batch's call.
+        world_size: int = 1,
+        all_reduce: AllReduce | None = None,
+    ) -> StepContext:
+        """The ``StepContext`` of a step from all of its completions (on this process).
 
         Args:
             completion_lengths: ``[N]`` completion token counts of every completion of the step.
-            rewards: ``[N]`` rewards of the step (used by subclasses that mine pairs).
+            rewards: ``[N]`` rewards of the step (pairs are mined from them).
             group_size: ``G``.
             truncated: ``[N]`` bool, completions that hit the length limit.
-
-        Returns:
-            ``num_sequences``, ``num_tokens`` (tokens that enter the policy-gradient term) and ``max_length``.
+            world_size: Processes that share the step.
+            all_reduce: ``(tensor, op) -> tensor`` with op ``"sum"`` or ``"max"`` over the processes, which
+                combines their counts when ``world_size > 1`` (``aggregation.global_normalizers``).
         """
-        return step_normalizers(
+        local = step_normalizers(
             completion_lengths, truncated, self.mask_truncated_completions, self.max_completion_length
         )
-
-    def global_normalizers(
-        self, local: dict[str, float], world_size: int, all_reduce: Callable[[torch.Tensor, str], torch.Tensor]
-    ) -> dict[str, float]:
-        """Normalisers of the step across processes (``aggregation.global_normalizers``)."""
-        return global_normalizers(local, world_size, all_reduce, self.aggregation)
-
-    def _row_weights(self, lengths: torch.Tensor, norms: dict[str, float]) -> torch.Tensor:
-        """``[N]`` weight of each token of row i in the step loss (``aggregation.row_weights``)."""
-        return row_weights(self.aggregation, lengths, norms)
-
-    def policy_terms(
-        self,
-        token_logps: torch.Tensor,
-        completion_mask: torch.Tensor,
-        advantages: torch.Tensor,
-        old_token_logps: torch.Tensor | None = None,
-        ref_token_logps: torch.Tensor | None = None,
-        truncated: torch.Tensor | None = None,
-        num_sequences: float | None = None,
-        num_tokens: float | None = None,
-        max_length: float | None = None,
-        sampling_token_logps: torch.Tensor | None = None,
-        extra_value: torch.Tensor | None = None,
-        extra_row_grad: torch.Tensor | None = None,
-    ) -> LossOutput:
-        """The GRPO term, plus optionally a subclass's term given by its value and gradient.
-
-        The extra term (``extra_value``, a scalar) must have gradient ``extra_row_grad[i] * completion_mask[i, t]``
-        with respect to ``token_logps`` (true of any function of summed or length-normalised sequence log-probs).
-        It is folded into the same closed-form backward, so it costs no autograd node.
-        """
-        mask = completion_mask.to(token_logps.dtype)  # [N, T]
-        folded_extra = extra_row_grad  # the extra term shares the policy-gradient mask: fold it into one pass
-        if self.mask_truncated_completions and truncated is not None:
-            mask = mask * (~truncated.bool()).to(mask.dtype).unsqueeze(1)  # [N, T]
-            folded_extra = None
-        if self.beta != 0.0 and ref_token_logps is None:
-            raise ValueError("GRPOLoss with beta != 0 needs ref_token_logps (a reference model)")
-        with torch.no_grad():
-            lengths = mask.sum(-1)  # [N]
-            norms = {
-                "num_sequences": float(token_logps.shape[0]) if num_sequences is None else float(num_sequences),
-                "num_tokens": float(lengths.sum()) if num_tokens is None else float(num_tokens),
-                "max_length": float(self.max_completion_length or token_logps.shape[1])
-                if max_length is None
-                else float(max_length),
-            }
-            weights, mismatch_stats = None, {}
-            if sampling_token_logps is not None:
-                behaviour = token_logps if old_token_logps is None else old_token_logps  # [N, T] p_old
-                weights, mismatch_stats = mismatch_weights(
-                    behaviour,
-                    sampling_token_logps,
-                    mask,
-                    self.sampling_correction,
-                    self.sampling_cap,
-                    norms["num_tokens"],
-                )
-                if weights is not None:
-                    folded_extra = None  # the pair term is not reweighted
-            value, grad, stats = self._value_and_grad(
-                token_logps.detach(),
-                mask,
-                lengths,
-                advantages,
-                old_token_logps,
-                ref_token_logps,
-                norms,
-                folded_extra,
-                weights,
-            )
-            stats.update(mismatch_stats)
-            if extra_row_grad is not None and folded_extra is None:
-                grad = grad.add_(completion_mask.to(grad.dtype) * extra_row_grad.unsqueeze(1))  # [N, T]
-            if extra_value is not None:
-                value = value + extra_value
-                stats["loss"] = value
-        loss = WithGrad.apply(token_logps, value, grad) if token_logps.requires_grad else value
-        return LossOutput(loss=loss, stats=stats)
-
-    def _value_and_grad(
-        self,
-        logps: torch.Tensor,
-        mask: torch.Tensor,
-        lengths: torch.Tensor,
-        advantages: torch.Tensor,
-        old: torch.Tensor | None,
-        ref: torch.Tensor | None,
-        norms: dict[str, float],
-        extra_row_grad: torch.Tensor | None = None,
-        token_weights: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """Loss value, its gradient with respect to ``logps`` and the stats, in closed form (no autograd graph).
-
-        With ``S = min(rho A, clip(rho) A)``, row weights ``w`` and mismatch weights ``m`` (1 without them):
-            d loss / d logp_it = mask_it * m_it * w_i * (-rho A * [not clipped] + beta * (1 - exp(ref - logp)))
-        which also holds for sequence ratios (rho and the clip test per row). On-policy rho = 1 and nothing clips.
-        """
-        weights = self._row_weights(lengths, norms)  # [N]
-        wmask = mask if token_weights is None else mask * token_weights  # [N, T] mask_it * m_it
-        adv = advantages.to(logps.dtype)  # [N]
-        sign = adv.sign()  # [N]; rho > 0, so |S| = S * sign(A)
-        if old is None:  # on-policy: rho == 1 exactly, S = A, nothing clips
-            surrogate_rows = adv * (lengths if token_weights is None else wmask.sum(-1))  # [N] sum_t mask m S
-            clipped_rows = torch.zeros_like(lengths)  # [N]
-            coef = -adv.unsqueeze(1)  # [N, 1] d(-S)/d logp
-        else:
-            # In-place ops throughout: at [N, T] sizes every fresh allocation is another trip through memory.
-            ratio = torch.sub(logps, old)  # [N, T] log-ratio
-            if self.importance_sampling == "sequence":
-                ratio = (torch.linalg.vecdot(ratio, mask) / lengths.clamp(min=1.0)).unsqueeze(1)  # [N, 1]
-            ratio.exp_()  # [N, T] or [N, 1]
-            coef = ratio * adv.unsqueeze(1)  # unclipped rho * A
-            surrogate = ratio.clamp_(1.0 - self.epsilon, 1.0 + self.epsilon_high).mul_(adv.unsqueeze(1))
-            is_clipped = coef > surrogate  # [N, T] or [N, 1]; the min picks the clipped branch
-            torch.minimum(coef, surrogate, out=surrogate)  # S
-            coef.masked_fill_(is_clipped, 0.0).neg_()  # d(-S)/d logp = -rho * A where not clipped
-            if surrogate.shape[1] == 1:
-                surrogate_rows = surrogate.squeeze(1) * wmask.sum(-1)  # [N]
-                clipped_rows = is_clipped.squeeze(1) * lengths  # [N]
-            else:
-                surrogate_rows = torch.linalg.vecdot(surrogate, wmask)  # [N]
-                clipped_rows = is_clipped.to(mask.dtype).mul_(mask).sum(-1)  # [N]
-        pg_loss = -(weights * surrogate_rows).sum()
-        stats = {"pg_loss": pg_loss}
-        value = pg_loss
-        # A mismatch weight multiplies its token's loss; a sequence ratio couples a row's tokens, so the row's
-        # policy-gradient part reaches each of them with the row's mean weight (autograd of sum_t m_t * c(rho_seq)).
-        pg_mask = wmask
-        if token_weights is not None and self.importance_sampling == "sequence":
-            pg_mask = mask * (wmask.sum(-1) / lengths.clamp(min=1.0)).unsqueeze(1)  # [N, T]
-        kl_grad = None
-        if self.beta != 0.0:
-            delta = torch.sub(ref, logps)  # [N, T]
-            exp_delta = delta.exp()  # [N, T]
-            kl = (weights * torch.linalg.vecdot(delta.neg_().add_(exp_delta).sub_(1.0), wmask)).sum()  # k3
-            stats["kl"] = kl
-            value = value + self.beta * kl
-            kl_coef = exp_delta.mul_(-self.beta).add_(self.beta)  # [N, T] beta * (1 - exp(delta))
-            if token_weights is None:
-                coef = kl_coef.add_(coef)  # [N, T] one masked pass for both terms
-            else:
-                kl_grad = kl_coef.mul_(wmask).mul_(weights.unsqueeze(1))  # [N, T]
-        grad = coef * weights.unsqueeze(1)  # [N, T] or [N, 1]
-        if extra_row_grad is not None:
-            grad = grad.add_(extra_row_grad.unsqueeze(1))  # (a broadcasting addcmul is 2.5x slower on CPU)
-        grad = grad.mul_(pg_mask) if grad.shape == pg_mask.shape else grad * pg_mask  # [N, T]
-        if kl_grad is not None:
-            grad = grad.add_(kl_grad)
-        token_norm = max(norms["num_tokens"], 1.0)
-        stats["clip_frac_low"] = (clipped_rows * (adv < 0)).sum() / token_norm
-        stats["clip_frac_high"] = (clipped_rows * (adv > 0)).sum() / token_norm
-        stats["clip_frac"] = clipped_rows.sum() / token_norm
-        # Magnitude of the policy-gradient weights; the signed loss is ~0 on-policy (the official lambda divides by it).
-        stats["pg_scale"] = (weights * surrogate_rows * sign).sum()
-        stats["loss"] = value
-        return value, grad, stats
+        local["num_pairs"] = float(self.pairs(rewards, group_size).shape[0])
+        norms = global_normalizers(local, world_size, all_reduce, self.aggregation) if world_size > 1 else local
+        return StepContext(**norms, lambda_=self.lambda_now)
 
     def forward(
         self,
@@ -299,44 +166,123 @@ class GRPOLoss(nn.Module):
         old_token_logps: torch.Tensor | None = None,
         ref_token_logps: torch.Tensor | None = None,
         truncated: torch.Tensor | None = None,
-        num_sequences: float | None = None,
-        num_tokens: float | None = None,
-        max_length: float | None = None,
         sampling_token_logps: torch.Tensor | None = None,
+        context: StepContext | None = None,
     ) -> LossOutput:
-        """Compute the loss of one micro-batch of whole groups.
+        """The loss of one micro-batch of whole groups.
 
         Args:
             token_logps: ``[N, T]`` log-probs of the sampled tokens under the current policy (with grad).
             completion_mask: ``[N, T]`` 1 on completion tokens.
             advantages: ``[N]`` group advantages.
-            rewards: ``[N]`` raw rewards (unused here; subclasses mine pairs from them).
+            rewards: ``[N]`` raw rewards (pairs are mined from them).
             group_size: ``G``.
             old_token_logps: ``[N, T]`` log-probs of the policy that sampled; ``None`` means on-policy (ratio 1).
-            ref_token_logps: ``[N, T]`` reference log-probs, required when ``beta != 0``.
+            ref_token_logps: ``[N, T]`` reference log-probs, required when ``needs_reference``.
             truncated: ``[N]`` bool, completions cut by the length limit.
-            num_sequences: Sequences in the whole step (default: this call's N).
-            num_tokens: Policy-gradient tokens in the whole step (default: this call's).
-            max_length: ``L`` of ``dr_grpo`` for the whole step (default: ``max_completion_length`` or T).
             sampling_token_logps: ``[N, T]`` the rollout engine's log-probs of the sampled tokens: enables the
-                mismatch correction (``sampling_correction``) and the ``engine_kl`` stat.
+                mismatch correction (``sampling_correction``) and the ``rollout/engine_trainer_kl`` stat.
+            context: The step's ``StepContext``; default: this call is the whole step (``step_context``).
 
         Returns:
-            ``LossOutput`` with the loss and detached stats.
+            ``LossOutput`` with the loss, its stats and the per-row diagnostics.
         """
-        del rewards, group_size
-        return self.policy_terms(
-            token_logps,
-            completion_mask,
-            advantages,
-            old_token_logps=old_token_logps,
-            ref_token_logps=ref_token_logps,
-            truncated=truncated,
-            num_sequences=num_sequences,
-            num_tokens=num_tokens,
-            max_length=max_length,
-            sampling_token_logps=sampling_token_logps,
+        if self.needs_reference and ref_token_logps is None:
+            uses = " and ".join(self.reference_uses())
+            raise ValueError(f"{type(self).__name__} with {uses} needs ref_token_logps (a reference model)")
+        if context is None:
+            context = self.step_context(completion_mask.sum(-1), rewards, group_size, truncated)
+        pairs = self.pairs(rewards, group_size)
+        out = self.policy_gradient(
+            token_logps, completion_mask, advantages, old_token_logps, ref_token_logps, truncated,
+            sampling_token_logps, context,
+        )  # fmt: skip
+        seq = sequence_logps(token_logps.detach(), completion_mask, "mean")  # [N]
+        out.stats.update(pair_stats(seq, pairs, rewards, context.num_pairs))
+        out.rows.pairs, out.rows.seq_logps = pairs, seq
+        return self.add_pair_term(out, token_logps, completion_mask, ref_token_logps, context)
+
+    def add_pair_term(
+        self, out: LossOutput, token_logps: torch.Tensor, completion_mask: torch.Tensor, ref_token_logps, context
+    ) -> LossOutput:
+        """Where a subclass adds its pair term to the GRPO term's output (GRPO has none)."""
+        del token_logps, completion_mask, ref_token_logps, context
+        return out
+
+    def policy_gradient(
+        self,
+        token_logps: torch.Tensor,
+        completion_mask: torch.Tensor,
+        advantages: torch.Tensor,
+        old_token_logps: torch.Tensor | None,
+        ref_token_logps: torch.Tensor | None,
+        truncated: torch.Tensor | None,
+        sampling_token_logps: torch.Tensor | None,
+        context: StepContext,
+    ) -> LossOutput:
+        """The clipped surrogate (and k3 KL) term, aggregated with the step's normalisers (module docstring)."""
+        mask = completion_mask.to(token_logps.dtype)  # [N, T]
+        if self.mask_truncated_completions and truncated is not None:
+            mask = mask * (~truncated.bool()).to(mask.dtype).unsqueeze(1)
+        lengths = mask.sum(-1)  # [N]
+        weights = row_weights(self.aggregation, lengths, vars(context)).detach()  # [N] per-token weight of row i
+        token_weights, stats = mask, {}
+        if sampling_token_logps is not None:
+            behaviour = token_logps if old_token_logps is None else old_token_logps  # [N, T] p_old
+            corrected, stats = mismatch_weights(
+                behaviour, sampling_token_logps, mask, self.sampling_correction, self.sampling_cap, context.num_tokens
+            )
+            token_weights = mask if corrected is None else corrected  # [N, T] mask * importance weight
+        adv = advantages.to(token_logps.dtype).unsqueeze(1)  # [N, 1]
+        old = token_logps.detach() if old_token_logps is None else old_token_logps
+        log_ratio = token_logps - old  # [N, T]; zero on-policy, with the gradient of logp
+        if self.importance_sampling == "sequence":
+            log_ratio = ((log_ratio * mask).sum(-1) / lengths.clamp(min=1.0)).unsqueeze(1)  # [N, 1]
+        ratio = log_ratio.exp()
+        surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - self.epsilon, 1.0 + self.epsilon_high) * adv)
+        token_loss = -surrogate * token_weights  # [N, T]
+        pg_loss = (weights * token_loss.sum(-1)).sum()
+        loss = pg_loss
+        with torch.no_grad():
+            clipped = (ratio * adv > surrogate).to(mask.dtype).expand_as(mask) * mask  # [N, T]
+            token_norm = max(context.num_tokens, 1.0)
+            stats["train/pg_loss"] = pg_loss.detach()
+            stats["train/clip_frac"] = clipped.sum() / token_norm
+            stats["train/clip_frac_low"] = (clipped.sum(-1) * (advantages < 0)).sum() / token_norm
+            stats["train/clip_frac_high"] = (clipped.sum(-1) * (advantages > 0)).sum() / token_norm
+            # Magnitude of the policy-gradient weights; the signed loss is ~0 on-policy (the official lambda uses it).
+            stats["train/pg_scale"] = (weights * token_loss.sum(-1) * -adv.squeeze(1).sign()).sum()
+        if self.beta != 0.0:
+            delta = ref_token_logps.to(token_logps.dtype) - token_logps  # [N, T]
+            kl = (weights * ((delta.exp() - delta - 1.0) * token_weights).sum(-1)).sum()  # k3
+            loss = loss + self.beta * kl
+            stats["train/kl"] = kl.detach()
+        stats["train/loss"] = loss.detach()
+        rows = RowDiagnostics(
+            seq_logps=token_logps.new_zeros(0),
+            pg_token_weight=(advantages.abs() * weights).detach(),
+            pairs=torch.zeros(0, 2, dtype=torch.long),
         )
+        return LossOutput(loss=loss, stats=stats, rows=rows)
 
     def end_step(self, step_stats: dict[str, torch.Tensor]) -> None:
         """Hook called once per optimisation step with the step's summed stats; GRPO keeps no state."""
+
+
+def pair_stats(
+    seq_logps: torch.Tensor, pairs: torch.Tensor, rewards: torch.Tensor, num_pairs: float
+) -> dict[str, torch.Tensor]:
+    """This micro-batch's share of the step's pair statistics (pooled over the step's ``num_pairs``).
+
+    ``pair_margin`` is ``l(chosen) - l(rejected)`` with mean token log-probs, the paper's Figure 4 measure, and
+    ``pair_acc`` the share of pairs where it is positive.
+    """
+    chosen, rejected = pairs[:, 0], pairs[:, 1]
+    margins = seq_logps[chosen] - seq_logps[rejected]  # [P]
+    denom = max(num_pairs, 1.0)
+    return {
+        "amir/num_pairs": seq_logps.new_tensor(float(pairs.shape[0])),
+        "amir/pair_margin": margins.sum() / denom,
+        "amir/pair_acc": (margins > 0).sum().to(seq_logps.dtype) / denom,
+        "amir/pair_reward_gap": (rewards[chosen] - rewards[rejected]).sum().to(seq_logps.dtype) / denom,
+    }

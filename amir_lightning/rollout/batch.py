@@ -81,6 +81,16 @@ class RolloutBatch:
         """``[n, T]``."""
         return self.input_ids[:, -self.completion_width :]
 
+    def select(self, rows: torch.Tensor | list[int]) -> RolloutBatch:
+        """The batch of the given rows (in that order); the step's fields are kept as they are."""
+        index = torch.as_tensor(rows, dtype=torch.long)
+        fields = ("input_ids", "attention_mask", "completion_mask", "advantages", "rewards", "truncated", "correct")
+        picked = {name: getattr(self, name)[index.to(getattr(self, name).device)] for name in fields}
+        picked["sampling_logps"] = self.sampling_logps[index.to(self.sampling_logps.device)]
+        if self.old_logps is not None:
+            picked["old_logps"] = self.old_logps[index.to(self.old_logps.device)]
+        return replace(self, **picked)
+
 
 def make_groups(
     prompts: list[Prompt],
