@@ -23,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
 from amir_lightning.checkpointing import random_states, restore_random_states
-from amir_lightning.distributed import rank_zero_first, world_size
+from amir_lightning.distributed import all_reduce, rank_zero_first, sum_shares, world_size
 from amir_lightning.evaluation.report import benchmark_report
 from amir_lightning.models.loading import (
     LoraSettings,
@@ -46,8 +46,7 @@ from amir_lightning.objectives import (
     token_entropy,
 )
 from amir_lightning.preflight import check_compatible
-from amir_lightning.rollout.batch import RolloutBatch
-from amir_lightning.step import StepAccumulator
+from amir_lightning.rollout.batch import RolloutBatch, RolloutStep
 from amir_lightning.tracking import log_metrics
 from amir_lightning.validation import check_number, raise_errors
 
@@ -119,7 +118,6 @@ class AmirGRPOModule(LightningModule):
         self.max_bad_steps = max_bad_steps
         self.policy = None
         self._reference: tuple = ()  # not a registered submodule: never trained, never checkpointed
-        self._step = StepAccumulator()
         self._bad_steps = self._skipped_steps = 0
         self.val_accuracy = MeanMetric()
 
@@ -234,9 +232,13 @@ class AmirGRPOModule(LightningModule):
         return torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None]).squeeze(-1).cpu().tolist()
 
     # ------------------------------------------------------------------ training
-    def step_context(self, batch: RolloutBatch) -> StepContext:
-        """The context of the optimisation step ``batch`` belongs to (computed on its first micro-batch, collective)."""
-        return self._step.context_of(self.loss, batch, self.device)
+    def step_context(self, step: RolloutStep) -> StepContext:
+        """The context of an optimisation step over all processes (a collective: every process calls it)."""
+
+        def reduce(values: torch.Tensor, op: str) -> torch.Tensor:
+            return all_reduce(values, op, self.device)
+
+        return self.loss.step_context(step.lengths, step.rewards, step.group_size, step.truncated, world_size(), reduce)
 
     def compute_loss(self, batch: RolloutBatch, context: StepContext) -> tuple[LossOutput, torch.Tensor]:
         """The loss of one micro-batch (its share of the step's) and the policy's token log-probs ``[n, T]``.
@@ -265,27 +267,36 @@ class AmirGRPOModule(LightningModule):
             out.stats["train/entropy"] = (entropy * batch.completion_mask).sum() / max(context.num_tokens, 1.0)
         return out, logps
 
-    def training_step(self, batch: RolloutBatch, batch_idx: int) -> dict:  # noqa: D102
-        context = self.step_context(batch)
-        out, logps = self.compute_loss(batch, context)
-        ok = bool(torch.isfinite(out.loss))
-        # Data parallelism averages gradients over processes; each process's loss is a share of the global loss.
-        # A non-finite loss still runs a zero backward, so processes stay in step; its optimiser step is skipped.
-        self.manual_backward(out.loss * world_size() if ok else logps.sum() * 0.0)
-        self._step.add(out.stats, ok)
-        if batch.last_in_step:
-            self._optimizer_step(context)
-        # Read-only monitors (callbacks) get the loss's per-row diagnostics through ``outputs``.
-        return {"loss": out.loss.detach(), "rows": out.rows}
+    def training_step(self, step: RolloutStep, batch_idx: int) -> dict:
+        """One optimisation step: the loss of each micro-batch, backward, then the optimiser (skipped if non-finite).
 
-    def _optimizer_step(self, context: StepContext) -> None:
+        Returns the step's loss and, for the read-only monitors, each micro-batch's per-row diagnostics.
+        """
+        context = self.step_context(step)
+        stats: dict[str, torch.Tensor] = {}
+        rows, total, bad = [], 0.0, False
+        for batch in step.micro_batches:
+            out, logps = self.compute_loss(batch, context)
+            ok = bool(torch.isfinite(out.loss))
+            # Data parallelism averages gradients over processes; each process's loss is a share of the global
+            # loss. A non-finite loss still runs a zero backward, so processes stay in step; the step is skipped.
+            self.manual_backward(out.loss * world_size() if ok else logps.sum() * 0.0)
+            bad = bad or not ok
+            for key, value in out.stats.items():
+                stats[key] = stats.get(key, 0.0) + value.detach().float()
+            rows.append(out.rows)
+            total = total + out.loss.detach()
+        self._optimizer_step(context, stats, bad)
+        return {"loss": total, "rows": rows}
+
+    def _optimizer_step(self, context: StepContext, stats: dict[str, torch.Tensor], bad: bool) -> None:
         optimizer = self.optimizers()
         params = [p for p in self.policy.parameters() if p.grad is not None]
         # The global norm under every strategy: DDP's gradients are already averaged, and FSDP2's are DTensor
         # shards whose norm torch reduces over the mesh (tests/test_distributed.py pins both).
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or math.inf)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        stats, bad = self._step.finish(self.device, grad_norm)
+        bad = bool(all_reduce(torch.tensor([float(bad or not torch.isfinite(grad_norm))]), "max", self.device)[0])
         if bad:  # never apply a NaN or inf gradient
             optimizer.zero_grad(set_to_none=True)
             self._skip_step()
@@ -296,8 +307,8 @@ class AmirGRPOModule(LightningModule):
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
-        self.loss.end_step(stats)
-        logged = dict(stats)
+        logged = sum_shares(stats, self.device)  # every stat is its process's share of the step
+        self.loss.end_step(logged)
         if isinstance(self.loss, AmirGRPOLoss):
             logged["amir/lambda"] = context.lambda_  # the step's lambda (the schedule has set the next one)
         logged["train/grad_norm"] = grad_norm.detach().float()

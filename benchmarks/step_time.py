@@ -28,7 +28,7 @@ from amir_lightning.data import ArithmeticPrompts, render_prompt
 from amir_lightning.models import QWEN25_3B_SHAPE, BundledSmolLM2, HFModel, LoraSettings, TinyModel
 from amir_lightning.module import AmirGRPOModule
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages, mine_pairs, sequence_logps
-from amir_lightning.rollout.batch import Group, build_micro_batches
+from amir_lightning.rollout.batch import Group, build_steps
 from amir_lightning.rollout.engine import Completion
 
 
@@ -95,11 +95,10 @@ def synchronized(fn):
     return run
 
 
-def step(module, optimizer, loss, batches, official_pairs: bool = False) -> None:
+def step(module, optimizer, loss, rollout_step, official_pairs: bool = False) -> None:
     module.loss = loss
-    first = batches[0]
-    context = loss.step_context(first.step_lengths, first.step_rewards, first.group_size, first.step_truncated)
-    for batch in batches:
+    context = module.step_context(rollout_step)
+    for batch in rollout_step.micro_batches:
         out, _ = module.compute_loss(batch, context)
         out.loss.backward()
         if official_pairs:
@@ -142,21 +141,21 @@ def main() -> None:
         module.configure_model()
         groups = make_groups(module, args.groups, args.group_size)
     optimizer = torch.optim.AdamW([p for p in module.policy.parameters() if p.requires_grad], lr=1e-12)
-    batches = build_micro_batches(groups, 1, 1, module.pad_token_id)
-    batches = [module.transfer_batch_to_device(b, module.device, 0) for b in batches]
+    (rollout_step,) = build_steps(groups, 1, 1, module.pad_token_id)
+    rollout_step = module.transfer_batch_to_device(rollout_step, module.device, 0)
     grpo, amir = GRPOLoss(), AmirGRPOLoss(lambda_=0.01, lambda_schedule="fixed", margin=0.5)
-    pairs = int(amir.step_context(batches[0].step_lengths, batches[0].step_rewards, args.group_size).num_pairs)
+    pairs = int(amir.step_context(rollout_step.lengths, rollout_step.rewards, args.group_size).num_pairs)
     functions = {
-        "GRPO": synchronized(lambda: step(module, optimizer, grpo, batches)),
-        "AMIR-GRPO": synchronized(lambda: step(module, optimizer, amir, batches)),
+        "GRPO": synchronized(lambda: step(module, optimizer, grpo, rollout_step)),
+        "AMIR-GRPO": synchronized(lambda: step(module, optimizer, amir, rollout_step)),
     }
     if not args.skip_official:
-        official = synchronized(lambda: step(module, optimizer, grpo, batches, official_pairs=True))
+        official = synchronized(lambda: step(module, optimizer, grpo, rollout_step, official_pairs=True))
         functions["official AMIR cost model"] = official
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     times = interleaved(functions, args.repeats)
-    tokens = sum(int(b.attention_mask.sum()) for b in batches)
+    tokens = sum(int(b.attention_mask.sum()) for b in rollout_step.micro_batches)
     base = median(times["GRPO"])
     setting = "paper shape: LoRA r16, bf16 compute, grad ckpt, " if args.paper_shape else ""
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else machine()

@@ -23,7 +23,7 @@ from step_time import make_groups  # noqa: E402
 from amir_lightning.models import BundledSmolLM2, HFModel  # noqa: E402
 from amir_lightning.module import AmirGRPOModule  # noqa: E402
 from amir_lightning.objectives import GRPOLoss  # noqa: E402
-from amir_lightning.rollout.batch import build_micro_batches  # noqa: E402
+from amir_lightning.rollout.batch import make_batch  # noqa: E402
 
 
 def trl_trainer(model_dir, group_size: int, batch: int, max_completion: int):
@@ -78,7 +78,7 @@ def main() -> None:
     ours = AmirGRPOModule(policy=source, loss=GRPOLoss(aggregation="grpo"))
     ours.configure_model()
     groups = make_groups(ours, args.groups, args.group_size)
-    batch = build_micro_batches(groups, len(groups), 1, ours.pad_token_id)[0]  # one micro-batch, like TRL's
+    batch = make_batch(groups, ours.pad_token_id)  # one micro-batch, like TRL's
     trainer, trl_optimizer = trl_trainer(ours.model_dir, args.group_size, len(batch.rewards), batch.completion_width)
     our_optimizer = torch.optim.AdamW(ours.policy.parameters(), lr=1e-12)
     inputs = trl_inputs(batch)

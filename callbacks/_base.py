@@ -6,21 +6,21 @@ import warnings
 
 import torch
 from lightning import Callback
-from torchmetrics import CatMetric, MeanMetric, SumMetric
+from torchmetrics import CatMetric, MeanMetric
 
 from amir_lightning.objectives import RowDiagnostics
+from amir_lightning.rollout.batch import RolloutBatch, RolloutStep
 
 
 class StepMonitor(Callback):
     """Aggregates per-micro-batch values with torchmetrics (synced across processes) and logs them once per step.
 
-    Subclasses call ``self.mean``, ``self.sum`` and ``self.cat`` from ``on_train_batch_end``
-    and get everything flushed by ``self.flush(trainer, pl_module)`` after the step's last micro-batch.
+    Subclasses call ``self.mean`` and ``self.cat`` for each micro-batch of a step in
+    ``on_train_batch_end`` (one call per optimisation step), then log what ``self.computed()`` returns.
     """
 
     def __init__(self) -> None:
         self._means: dict[str, MeanMetric] = {}
-        self._sums: dict[str, SumMetric] = {}
         self._cats: dict[str, CatMetric] = {}
 
     def mean(self, key: str, values: torch.Tensor, weight: torch.Tensor | float = 1.0) -> None:
@@ -30,12 +30,6 @@ class StepMonitor(Callback):
         if values.numel():
             self._means[key].update(values.float(), weight)
 
-    def sum(self, key: str, value: float, device: torch.device) -> None:
-        """Accumulate a sum for ``key``."""
-        if key not in self._sums:
-            self._sums[key] = SumMetric().to(device)
-        self._sums[key].update(torch.tensor(float(value), device=device))
-
     def cat(self, key: str, values: torch.Tensor) -> None:
         """Accumulate raw values for ``key`` (medians, histograms)."""
         if key not in self._cats:
@@ -44,7 +38,7 @@ class StepMonitor(Callback):
             self._cats[key].update(values.float().flatten())
 
     def computed(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """The step's means and sums, and its concatenated values (empty where nothing was seen); then reset.
+        """The step's means and its concatenated values (empty where nothing was seen); then reset.
 
         Every metric is computed on every process, whether or not this one saw values: computing syncs over
         processes, so skipping it where one process had, say, no correct completion would leave the others waiting
@@ -54,22 +48,23 @@ class StepMonitor(Callback):
             warnings.simplefilter("ignore")
             means = {k: m.compute() for k, m in self._means.items()}
             means = {k: v for k, v in means.items() if not v.isnan()}
-            means.update({k: m.compute() for k, m in self._sums.items()})
             computed_cats = {key: metric.compute() for key, metric in self._cats.items()}
         cats = {}
         for key, value in computed_cats.items():
             if isinstance(value, list):
                 value = torch.cat(value) if value else torch.zeros(0)
             cats[key] = torch.atleast_1d(value)
-        for metric in [*self._means.values(), *self._sums.values(), *self._cats.values()]:
+        for metric in [*self._means.values(), *self._cats.values()]:
             metric.reset()
         return means, cats
 
 
-def rows_of(outputs) -> RowDiagnostics | None:
-    """The loss's per-row diagnostics from ``training_step``'s ``outputs`` (``None`` when there are none)."""
+def micro_batches(outputs, step: RolloutStep) -> list[tuple[RolloutBatch, RowDiagnostics]]:
+    """Each micro-batch of ``step`` with the loss's per-row diagnostics of it, from ``training_step``'s outputs."""
     rows = outputs.get("rows") if isinstance(outputs, dict) else None
-    return rows if isinstance(rows, RowDiagnostics) else None
+    if not isinstance(step, RolloutStep) or not isinstance(rows, list):
+        return []
+    return list(zip(step.micro_batches, rows))
 
 
 def histogram(trainer, tag: str, values: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from amir_lightning.callbacks._base import StepMonitor, histogram, rows_of
+from amir_lightning.callbacks._base import StepMonitor, histogram, micro_batches
 from amir_lightning.tracking import log_metrics
 
 
@@ -53,6 +53,11 @@ class LengthBiasMonitor(StepMonitor):
 
     @torch.no_grad()
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: D102
+        for micro, rows in micro_batches(outputs, batch):
+            self._add(micro, rows)
+        self._flush(trainer, pl_module)
+
+    def _add(self, batch, rows) -> None:
         G = batch.group_size
         lengths = batch.completion_mask.sum(-1)  # [n]
         correct = batch.correct
@@ -62,14 +67,10 @@ class LengthBiasMonitor(StepMonitor):
         self.cat("hist_correct", lengths[known & (correct == 1)])
         self.cat("hist_incorrect", lengths[known & (correct == 0)])
         self.mean("corr_advantage", spearman_per_group(lengths.view(-1, G), batch.advantages.view(-1, G)))
-        rows = rows_of(outputs)
-        if rows is not None:
-            negative = batch.advantages < 0
-            self.mean("neg_pg", rows.pg_token_weight[negative])
-            if rows.pair_push is not None:
-                self.mean("neg_pair", rows.pair_push[negative])
-        if batch.last_in_step:
-            self._flush(trainer, pl_module)
+        negative = batch.advantages < 0
+        self.mean("neg_pg", rows.pg_token_weight[negative])
+        if rows.pair_push is not None:
+            self.mean("neg_pair", rows.pair_push[negative])
 
     def _flush(self, trainer, pl_module) -> None:
         means, cats = self.computed()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from amir_lightning.callbacks._base import StepMonitor, histogram, rows_of
+from amir_lightning.callbacks._base import StepMonitor, histogram, micro_batches
 from amir_lightning.tracking import log_metrics
 
 
@@ -29,14 +29,11 @@ class PairMarginMonitor(StepMonitor):
 
     @torch.no_grad()
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: D102
-        rows = rows_of(outputs)
-        if rows is None:
-            return
-        self.cat("margins", rows.seq_logps[rows.pairs[:, 0]] - rows.seq_logps[rows.pairs[:, 1]])
-        if batch.last_in_step:
-            _, cats = self.computed()
-            margins = cats.get("margins", torch.zeros(0))
-            if margins.numel():
-                log_metrics(trainer, {"amir/pair_margin_median": margins.median()})
-            if self.write_histogram:
-                histogram(trainer, "amir/pair_margin_hist", margins)
+        for _, rows in micro_batches(outputs, batch):
+            self.cat("margins", rows.seq_logps[rows.pairs[:, 0]] - rows.seq_logps[rows.pairs[:, 1]])
+        _, cats = self.computed()
+        margins = cats.get("margins", torch.zeros(0))
+        if margins.numel():
+            log_metrics(trainer, {"amir/pair_margin_median": margins.median()})
+        if self.write_histogram:
+            histogram(trainer, "amir/pair_margin_hist", margins)

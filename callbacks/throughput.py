@@ -30,7 +30,7 @@ class ThroughputMonitor(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: D102
         if self._start is not None:
             self._train_s += time.perf_counter() - self._start
-            self._train_tokens += float(batch.attention_mask.sum())
+            self._train_tokens += sum(float(micro.attention_mask.sum()) for micro in batch.micro_batches)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:  # noqa: D102
         timing = getattr(trainer.datamodule, "last_timing", {})

@@ -1,8 +1,8 @@
-"""Group-whole micro-batching: padding, step summaries, step boundaries and passes."""
+"""Group-whole micro-batching: padding, steps and their summaries, passes, row selection."""
 
 import torch
 
-from amir_lightning.rollout.batch import Group, build_micro_batches, repeat_passes
+from amir_lightning.rollout.batch import Group, build_steps, repeat_passes
 from amir_lightning.rollout.engine import Completion
 
 PAD = 0
@@ -21,22 +21,23 @@ def make_groups(num_groups=4, group_size=3):
     return groups
 
 
-def test_micro_batches_hold_whole_groups_and_step_summaries():
+def test_steps_hold_micro_batches_of_whole_groups_and_step_summaries():
     groups = make_groups()
-    batches = build_micro_batches(groups, micro_batch_groups=2, steps_per_rollout=2, pad_id=PAD)
-    assert [(b.step, b.last_in_step, b.input_ids.shape[0]) for b in batches] == [(0, True, 6), (1, True, 6)]
-    first = batches[0]
-    assert torch.equal(first.rewards, torch.cat([groups[0].rewards, groups[1].rewards]))
-    assert torch.equal(first.step_rewards, first.rewards)  # one micro-batch per step here
-    assert first.step_lengths.tolist() == [1, 2, 3, 1, 2, 3]
-    assert first.step_truncated.tolist() == [False, False, True] * 2
-    one_step = build_micro_batches(groups, micro_batch_groups=1, steps_per_rollout=1, pad_id=PAD)
-    assert [b.last_in_step for b in one_step] == [False, False, False, True]
-    assert all(torch.equal(b.step_rewards, torch.cat([g.rewards for g in groups])) for b in one_step)
+    steps = build_steps(groups, micro_batch_groups=2, steps_per_rollout=2, pad_id=PAD)
+    assert [(s.index, [b.input_ids.shape[0] for b in s.micro_batches]) for s in steps] == [(0, [6]), (1, [6])]
+    first = steps[0]
+    assert torch.equal(first.micro_batches[0].rewards, torch.cat([groups[0].rewards, groups[1].rewards]))
+    assert torch.equal(first.rewards, first.micro_batches[0].rewards)  # one micro-batch per step here
+    assert first.lengths.tolist() == [1, 2, 3, 1, 2, 3]
+    assert first.truncated.tolist() == [False, False, True] * 2
+    (one_step,) = build_steps(groups, micro_batch_groups=1, steps_per_rollout=1, pad_id=PAD)
+    assert [b.input_ids.shape[0] for b in one_step.micro_batches] == [3, 3, 3, 3]
+    assert torch.equal(one_step.rewards, torch.cat([g.rewards for g in groups]))
+    assert one_step.group_size == 3 and one_step.micro_batches[0].group_size == 3
 
 
 def test_padding_left_prompt_right_completion():
-    batch = build_micro_batches(make_groups(), micro_batch_groups=2, steps_per_rollout=2, pad_id=PAD)[1]
+    batch = build_steps(make_groups(), micro_batch_groups=2, steps_per_rollout=2, pad_id=PAD)[1].micro_batches[0]
     # groups 2 and 3: prompts of length 3 and 4 -> P = 4; completions of length 1..3 -> T = 3.
     assert batch.input_ids.shape == (6, 7) and batch.completion_width == 3
     row = batch.input_ids[0].tolist()  # group 2, first completion: [pad, 1, 2, 3 | 12, pad, pad]
@@ -48,7 +49,16 @@ def test_padding_left_prompt_right_completion():
 
 
 def test_repeat_passes_continues_step_indices_and_shares_tensors():
-    batches = build_micro_batches(make_groups(), micro_batch_groups=2, steps_per_rollout=2, pad_id=PAD)
-    schedule = repeat_passes(batches, mu=3)
-    assert [b.step for b in schedule] == [0, 1, 2, 3, 4, 5]
-    assert schedule[2].input_ids is batches[0].input_ids
+    steps = build_steps(make_groups(), micro_batch_groups=2, steps_per_rollout=2, pad_id=PAD)
+    schedule = repeat_passes(steps, mu=3)
+    assert [s.index for s in schedule] == [0, 1, 2, 3, 4, 5]
+    assert schedule[2].micro_batches[0].input_ids is steps[0].micro_batches[0].input_ids
+
+
+def test_select_picks_rows_of_every_per_row_field():
+    batch = build_steps(make_groups(), micro_batch_groups=2, steps_per_rollout=1, pad_id=PAD)[0].micro_batches[1]
+    batch.old_logps = batch.sampling_logps * 2
+    sub = batch.select([4, 0])
+    for name in ("input_ids", "completion_mask", "advantages", "rewards", "truncated", "sampling_logps", "old_logps"):
+        assert torch.equal(getattr(sub, name), getattr(batch, name)[[4, 0]]), name
+    assert sub.group_size == batch.group_size and batch.input_ids.shape[0] == 6

@@ -7,7 +7,7 @@ import torch
 from amir_lightning.callbacks import LengthBiasMonitor, PairMarginMonitor, RolloutSampleLogger
 from amir_lightning.callbacks.length_bias import spearman_per_group
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages
-from amir_lightning.rollout.batch import Group, build_micro_batches
+from amir_lightning.rollout.batch import Group, build_steps
 from amir_lightning.rollout.engine import Completion
 
 G = 4
@@ -43,24 +43,24 @@ def make_step():
         groups.append(
             Group([1, 2], completions, r, group_advantages(r, G), correct=r.clone(), question="q", answer="a")
         )
-    batches = build_micro_batches(groups, micro_batch_groups=1, steps_per_rollout=1, pad_id=0)
+    (step,) = build_steps(groups, micro_batch_groups=1, steps_per_rollout=1, pad_id=0)
     # token log-probs: completion k of every group has mean log-prob -(k + 1) / 10
-    logps = [torch.tensor([[-(k + 1) / 10] * 4 for k in range(G)]) * b.completion_mask for b in batches]
-    return groups, batches, logps
+    logps = [torch.tensor([[-(k + 1) / 10] * 4 for k in range(G)]) * b.completion_mask for b in step.micro_batches]
+    return groups, step, logps
 
 
-def run(monitor, loss, batches, logps, refs=None):
+def run(monitor, loss, step, logps, refs=None):
     """Feed the monitor what ``training_step`` gives it; return its logged values and the step's summed loss stats."""
     module, trainer = FakeModule(loss), FakeTrainer()
-    first = batches[0]
-    context = loss.step_context(first.step_lengths, first.step_rewards, first.group_size, first.step_truncated)
-    stats = {}
-    for i, (batch, lp) in enumerate(zip(batches, logps)):
+    context = loss.step_context(step.lengths, step.rewards, step.group_size, step.truncated)
+    stats, rows = {}, []
+    for i, (batch, lp) in enumerate(zip(step.micro_batches, logps)):
         ref = None if refs is None else refs[i]
         out = loss(lp, batch.completion_mask, batch.advantages, batch.rewards, G, ref_token_logps=ref, context=context)
         for key, value in out.stats.items():
             stats[key] = stats.get(key, 0.0) + float(value)
-        monitor.on_train_batch_end(trainer, module, {"loss": out.loss, "rows": out.rows}, batch, i)
+        rows.append(out.rows)
+    monitor.on_train_batch_end(trainer, module, {"loss": 0.0, "rows": rows}, step, 0)
     return trainer.logger.logged, stats
 
 
@@ -72,8 +72,8 @@ def test_pair_margin_monitor_matches_direct_computation():
     [-0.3, -0.2, -0.2, -0.1, -0.1, 0.1, 0.1, 0.3] = -0.1 (torch takes the lower middle); acc = 3 / 8.
     The pooled values are the loss's stats (GRPO mines for measurement), the median the monitor's.
     """
-    _, batches, logps = make_step()
-    logged, stats = run(PairMarginMonitor(histogram=False), GRPOLoss(), batches, logps)
+    _, step, logps = make_step()
+    logged, stats = run(PairMarginMonitor(histogram=False), GRPOLoss(), step, logps)
     assert stats["amir/num_pairs"] == 8
     assert math.isclose(stats["amir/pair_margin"], -0.05, abs_tol=1e-6)
     assert math.isclose(logged["amir/pair_margin_median"], -0.1, abs_tol=1e-6)
@@ -83,8 +83,8 @@ def test_pair_margin_monitor_matches_direct_computation():
 
 def test_pair_margin_monitor_uses_the_amir_loss_mining():
     """top1: the best of each group against its losers, 4 pairs; the median is over those 4 margins."""
-    _, batches, logps = make_step()
-    logged, stats = run(PairMarginMonitor(histogram=False), AmirGRPOLoss(pair_mode="top1"), batches, logps)
+    _, step, logps = make_step()
+    logged, stats = run(PairMarginMonitor(histogram=False), AmirGRPOLoss(pair_mode="top1"), step, logps)
     assert stats["amir/num_pairs"] == 4
     # top1 picks the first best: group 1 row 0 over rows 1, 3 (0.1, 0.3); group 2 row 2 over rows 0, 1 (-0.2, -0.1)
     assert math.isclose(logged["amir/pair_margin_median"], -0.1, abs_tol=1e-6)
@@ -92,8 +92,8 @@ def test_pair_margin_monitor_uses_the_amir_loss_mining():
 
 def test_length_bias_monitor():
     """Correct lengths: group 1 -> 1, 3; group 2 -> 3, 4: mean 2.75. Incorrect: 2, 4, 1, 2: mean 2.25."""
-    groups, batches, logps = make_step()
-    logged, _ = run(LengthBiasMonitor(histogram=False), AmirGRPOLoss(lambda_=0.05), batches, logps)
+    groups, step, logps = make_step()
+    logged, _ = run(LengthBiasMonitor(histogram=False), AmirGRPOLoss(lambda_=0.05), step, logps)
     assert math.isclose(logged["length/correct_mean"], 2.75) and math.isclose(logged["length/incorrect_mean"], 2.25)
     assert math.isclose(logged["length/gap"], -0.5)
     lengths = torch.arange(1.0, 5.0)
@@ -113,16 +113,15 @@ def test_length_bias_pair_weight_is_the_pair_terms_gradient():
     With a reference model (reference_free=False), split into two micro-batches sharing the step's pair count:
     the three ways the earlier monitor disagreed with the loss.
     """
-    groups, batches, logps = make_step()
+    groups, step, logps = make_step()
     gen = torch.Generator().manual_seed(0)
-    refs = [lp - torch.rand(lp.shape, generator=gen) * b.completion_mask for lp, b in zip(logps, batches)]
+    refs = [lp - torch.rand(lp.shape, generator=gen) * b.completion_mask for lp, b in zip(logps, step.micro_batches)]
     settings = dict(lambda_=0.3, lambda_max=1.0, lambda_schedule="fixed", reference_free=False, pair_beta=0.5)
     amir, grpo = AmirGRPOLoss(**settings), GRPOLoss()
-    logged, _ = run(LengthBiasMonitor(histogram=False), amir, batches, logps, refs)
-    first = batches[0]
-    contexts = [loss.step_context(first.step_lengths, first.step_rewards, G) for loss in (amir, grpo)]
+    logged, _ = run(LengthBiasMonitor(histogram=False), amir, step, logps, refs)
+    contexts = [loss.step_context(step.lengths, step.rewards, G) for loss in (amir, grpo)]
     losers = []
-    for batch, lp, ref in zip(batches, logps, refs):
+    for batch, lp, ref in zip(step.micro_batches, logps, refs):
         grads = []
         for loss, context in zip((amir, grpo), contexts):
             x = lp.clone().requires_grad_(True)
@@ -134,7 +133,7 @@ def test_length_bias_pair_weight_is_the_pair_terms_gradient():
         r = batch.rewards.view(-1, G)
         only_lose = (r == r.min(-1, keepdim=True).values).view(-1) & (batch.advantages < 0)
         losers += [pair_grad[i, 0] for i in torch.nonzero(only_lose).flatten()]
-    negatives = sum(int((b.advantages < 0).sum()) for b in batches)
+    negatives = sum(int((b.advantages < 0).sum()) for b in step.micro_batches)
     assert len(losers) == negatives  # every negative row of this step is a lowest-reward row: it only loses pairs
     assert math.isclose(logged["length/neg_token_weight_pair"], float(torch.stack(losers).mean()), rel_tol=1e-6)
 
@@ -148,13 +147,13 @@ def test_spearman_hand_computed():
 
 
 def test_monitors_only_read():
-    _, batches, logps = make_step()
-    before = [(b.rewards.clone(), b.advantages.clone(), lp.clone()) for b, lp in zip(batches, logps)]
+    _, step, logps = make_step()
+    before = [(b.rewards.clone(), b.advantages.clone(), lp.clone()) for b, lp in zip(step.micro_batches, logps)]
     rng = torch.get_rng_state()
     for monitor in (PairMarginMonitor(), LengthBiasMonitor()):
-        run(monitor, AmirGRPOLoss(), batches, logps)  # the loss reads the log-probs and the batch too
+        run(monitor, AmirGRPOLoss(), step, logps)  # the loss reads the log-probs and the batch too
     assert torch.equal(rng, torch.get_rng_state())
-    for (r, a, lp), b, lp_now in zip(before, batches, logps):
+    for (r, a, lp), b, lp_now in zip(before, step.micro_batches, logps):
         assert torch.equal(r, b.rewards) and torch.equal(a, b.advantages) and torch.equal(lp, lp_now)
 
 

@@ -6,7 +6,7 @@ import torch
 from amir_lightning.models import HFModel, build_tiny_model
 from amir_lightning.module import AmirGRPOModule
 from amir_lightning.objectives import AmirGRPOLoss, group_advantages
-from amir_lightning.rollout.batch import Group, build_micro_batches
+from amir_lightning.rollout.batch import Group, build_steps, make_batch
 from amir_lightning.rollout.engine import Completion
 
 G = 4
@@ -41,7 +41,7 @@ def make_groups(module, seed=0):
 
 def test_logps_do_not_depend_on_padding(module):
     groups = make_groups(module)
-    batch = build_micro_batches(groups, micro_batch_groups=4, steps_per_rollout=1, pad_id=module.pad_token_id)[0]
+    batch = make_batch(groups, module.pad_token_id)
     logps = module.policy_logps(batch)
     row = 0
     for group in groups:
@@ -56,9 +56,9 @@ def test_logps_do_not_depend_on_padding(module):
 
 def step_gradient(module, groups, micro_batch_groups):
     module.policy.zero_grad(set_to_none=True)
-    batches = build_micro_batches(groups, micro_batch_groups, steps_per_rollout=1, pad_id=module.pad_token_id)
-    context = module.loss.step_context(batches[0].step_lengths, batches[0].step_rewards, G)
-    for batch in batches:
+    (step,) = build_steps(groups, micro_batch_groups, steps_per_rollout=1, pad_id=module.pad_token_id)
+    context = module.loss.step_context(step.lengths, step.rewards, G)
+    for batch in step.micro_batches:
         out, _ = module.compute_loss(batch, context)
         out.loss.backward()
     return torch.cat([p.grad.flatten() for p in module.policy.parameters()])
@@ -114,7 +114,7 @@ def test_old_logprobs_and_probe_run_without_lora_dropout(tmp_path):
         for name, p in mod.policy.named_parameters():
             if "lora_B" in name:
                 p.add_(0.5 * torch.randn_like(p))  # adapters that matter, so dropout on them would show
-    batch = build_micro_batches(make_groups(mod), 4, 1, mod.pad_token_id)[0]
+    batch = make_batch(make_groups(mod), mod.pad_token_id)
     first, second = mod.policy_logps(batch), mod.policy_logps(batch)
     assert mod.policy.training  # restored
     torch.testing.assert_close(first, second, atol=0, rtol=0)

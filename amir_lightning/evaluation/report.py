@@ -10,7 +10,7 @@ import torch
 
 from amir_lightning.evaluation.passk import PassAtK
 from amir_lightning.objectives import sequence_logps
-from amir_lightning.rollout.batch import build_micro_batches
+from amir_lightning.rollout.batch import make_batch
 
 
 @torch.no_grad()
@@ -22,7 +22,7 @@ def sample_logps(module, groups, chunk_groups: int = 1) -> torch.Tensor:
     out = []
     for start in range(0, len(groups), chunk_groups):
         chunk = groups[start : start + chunk_groups]
-        batch = build_micro_batches(chunk, len(chunk), 1, module.pad_token_id)[0]
+        batch = make_batch(chunk, module.pad_token_id)
         logps = module.policy_logps(batch, temperature=1.0)
         out.append(sequence_logps(logps, batch.completion_mask, "mean").view(len(chunk), -1))
     return torch.cat(out)

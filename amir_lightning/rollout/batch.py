@@ -46,12 +46,7 @@ class RolloutBatch:
         truncated: ``[n]`` bool, completion hit the length limit.
         correct: ``[n]`` 1.0 / 0.0 answer correctness (NaN when unknown), for the monitors.
         sampling_logps: ``[n, T]`` the engine's log-probs of the sampled tokens.
-        step_lengths: ``[N]`` completion lengths of every completion of the optimisation step.
-        step_rewards: ``[N]`` rewards of the step.
-        step_truncated: ``[N]`` truncation flags of the step.
         group_size: ``G``.
-        step: Index of the optimisation step in the epoch.
-        last_in_step: The optimiser steps after this micro-batch.
         old_logps: ``[n, T]`` log-probs of the sampling policy from the trainer, when the step is off-policy.
     """
 
@@ -63,12 +58,7 @@ class RolloutBatch:
     truncated: torch.Tensor
     correct: torch.Tensor
     sampling_logps: torch.Tensor
-    step_lengths: torch.Tensor
-    step_rewards: torch.Tensor
-    step_truncated: torch.Tensor
     group_size: int
-    step: int
-    last_in_step: bool
     old_logps: torch.Tensor | None = None
 
     @property
@@ -116,8 +106,8 @@ def make_groups(
     ]
 
 
-def collate_groups(groups: list[Group], pad_id: int) -> dict[str, torch.Tensor]:
-    """Pad the groups' rows into the tensors of a ``RolloutBatch`` (without the step fields)."""
+def make_batch(groups: list[Group], pad_id: int) -> RolloutBatch:
+    """The groups' rows padded into one ``RolloutBatch``."""
     rows = [(g.prompt_ids, c) for g in groups for c in g.completions]
     prompt_width = max(len(p) for p, _ in rows)
     completion_width = max(max(len(c.token_ids) for _, c in rows), 1)
@@ -136,51 +126,70 @@ def collate_groups(groups: list[Group], pad_id: int) -> dict[str, torch.Tensor]:
             attention[row, prompt_width : prompt_width + length] = 1
             completion_mask[row, :length] = 1.0
             sampling_logps[row, :length] = torch.tensor(completion.logprobs[:length])
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention,
-        "completion_mask": completion_mask,
-        "sampling_logps": sampling_logps,
-        "advantages": torch.cat([g.advantages for g in groups]).float(),
-        "rewards": torch.cat([g.rewards for g in groups]).float(),
-        "truncated": torch.tensor([c.truncated for _, c in rows]),
-        "correct": torch.cat([_correct(g) for g in groups]).float(),
-    }
+    return RolloutBatch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        completion_mask=completion_mask,
+        advantages=torch.cat([g.advantages for g in groups]).float(),
+        rewards=torch.cat([g.rewards for g in groups]).float(),
+        truncated=torch.tensor([c.truncated for _, c in rows]),
+        correct=torch.cat([_correct(g) for g in groups]).float(),
+        sampling_logps=sampling_logps,
+        group_size=len(groups[0].completions),
+    )
 
 
 def _correct(group: Group) -> torch.Tensor:
     return group.correct if group.correct is not None else torch.full((len(group.completions),), float("nan"))
 
 
-def build_micro_batches(
-    groups: list[Group], micro_batch_groups: int, steps_per_rollout: int, pad_id: int
-) -> list[RolloutBatch]:
-    """One pass of a rollout: ``steps_per_rollout`` optimisation steps of whole groups, split into micro-batches.
+@dataclass
+class RolloutStep:
+    """One optimisation step: its micro-batches of whole groups, and the step-wide facts of all its completions.
+
+    Attributes:
+        micro_batches: The step's micro-batches (gradient accumulation), in order.
+        lengths: ``[N]`` completion lengths of every completion of the step.
+        rewards: ``[N]`` their rewards.
+        truncated: ``[N]`` their truncation flags.
+        group_size: ``G``.
+        index: Index of the step in the epoch (passes over the rollout continue it).
+    """
+
+    micro_batches: list[RolloutBatch]
+    lengths: torch.Tensor
+    rewards: torch.Tensor
+    truncated: torch.Tensor
+    group_size: int
+    index: int = 0
+
+
+def build_steps(groups: list[Group], micro_batch_groups: int, steps_per_rollout: int, pad_id: int) -> list[RolloutStep]:
+    """One pass of a rollout: ``steps_per_rollout`` optimisation steps of whole groups.
 
     Each step is split into micro-batches of ``micro_batch_groups`` groups (gradient accumulation).
     """
     if not groups:
         return []
-    group_size = len(groups[0].completions)
     per_step = -(-len(groups) // steps_per_rollout)  # ceil
-    batches: list[RolloutBatch] = []
-    for step, first in enumerate(range(0, len(groups), per_step)):
+    steps = []
+    for index, first in enumerate(range(0, len(groups), per_step)):
         step_groups = groups[first : first + per_step]
         rows = [c for g in step_groups for c in g.completions]
-        summary = {
-            "step_lengths": torch.tensor([len(c.token_ids) for c in rows], dtype=torch.float),
-            "step_rewards": torch.cat([g.rewards for g in step_groups]).float(),
-            "step_truncated": torch.tensor([c.truncated for c in rows]),
-        }
         starts = range(0, len(step_groups), micro_batch_groups)
-        for k, start in enumerate(starts):
-            fields = collate_groups(step_groups[start : start + micro_batch_groups], pad_id)
-            last = k == len(starts) - 1
-            batches.append(RolloutBatch(**fields, **summary, group_size=group_size, step=step, last_in_step=last))
-    return batches
+        steps.append(
+            RolloutStep(
+                micro_batches=[make_batch(step_groups[s : s + micro_batch_groups], pad_id) for s in starts],
+                lengths=torch.tensor([len(c.token_ids) for c in rows], dtype=torch.float),
+                rewards=torch.cat([g.rewards for g in step_groups]).float(),
+                truncated=torch.tensor([c.truncated for c in rows]),
+                group_size=len(step_groups[0].completions),
+                index=index,
+            )
+        )
+    return steps
 
 
-def repeat_passes(batches: list[RolloutBatch], mu: int) -> list[RolloutBatch]:
-    """The optimisation schedule: ``mu`` passes over the micro-batches (tensors shared, step indices continued)."""
-    steps = (batches[-1].step + 1) if batches else 0
-    return [replace(b, step=b.step + k * steps) for k in range(mu) for b in batches]
+def repeat_passes(steps: list[RolloutStep], mu: int) -> list[RolloutStep]:
+    """The optimisation schedule: ``mu`` passes over the steps (tensors shared, step indices continued)."""
+    return [replace(step, index=step.index + k * len(steps)) for k in range(mu) for step in steps]

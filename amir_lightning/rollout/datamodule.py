@@ -26,7 +26,7 @@ from amir_lightning.objectives.advantages import batch_std, group_advantages
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rewards.math import MathAnswerReward
 from amir_lightning.rollout.arguments import check_arguments
-from amir_lightning.rollout.batch import Group, build_micro_batches, make_groups, repeat_passes
+from amir_lightning.rollout.batch import Group, build_steps, make_groups, repeat_passes
 from amir_lightning.rollout.engine import RolloutEngine, SamplingConfig
 from amir_lightning.rollout.scoring import RewardGuard, score_completions
 from amir_lightning.rollout.sync import SyncCheck
@@ -271,13 +271,13 @@ class RolloutDataModule(LightningDataModule):
                 100 * reduced["length/truncated_frac"],
             )
         pad = self.trainer.lightning_module.pad_token_id
-        batches = build_micro_batches(kept, self.micro_batch_groups, self.steps_per_rollout, pad)
-        if batches and (self.mu > 1 or self.steps_per_rollout > 1):
+        steps = build_steps(kept, self.micro_batch_groups, self.steps_per_rollout, pad)
+        if self.mu > 1 or self.steps_per_rollout > 1:
             # Later steps see an updated policy: their ratios need the sampling policy's log-probs, from the
             # trainer (the engine's differ in the last bits), taken before any update.
-            for batch in batches:
+            for batch in (batch for step in steps for batch in step.micro_batches):
                 batch.old_logps = self.trainer.lightning_module.policy_logps(batch)
-        return DataLoader(repeat_passes(batches, self.mu), batch_size=None, collate_fn=_identity)
+        return DataLoader(repeat_passes(steps, self.mu), batch_size=None, collate_fn=_identity)
 
     def val_dataloader(self) -> DataLoader | list:  # noqa: D102
         batches = validation_batches(self)

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from amir_lightning.models import HFModel
 from amir_lightning.module import AmirGRPOModule
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages
-from amir_lightning.rollout.batch import Group, build_micro_batches
+from amir_lightning.rollout.batch import Group, build_steps
 from amir_lightning.rollout.engine import Completion
 
 G, GROUPS = 4, 4
@@ -43,7 +43,7 @@ class FixedRollouts(L.LightningDataModule):
         groups = fixed_groups(module.tokenizer)
         share = GROUPS // self.trainer.world_size
         mine = groups[self.trainer.global_rank * share : (self.trainer.global_rank + 1) * share]
-        batches = build_micro_batches(mine, micro_batch_groups=1, steps_per_rollout=1, pad_id=module.pad_token_id)
+        batches = build_steps(mine, micro_batch_groups=1, steps_per_rollout=1, pad_id=module.pad_token_id)
         return DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
 
 
