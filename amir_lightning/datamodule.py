@@ -21,7 +21,7 @@ from amir_lightning.data.base import Prompt, PromptSource
 from amir_lightning.data.stream import PromptStream
 from amir_lightning.data.templates import render_prompts
 from amir_lightning.distributed import all_reduce
-from amir_lightning.evaluation.rollout import test_batches, validation_batches
+from amir_lightning.evaluation.evaluator import Evaluator
 from amir_lightning.objectives.advantages import batch_std, group_advantages
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rewards.math import MathAnswerReward
@@ -280,12 +280,27 @@ class RolloutDataModule(LightningDataModule):
         return DataLoader(repeat_passes(steps, self.mu), batch_size=None, collate_fn=_identity)
 
     def val_dataloader(self) -> DataLoader | list:  # noqa: D102
-        batches = validation_batches(self)
+        batches = self.evaluator().validation_batches(
+            self.val_prompts, self.val_size, self.val_samples, self.val_sampling
+        )
         return DataLoader(batches, batch_size=None, collate_fn=_identity) if batches else []
 
     def test_dataloader(self) -> DataLoader:
         """``amir test``: every benchmark of ``benchmarks`` (else the held-out prompts), one batch each."""
-        return DataLoader(test_batches(self), batch_size=None, collate_fn=_identity)
+        batches = self.evaluator().test_batches(
+            self.benchmarks,
+            self.val_prompts,
+            self.val_size,
+            self.eval_samples,
+            self.eval_sampling,
+            self.eval_ks,
+            self.eval_logps,
+        )
+        return DataLoader(batches, batch_size=None, collate_fn=_identity)
+
+    def evaluator(self) -> Evaluator:
+        """Evaluation through this module's engine, with its prompt rendering, weight sync and seeding."""
+        return Evaluator(self.tokenize, self.sync, self.generate, self.grader())
 
     def grader(self) -> MathAnswerReward:
         """The correctness check of evaluation: the first ``MathAnswerReward`` of the rewards, or a default one."""
