@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 import sys
 
 from jsonargparse import lazy_instance
@@ -54,6 +55,35 @@ USER_ERRORS = (
 )
 
 
+#: ``data`` keys that moved into an argument group, and where they live now.
+MOVED_KEYS = {
+    **{
+        key: f"data.rollout.{key}"
+        for key in (
+            "group_size",
+            "prompts_per_epoch",
+            "micro_batch_groups",
+            "steps_per_rollout",
+            "mu",
+            "advantage_scale",
+            "drop_zero_std_groups",
+            "max_bad_rollouts",
+        )
+    },
+    "sync_tolerance": "data.sync.tolerance",
+    **{key: f"data.evaluation.{key}" for key in ("val_size", "val_samples", "val_sampling")},
+    **{f"eval_{key}": f"data.evaluation.{key}" for key in ("samples", "sampling", "ks", "logps")},
+}
+
+
+def moved_key_hint(text: str) -> str:
+    """`` (data.X is now data.group.X)`` for an old ``data`` key named in ``text``, else ``""``."""
+    for old, new in MOVED_KEYS.items():
+        if re.search(rf"(--data\.{old}\b|option '{old}'|\bdata\.{old}\b)", text):
+            return f" (data.{old} is now {new})"
+    return ""
+
+
 def user_message(err: BaseException | str) -> str:
     """The useful part of an input error, on one line.
 
@@ -79,7 +109,8 @@ class _Parser(LightningArgumentParser):
             return super().error(message, ex)
         parser = getattr(ex, "subcommand_parser", None) or self
         command = " ".join(["amir", *parser.prog.replace(" [options]", "").split()[1:]])
-        sys.stderr.write(f"amir: error: {user_message(message)}\n(`{command} --help` lists the options)\n")
+        text = user_message(message) + moved_key_hint(message)
+        sys.stderr.write(f"amir: error: {text}\n(`{command} --help` lists the options)\n")
         raise SystemExit(2)
 
 

@@ -118,6 +118,7 @@ class AmirGRPOModule(LightningModule):
         self.policy = None
         self._reference: tuple = ()  # not a registered submodule: never trained, never checkpointed
         self._bad_steps = self._skipped_steps = 0
+        self._old_logps: list[list[torch.Tensor]] = []  # the rollout's sampling-policy log-probs, per step
         self.val_accuracy = MeanMetric()
 
     # ------------------------------------------------------------------ model
@@ -214,10 +215,25 @@ class AmirGRPOModule(LightningModule):
 
     @torch.no_grad()
     def policy_logps(self, batch: RolloutBatch, temperature: float | None = None) -> torch.Tensor:
-        """Log-probs of ``batch`` under the current policy, no gradient (old policy of later passes, evaluation)."""
+        """Log-probs of ``batch`` under the current policy, no gradient (the old policy of later steps, evaluation)."""
         batch = self.transfer_batch_to_device(batch, self.device, 0)
         with self._eval_mode():
             return self.completion_logps(self.policy, batch, temperature or self.temperature)[0].cpu()
+
+    def old_policy_logps(self, step: RolloutStep) -> list[torch.Tensor | None]:
+        """The sampling policy's log-probs of each micro-batch of ``step``; ``None`` for an on-policy step.
+
+        A step that follows an update within its rollout (``data.rollout.steps_per_rollout`` or ``mu`` above 1)
+        needs them for its ratios. The rollout's first step carries every step's micro-batches (``step.rollout``):
+        their log-probs are taken then, before any update, from the trainer (the engine's differ in the last bits).
+        """
+        if step.rollout:
+            self._old_logps = [[self.policy_logps(batch) for batch in micro] for micro in step.rollout]
+        elif step.index == 0:
+            self._old_logps = []
+        if not self._old_logps:
+            return [None] * len(step.micro_batches)
+        return list(self._old_logps[step.index % len(self._old_logps)])
 
     @torch.no_grad()
     def score_tokens(self, prompt: list[int], completion: list[int]) -> list[float]:
@@ -269,7 +285,9 @@ class AmirGRPOModule(LightningModule):
         context = self.step_context(step)
         stats: dict[str, torch.Tensor] = {}
         rows, total, bad = [], 0.0, False
-        for batch in step.micro_batches:
+        for batch, old_logps in zip(step.micro_batches, self.old_policy_logps(step)):
+            if old_logps is not None:
+                batch.old_logps = old_logps.to(self.device)
             out, logps = self.compute_loss(batch, context)
             ok = bool(torch.isfinite(out.loss))
             # Data parallelism averages gradients over processes; each process's loss is a share of the global

@@ -23,10 +23,10 @@ class RolloutSampleLogger(Callback):
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:  # noqa: D102
         # Runs after train_dataloader(): the epoch's rollout is in the data module.
-        groups = getattr(trainer.datamodule, "last_rollout", None)
-        if not groups or trainer.current_epoch % self.every_n_epochs:
+        rollout = getattr(trainer.datamodule, "last_rollout", None)
+        if rollout is None or not rollout.groups or trainer.current_epoch % self.every_n_epochs:
             return
-        text(trainer, "rollout/samples", self.render(groups[: self.num_prompts]))
+        text(trainer, "rollout/samples", self.render(rollout.groups[: self.num_prompts]))
 
     def render(self, groups) -> str:
         """Markdown for ``groups``: question, reference answer, then each completion with reward and advantage."""

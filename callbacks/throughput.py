@@ -33,9 +33,10 @@ class ThroughputMonitor(Callback):
             self._train_tokens += sum(float(micro.attention_mask.sum()) for micro in batch.micro_batches)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:  # noqa: D102
-        timing = getattr(trainer.datamodule, "last_timing", {})
-        if not timing:
+        rollout = getattr(trainer.datamodule, "last_rollout", None)
+        if rollout is None:
             return
+        timing = rollout.seconds
         phases = {
             "sync": timing["sync_s"],
             "generate": timing["generate_s"],
@@ -44,7 +45,7 @@ class ThroughputMonitor(Callback):
         }
         total = max(sum(phases.values()), 1e-9)
         logged = {f"throughput/{name}_frac": seconds / total for name, seconds in phases.items()}
-        logged["throughput/generate_tokens_per_s"] = timing["tokens"] / max(timing["generate_s"], 1e-9)
+        logged["throughput/generate_tokens_per_s"] = rollout.tokens / max(timing["generate_s"], 1e-9)
         logged["throughput/train_tokens_per_s"] = self._train_tokens / max(self._train_s, 1e-9)
         logged["throughput/sync_s"] = timing["sync_s"]
         log_metrics(trainer, logged)

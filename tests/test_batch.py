@@ -2,7 +2,7 @@
 
 import torch
 
-from amir_lightning.rollout.batch import Group, build_steps, repeat_passes
+from amir_lightning.rollout.batch import Group, build_steps
 from amir_lightning.rollout.engine import Completion
 
 PAD = 0
@@ -48,11 +48,18 @@ def test_padding_left_prompt_right_completion():
     assert batch.sampling_logps[0].tolist() == [-0.5, 0.0, 0.0]
 
 
-def test_repeat_passes_continues_step_indices_and_shares_tensors():
-    steps = build_steps(make_groups(), micro_batch_groups=2, steps_per_rollout=2, pad_id=PAD)
-    schedule = repeat_passes(steps, mu=3)
+def test_passes_continue_step_indices_share_tensors_and_the_first_step_carries_the_pass():
+    schedule = build_steps(make_groups(), micro_batch_groups=2, steps_per_rollout=2, pad_id=PAD, mu=3)
     assert [s.index for s in schedule] == [0, 1, 2, 3, 4, 5]
-    assert schedule[2].micro_batches[0].input_ids is steps[0].micro_batches[0].input_ids
+    assert schedule[2].micro_batches[0].input_ids is schedule[0].micro_batches[0].input_ids
+    # The old policy of every later step is the policy before the first update: the first step carries the pass.
+    carried = schedule[0].rollout
+    assert [[b.input_ids for b in micro] for micro in carried] == [[s.micro_batches[0].input_ids] for s in schedule[:2]]
+    assert all(b is m for micro, s in zip(carried, schedule) for b, m in zip(micro, s.micro_batches))
+    assert all(not s.rollout for s in schedule[1:])
+    (on_policy,) = build_steps(make_groups(), micro_batch_groups=2, steps_per_rollout=1, pad_id=PAD)
+    assert on_policy.rollout == []
+    assert len(build_steps(make_groups(), micro_batch_groups=2, steps_per_rollout=1, pad_id=PAD, mu=2)[0].rollout) == 1
 
 
 def test_select_picks_rows_of_every_per_row_field():

@@ -54,3 +54,27 @@ def test_bad_config_value_names_the_key(tmp_path, capsys):
         main(["fit", "--config", str(bad), "--print_config"])
     assert exit_info.value.code != 0
     assert "group_size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("given", "hint"),
+    [
+        (["--data.group_size", "4"], "data.group_size is now data.rollout.group_size"),
+        (["--data.eval_ks", "[1]"], "data.eval_ks is now data.evaluation.ks"),
+        (["--data.sync_tolerance", "0.1"], "data.sync_tolerance is now data.sync.tolerance"),
+    ],
+)
+def test_moved_data_keys_name_their_new_place(given, hint, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(Path(__file__).parents[1] / "configs" / "tiny.yaml"), *given, "--print_config"])
+    assert exit_info.value.code == 2
+    assert hint in capsys.readouterr().err
+
+
+def test_a_config_file_with_an_old_data_key_names_its_new_place(tmp_path, capsys):
+    old = tmp_path / "old.yaml"
+    text = (Path(__file__).parents[1] / "configs" / "tiny.yaml").read_text()
+    old.write_text(text.replace("  evaluation: {", "  val_size: 4\n  evaluation: {"))
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(old), "--print_config"])
+    assert "data.val_size is now data.evaluation.val_size" in capsys.readouterr().err

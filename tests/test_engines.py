@@ -9,7 +9,7 @@ from helpers.engines import SkipsPushes, perturb
 
 from amir_lightning.models import build_tiny_model
 from amir_lightning.rollout import HFEngine, SamplingConfig, VLLMEngine
-from amir_lightning.rollout.sync import StaleEngineError, SyncCheck
+from amir_lightning.rollout.sync import StaleEngineError, SyncCheck, SyncSettings
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +79,7 @@ def test_generate_returns_groups_with_sampling_logprobs(engine_name, tiny_dir, v
 
 def test_engine_follows_changed_policy_weights(tiny_dir, vllm_engine):
     stub = PolicyStub(tiny_dir)
-    check = SyncCheck(tolerance=1e-4)
+    check = SyncCheck(SyncSettings(tolerance=1e-4))
     check.set_probe(stub.tokenizer, stub.tokenizer("5=")["input_ids"], "5")
     assert check.push_and_verify(stub, vllm_engine)[0] < 1e-4
     perturb(stub.policy, 0.3, seed=0)
@@ -103,7 +103,7 @@ def test_partial_sync_is_detected(tiny_dir, vllm_engine):
             yield named[:1]
 
     stub.export_weights = partial
-    check = SyncCheck(tolerance=1e-4)
+    check = SyncCheck(SyncSettings(tolerance=1e-4))
     check.set_probe(stub.tokenizer, stub.tokenizer("5=")["input_ids"], "5")
     with pytest.raises(StaleEngineError, match="rollout engine is stale"):
         check.push_and_verify(stub, vllm_engine)

@@ -14,8 +14,8 @@ from amir_lightning.module import AmirGRPOModule
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rollout.batch import Group, build_steps
+from amir_lightning.rollout.collect import RewardGuard, score_completions
 from amir_lightning.rollout.engine import Completion
-from amir_lightning.rollout.scoring import RewardGuard, score_completions
 
 AGGREGATIONS = ["grpo", "bnpo", "dr_grpo", "dapo"]
 
@@ -68,7 +68,7 @@ def test_reward_guard_stops_after_consecutive_bad_rollouts():
     guard.check({"rollout/nonfinite/x": 3.0})
     guard.check({})  # a clean rollout resets the count
     guard.check({"rollout/nonfinite/x": 1.0})
-    with pytest.raises(ValueError, match="data.max_bad_rollouts=2"):
+    with pytest.raises(ValueError, match="data.rollout.max_bad_rollouts=2"):
         guard.check({"rollout/nonfinite/x": 1.0})
 
 

@@ -136,3 +136,50 @@ def test_full_fine_tuning_does_not_decay_biases_and_norm_weights(tmp_path):
     assert {names[id(p)].rsplit(".", 1)[0].rsplit(".", 1)[-1] for p in flat["params"]} >= {"norm", "input_layernorm"}
     assert all("bias" in names[id(p)] or "norm" in names[id(p)] for p in flat["params"])
     assert all(p.ndim == 2 for p in decayed["params"])
+
+
+def test_later_steps_of_a_rollout_take_the_sampling_policy_as_their_old_policy(tmp_path, monkeypatch):
+    """2 steps x 2 passes: every step's old log-probs are the policy's before the rollout's first update."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    monkeypatch.chdir(tmp_path)
+    model_dir = build_tiny_model(tmp_path / "model", seed=5)
+    mod = AmirGRPOModule(
+        policy=HFModel(str(model_dir)),
+        loss=AmirGRPOLoss(lambda_=0.5, lambda_max=1.0, lambda_schedule="fixed", beta=0.0),
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.5),
+        log_entropy=False,
+    )
+    steps = build_steps(make_groups(mod), 1, steps_per_rollout=2, pad_id=mod.pad_token_id, mu=2)
+    seen: dict[int, list] = {}
+
+    class Watch(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            # The sampling policy: the weights before any update, in eval mode (as the module takes them).
+            self.before = [[pl_module.policy_logps(b) for b in s.micro_batches] for s in steps[:2]]
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.setdefault(batch.index, [])
+            if batch.index == 1:  # after one update: the current policy differs from the sampling one
+                now = pl_module.policy_logps(batch.micro_batches[0])
+                assert not torch.allclose(now, self.before[1][0], atol=1e-4)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen[batch.index] = [b.old_logps.cpu() for b in batch.micro_batches]
+
+    watch = Watch()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[watch],
+    )
+    trainer.fit(mod, train_dataloaders=DataLoader(steps, batch_size=None, collate_fn=lambda b: b))
+    assert sorted(seen) == [0, 1, 2, 3] and trainer.global_step == 4
+    for index, old in seen.items():
+        for got, want in zip(old, watch.before[index % 2], strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)

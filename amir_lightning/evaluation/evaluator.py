@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import torch
 
@@ -10,6 +12,47 @@ from amir_lightning.data.base import Prompt, PromptSource
 from amir_lightning.rewards.math import MathAnswerReward
 from amir_lightning.rollout.batch import Group
 from amir_lightning.rollout.engine import Completion, SamplingConfig
+from amir_lightning.validation import check_number, raise_errors
+
+
+@dataclass
+class EvaluationSettings:
+    """Validation during ``fit`` and in ``amir validate``, and the benchmarks of ``amir test`` (``data.evaluation``).
+
+    Attributes:
+        val_size: Held-out prompts evaluated (the first ``val_size`` of ``data.val_prompts``).
+        val_samples: Samples per held-out prompt.
+        val_sampling: Sampling of validation (default: the paper's temperature 0.6, top_p 1.0, the training length
+            limit).
+        samples: Samples per problem in ``amir test`` (the paper: 8).
+        sampling: Sampling in ``amir test`` (default as ``val_sampling``).
+        ks: The k of ``eval/<benchmark>/pass@k`` (the paper: 1, 2, 4); each must be <= ``samples``.
+        logps: Per-sample mean log-probs in the reports (for ``amir compare`` margins): ``engine`` (free, at the
+            evaluation temperature) or ``policy`` (a forward over every sample, temperature 1).
+    """
+
+    val_size: int = 64
+    val_samples: int = 4
+    val_sampling: SamplingConfig | None = None
+    samples: int = 8
+    sampling: SamplingConfig | None = None
+    ks: list[int] = field(default_factory=lambda: [1, 2, 4])
+    logps: Literal["engine", "policy"] = "engine"
+
+    def __post_init__(self) -> None:
+        errors: list[str] = []
+        for key in ("val_size", "val_samples", "samples"):
+            check_number(errors, f"data.evaluation.{key}", getattr(self, key), ge=1)
+        if not errors and (not self.ks or min(self.ks) < 1 or max(self.ks) > self.samples):
+            errors.append(
+                f"data.evaluation.ks {self.ks} must lie in [1, data.evaluation.samples={self.samples}] for pass@k"
+            )
+        raise_errors(errors)
+
+    def with_length_limit(self, max_new_tokens: int) -> EvaluationSettings:
+        """These settings with the paper's evaluation sampling (temperature 0.6, top_p 1.0) where none is given."""
+        paper = SamplingConfig(temperature=0.6, top_p=1.0, max_new_tokens=max_new_tokens)
+        return replace(self, val_sampling=self.val_sampling or paper, sampling=self.sampling or paper)
 
 
 class Evaluator:
@@ -18,6 +61,7 @@ class Evaluator:
     The rollout data module composes it from its own steps, so evaluation samples exactly as training does.
 
     Args:
+        settings: Sizes, samples, sampling and the k of pass@k (``with_length_limit`` applied).
         tokenize: Prompts to chat-templated token ids.
         sync: ``(probe prompt ids, probe answer)``: push the policy's weights into the engine (once per step).
         generate: ``(prompt ids, n, sampling, purpose)``: ``n`` seeded completions per prompt.
@@ -26,11 +70,13 @@ class Evaluator:
 
     def __init__(
         self,
+        settings: EvaluationSettings,
         tokenize: Callable[[list[Prompt]], list[list[int]]],
         sync: Callable[[list[int], str], float],
         generate: Callable[[list[list[int]], int, SamplingConfig, int], list[list[Completion]]],
         grader: MathAnswerReward,
     ) -> None:
+        self.settings = settings
         self.tokenize, self.sync, self.generate, self.grader = tokenize, sync, generate, grader
 
     def evaluate(
@@ -61,25 +107,15 @@ class Evaluator:
             "temperature": sampling.temperature,
         }
 
-    def validation_batches(
-        self, source: PromptSource | None, size: int, samples: int, sampling: SamplingConfig
-    ) -> list[dict]:
-        """The held-out evaluation of ``fit`` and ``amir validate``: the first ``size`` prompts of ``source``."""
+    def validation_batches(self, source: PromptSource | None) -> list[dict]:
+        """The held-out evaluation of ``fit`` and ``amir validate``: the first ``val_size`` prompts of ``source``."""
         if source is None:
             return []
-        prompts = [source[i] for i in range(min(size, len(source)))]
-        return [self.evaluate("heldout", prompts, samples, sampling)]
+        s = self.settings
+        prompts = [source[i] for i in range(min(s.val_size, len(source)))]
+        return [self.evaluate("heldout", prompts, s.val_samples, s.val_sampling)]
 
-    def test_batches(
-        self,
-        benchmarks: Sequence[PromptSource],
-        heldout: PromptSource | None,
-        heldout_size: int,
-        samples: int,
-        sampling: SamplingConfig,
-        ks: list[int],
-        logps: str,
-    ) -> list[dict]:
+    def test_batches(self, benchmarks: Sequence[PromptSource], heldout: PromptSource | None) -> list[dict]:
         """``amir test``: every problem of every benchmark (else the held-out prompts), one batch per benchmark.
 
         Each batch also carries the ``ks`` of its pass@k and where its per-sample log-probs come from (``logps``).
@@ -87,10 +123,10 @@ class Evaluator:
         sources = list(benchmarks) or ([heldout] if heldout is not None else [])
         if not sources:
             raise ValueError("amir test needs data.benchmarks or data.val_prompts")
-        batches = []
+        s, batches = self.settings, []
         for source in sources:
-            size = len(source) if benchmarks else min(heldout_size, len(source))
+            size = len(source) if benchmarks else min(s.val_size, len(source))
             prompts = [source[i] for i in range(size)]
-            batch = self.evaluate(getattr(source, "name", "heldout"), prompts, samples, sampling, purpose=2)
-            batches.append({**batch, "ks": list(ks), "logps": logps})
+            batch = self.evaluate(getattr(source, "name", "heldout"), prompts, s.samples, s.sampling, purpose=2)
+            batches.append({**batch, "ks": list(s.ks), "logps": s.logps})
         return batches

@@ -18,7 +18,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if not 0 <= c <= n:
         raise ValueError(f"need 0 <= correct <= samples, got {c} correct of {n}")
     if k < 1 or k > n:
-        raise ValueError(f"pass@{k} needs at least {k} samples per problem, got {n} (data.eval_samples)")
+        raise ValueError(f"pass@{k} needs at least {k} samples per problem, got {n} (data.evaluation.samples)")
     if n - c < k:
         return 1.0
     prob_all_wrong = 1.0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -154,6 +154,9 @@ class RolloutStep:
         truncated: ``[N]`` their truncation flags.
         group_size: ``G``.
         index: Index of the step in the epoch (passes over the rollout continue it).
+        rollout: Set on the rollout's first step when later steps are off-policy (several steps or passes per
+            rollout): the micro-batches of every step of one pass, whose log-probs under the sampling policy (the
+            weights before this step's update) the module takes first, as the old policy of the ratios.
     """
 
     micro_batches: list[RolloutBatch]
@@ -162,12 +165,17 @@ class RolloutStep:
     truncated: torch.Tensor
     group_size: int
     index: int = 0
+    rollout: list[list[RolloutBatch]] = field(default_factory=list)
 
 
-def build_steps(groups: list[Group], micro_batch_groups: int, steps_per_rollout: int, pad_id: int) -> list[RolloutStep]:
-    """One pass of a rollout: ``steps_per_rollout`` optimisation steps of whole groups.
+def build_steps(
+    groups: list[Group], micro_batch_groups: int, steps_per_rollout: int, pad_id: int, mu: int = 1
+) -> list[RolloutStep]:
+    """The optimisation schedule of a rollout: ``mu`` passes of ``steps_per_rollout`` steps of whole groups.
 
-    Each step is split into micro-batches of ``micro_batch_groups`` groups (gradient accumulation).
+    Each step is split into micro-batches of ``micro_batch_groups`` groups (gradient accumulation). Later passes
+    share the first pass's tensors and continue its step indices. When any step follows an update of the policy
+    (``mu`` or ``steps_per_rollout`` above 1), the first step carries the whole pass in ``rollout``.
     """
     if not groups:
         return []
@@ -187,9 +195,7 @@ def build_steps(groups: list[Group], micro_batch_groups: int, steps_per_rollout:
                 index=index,
             )
         )
-    return steps
-
-
-def repeat_passes(steps: list[RolloutStep], mu: int) -> list[RolloutStep]:
-    """The optimisation schedule: ``mu`` passes over the steps (tensors shared, step indices continued)."""
-    return [replace(step, index=step.index + k * len(steps)) for k in range(mu) for step in steps]
+    if mu > 1 or len(steps) > 1:
+        steps[0].rollout = [step.micro_batches for step in steps]
+    later = [replace(step, index=step.index + k * len(steps), rollout=[]) for k in range(1, mu) for step in steps]
+    return steps + later

@@ -8,32 +8,57 @@ either stops a correct run or misses a stale engine, so the tolerance is measure
 
 - The probe is fixed at the first sync and kept for the whole run (saved in checkpoints), so gaps compare.
 - The first sync of a run measures the noise floor: at step 0 engine and trainer hold the same weights whether or
-  not the push worked, so the gap is pure numerics. It must stay under ``CALIBRATION_LIMIT``; more means they do
+  not the push worked, so the gap is pure numerics. It must stay under ``calibration_limit``; more means they do
   not run the same model at all. The trainer's probe log-probs at that sync are kept as the reference.
-- Every later sync must stay within ``max(MIN_TOLERANCE, NOISE_FACTOR * noise floor, DRIFT_SHARE * drift)``, where
+- Every later sync must stay within ``max(min_tolerance, noise_factor * noise floor, drift_share * drift)``, where
   drift is how far the trainer's probe log-probs moved from the reference. An engine that ignores pushes still
   holds the reference weights, so its gap is the whole drift and it is stopped once that exceeds the noise; a
   correct engine's gap is rounding, far below the drift of a policy that has changed enough to sharpen.
 
-``data.sync_tolerance`` set to a number replaces the measured tolerance.
+``data.sync.tolerance`` set to a number replaces the measured tolerance; the other ``SyncSettings`` tune the
+measurement.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from amir_lightning.rollout.engine import RolloutEngine
+from amir_lightning.validation import check_number, raise_errors
 
-#: The tolerance is at least this many times the noise floor...
-NOISE_FACTOR = 4.0
-#: ...and this share of the trainer's drift since the first sync (an engine ignoring pushes shows all of it)...
-DRIFT_SHARE = 0.5
-#: ...and never below this (float32 engines agree to ~1e-6).
-MIN_TOLERANCE = 1e-3
-#: A larger gap between engine and trainer holding the same weights means they run different models or dtypes.
-CALIBRATION_LIMIT = 1.0
-#: Answer tokens in the probe.
-PROBE_TOKENS = 32
+
+@dataclass
+class SyncSettings:
+    """How the weight sync is verified (``data.sync``).
+
+    Attributes:
+        tolerance: A fixed tolerance on the sync gap in nats; ``None`` measures it (module docstring).
+        noise_factor: The measured tolerance is at least this many times the noise floor...
+        drift_share: ...and this share of the trainer's drift since the first sync (a stale engine shows all of
+            it)...
+        min_tolerance: ...and never below this (float32 engines agree to ~1e-6).
+        calibration_limit: A larger gap at the first sync, when engine and trainer hold the same weights, means
+            they run different models or dtypes.
+        probe_tokens: Answer tokens in the probe.
+    """
+
+    tolerance: float | None = None
+    noise_factor: float = 4.0
+    drift_share: float = 0.5
+    min_tolerance: float = 1e-3
+    calibration_limit: float = 1.0
+    probe_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        errors: list[str] = []
+        check_number(errors, "data.sync.tolerance", self.tolerance, gt=0, optional=True)
+        check_number(errors, "data.sync.noise_factor", self.noise_factor, ge=1)
+        check_number(errors, "data.sync.drift_share", self.drift_share, gt=0, lt=1)
+        check_number(errors, "data.sync.min_tolerance", self.min_tolerance, gt=0)
+        check_number(errors, "data.sync.calibration_limit", self.calibration_limit, gt=0)
+        check_number(errors, "data.sync.probe_tokens", self.probe_tokens, ge=1)
+        raise_errors(errors)
 
 
 class StaleEngineError(RuntimeError):
@@ -44,11 +69,11 @@ class SyncCheck:
     """Pushes the policy into the engine and verifies it; holds the probe and the noise floor of the run.
 
     Args:
-        tolerance: A fixed tolerance on the sync gap; ``None`` calibrates it (module docstring).
+        settings: The tolerance, or how to measure it.
     """
 
-    def __init__(self, tolerance: float | None = None) -> None:
-        self.tolerance = tolerance
+    def __init__(self, settings: SyncSettings | None = None) -> None:
+        self.settings = settings or SyncSettings()
         self.probe: tuple[list[int], list[int]] | None = None  # (prompt ids, completion ids)
         self.noise_floor: float | None = None
         self.reference: list[float] | None = None  # the trainer's probe log-probs at the first sync
@@ -56,7 +81,7 @@ class SyncCheck:
     def set_probe(self, tokenizer, prompt_ids: list[int], answer: str) -> None:
         """Fix the probe (once per run): ``prompt_ids``, then the answer's first tokens and EOS."""
         if self.probe is None:
-            answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"][:PROBE_TOKENS]
+            answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"][: self.settings.probe_tokens]
             self.probe = (list(prompt_ids), answer_ids + [tokenizer.eos_token_id])
 
     def scores(self, module, engine: RolloutEngine) -> tuple[list[float], list[float]]:
@@ -87,16 +112,17 @@ class SyncCheck:
         else:
             drift = max(abs(a - b) for a, b in zip(policy_logps, self.reference))
         gap, drift = reduce_max([gap, drift])
-        if self.tolerance is not None:
-            tolerance, source = self.tolerance, f"data.sync_tolerance={self.tolerance}"
+        s = self.settings
+        if s.tolerance is not None:
+            tolerance, source = s.tolerance, f"data.sync.tolerance={s.tolerance}"
         elif self.noise_floor is None:
             self._calibrate(gap, policy_logps)
-            tolerance, source = max(MIN_TOLERANCE, NOISE_FACTOR * gap), "calibration"
+            tolerance, source = max(s.min_tolerance, s.noise_factor * gap), "calibration"
         else:
-            tolerance = max(MIN_TOLERANCE, NOISE_FACTOR * self.noise_floor, DRIFT_SHARE * drift)
+            tolerance = max(s.min_tolerance, s.noise_factor * self.noise_floor, s.drift_share * drift)
             source = (
-                f"the largest of {NOISE_FACTOR:g} x the noise floor {self.noise_floor:.3g} measured at the first "
-                f"sync and {DRIFT_SHARE:g} x the {drift:.3g} nat the trainer's probe log-probs moved since then"
+                f"the largest of {s.noise_factor:g} x the noise floor {self.noise_floor:.3g} measured at the first "
+                f"sync and {s.drift_share:g} x the {drift:.3g} nat the trainer's probe log-probs moved since then"
             )
         if not gap <= tolerance:  # also catches NaN
             raise StaleEngineError(
@@ -108,12 +134,13 @@ class SyncCheck:
         return gap, tolerance
 
     def _calibrate(self, gap: float, policy_logps: list[float]) -> None:
-        if not gap <= CALIBRATION_LIMIT:  # also catches NaN
+        limit = self.settings.calibration_limit
+        if not gap <= limit:  # also catches NaN
             raise StaleEngineError(
                 f"at the first weight sync the engine's log-probs on the probe differ from the trainer's by "
-                f"{gap:.3g} nat although both hold the same weights (limit {CALIBRATION_LIMIT}): they do not run "
-                "the same model. Check data.engine's dtype against trainer.precision and model.dtype, and that "
-                "both load the same model; or set data.sync_tolerance to a number to accept the gap."
+                f"{gap:.3g} nat although both hold the same weights (data.sync.calibration_limit {limit:g}): they do "
+                "not run the same model. Check data.engine's dtype against trainer.precision and model.dtype, and "
+                "that both load the same model; or set data.sync.tolerance to a number to accept the gap."
             )
         self.noise_floor, self.reference = gap, list(policy_logps)
 

@@ -1,0 +1,211 @@
+"""Collecting one rollout: sample G completions per prompt, score them, and turn them into groups with advantages.
+
+``collect_rollout`` is a function of its inputs (prompts, an engine's ``generate``, rewards, settings): it knows
+nothing of Lightning, so a script or a test calls it the way the data module does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from amir_lightning.data.base import Prompt
+from amir_lightning.objectives.advantages import batch_std, group_advantages
+from amir_lightning.rewards.base import Reward
+from amir_lightning.rewards.math import MathAnswerReward
+from amir_lightning.rollout.batch import Group, make_groups
+from amir_lightning.rollout.engine import Completion
+from amir_lightning.validation import check_number, raise_errors
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RolloutSettings:
+    """The shape of a rollout and of the optimisation steps it feeds (``data.rollout``).
+
+    Attributes:
+        group_size: ``G``, completions per prompt (>= 2).
+        prompts_per_epoch: ``B``, prompts per rollout (one epoch) and process; the global batch is B x processes.
+        micro_batch_groups: Groups per micro-batch (gradient accumulation splits a step into micro-batches).
+        steps_per_rollout: Optimisation steps per rollout, each on its share of the groups.
+        mu: Passes over the rollout (PPO-style); > 1 makes later steps off-policy (ratios and clipping act).
+        advantage_scale: ``group``, ``batch`` or ``none`` (see ``group_advantages``).
+        drop_zero_std_groups: Skip groups whose rewards are all equal (they carry no policy gradient).
+        max_bad_rollouts: Stop after this many rollouts in a row with NaN or inf rewards.
+    """
+
+    group_size: int = 8
+    prompts_per_epoch: int = 16
+    micro_batch_groups: int = 2
+    steps_per_rollout: int = 1
+    mu: int = 1
+    advantage_scale: Literal["group", "batch", "none"] = "group"
+    drop_zero_std_groups: bool = False
+    max_bad_rollouts: int = 3
+
+    def __post_init__(self) -> None:
+        errors: list[str] = []
+        check_number(errors, "data.rollout.group_size", self.group_size, ge=2)
+        for key in ("prompts_per_epoch", "micro_batch_groups", "steps_per_rollout", "mu", "max_bad_rollouts"):
+            check_number(errors, f"data.rollout.{key}", getattr(self, key), ge=1)
+        if not errors and self.steps_per_rollout > self.prompts_per_epoch:
+            errors.append(
+                f"data.rollout.steps_per_rollout ({self.steps_per_rollout}) > data.rollout.prompts_per_epoch "
+                f"({self.prompts_per_epoch}): every step needs at least one group"
+            )
+        raise_errors(errors)
+
+    @property
+    def off_policy(self) -> bool:
+        """Whether a step can see a policy updated since the rollout (it then needs the sampling log-probs)."""
+        return self.mu > 1 or self.steps_per_rollout > 1
+
+
+@dataclass
+class Rollout:
+    """One collected rollout.
+
+    Attributes:
+        groups: One ``Group`` per prompt, in prompt order.
+        metrics: This process's rollout metrics (``rollout/*``, ``length/*``), not yet averaged over processes.
+        seconds: Wall time of ``generate`` and ``score``.
+        tokens: Completion tokens generated.
+    """
+
+    groups: list[Group]
+    metrics: dict[str, float]
+    seconds: dict[str, float] = field(default_factory=dict)
+    tokens: int = 0
+
+    @property
+    def zero_std(self) -> list[bool]:
+        """Per group: all its rewards are equal (no policy gradient)."""
+        return [bool((g.rewards == g.rewards[0]).all()) for g in self.groups]
+
+    def trained_groups(self, drop_zero_std: bool) -> list[Group]:
+        """The groups the step trains on: all, or those with reward variance."""
+        return [g for g, zero in zip(self.groups, self.zero_std) if not (drop_zero_std and zero)]
+
+
+class RewardGuard:
+    """Warns about rollouts with NaN or inf rewards and stops after ``max_bad_rollouts`` of them in a row.
+
+    Args:
+        max_bad_rollouts: Consecutive rollouts with non-finite rewards tolerated (``data.rollout.max_bad_rollouts``).
+    """
+
+    def __init__(self, max_bad_rollouts: int = 3) -> None:
+        if max_bad_rollouts < 1:
+            raise ValueError(f"data.rollout.max_bad_rollouts must be >= 1, got {max_bad_rollouts}")
+        self.max_bad_rollouts, self.in_a_row = max_bad_rollouts, 0
+
+    def check(self, metrics: dict[str, float]) -> None:
+        """Inspect a rollout's metrics (``rollout/nonfinite/<reward>`` counts)."""
+        bad = {k.rsplit("/", 1)[1]: int(v) for k, v in metrics.items() if k.startswith("rollout/nonfinite/")}
+        self.in_a_row = self.in_a_row + 1 if bad else 0
+        if not bad:
+            return
+        message = f"reward(s) returned NaN or inf for {bad} completions; their groups are not trained on"
+        if self.in_a_row >= self.max_bad_rollouts:
+            raise ValueError(
+                f"{message}, and {self.in_a_row} rollouts in a row had such rewards "
+                f"(data.rollout.max_bad_rollouts={self.max_bad_rollouts}): fix the reward function"
+            )
+        log.warning("%s (%d rollouts in a row)", message, self.in_a_row)
+
+
+def score_completions(
+    rewards: list[Reward], prompts: list[Prompt], completions: list[list[Completion]]
+) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+    """Total rewards ``[B * G]`` (groups contiguous), the rollout metrics, and correctness ``[B * G]``.
+
+    Correctness (1.0 / 0.0) comes from the first ``MathAnswerReward``; it is NaN when there is none, and the
+    monitors then skip their correct/incorrect split.
+
+    A NaN or inf score (a bug in a reward function) makes that completion's total NaN: its group gets zero
+    advantage and no pairs, so it is never trained on, and ``rollout/nonfinite_rewards`` counts it (``RewardGuard``
+    warns and stops after ``data.rollout.max_bad_rollouts`` such rollouts in a row).
+    """
+    texts = [c.text for group in completions for c in group]
+    answers = [p.answer for p, group in zip(prompts, completions) for _ in group]
+    total = torch.zeros(len(texts), dtype=torch.float32)
+    correct = torch.full((len(texts),), float("nan"))
+    metrics: dict[str, float] = {}
+    for reward in rewards:
+        values = torch.tensor(reward.score(texts, answers), dtype=torch.float32)
+        if values.shape != total.shape:
+            raise ValueError(f"reward {reward.name} returned {values.numel()} scores for {len(texts)} completions")
+        finite = torch.isfinite(values)
+        if not finite.all():
+            metrics[f"rollout/nonfinite/{reward.name}"] = float((~finite).sum())
+            values = values.masked_fill(~finite, float("nan"))
+        metrics[f"rollout/reward/{reward.name}"] = values.nanmean().item()
+        if isinstance(reward, MathAnswerReward) and correct.isnan().all():
+            correct = (values == reward.correct_score).float()
+        total += reward.weight * values
+    lengths = torch.tensor([len(c.token_ids) for group in completions for c in group], dtype=torch.float32)
+    truncated = torch.tensor([c.truncated for group in completions for c in group], dtype=torch.float32)
+    good = total[~total.isnan()]
+    metrics.update(
+        {
+            "rollout/reward_mean": good.mean().item() if good.numel() else float("nan"),
+            "rollout/reward_std": good.std().item() if good.numel() > 1 else 0.0,
+            "rollout/nonfinite_rewards": float(total.isnan().sum()),
+            "length/mean": lengths.mean().item(),
+            "length/max": lengths.max().item(),
+            "length/truncated_frac": truncated.mean().item(),
+        }
+    )
+    if not correct.isnan().all():
+        metrics["rollout/accuracy"] = correct.mean().item()
+    return total, {k: (0.0 if math.isnan(v) else v) for k, v in metrics.items()}, correct
+
+
+def collect_rollout(
+    prompts: list[Prompt],
+    prompt_ids: list[list[int]],
+    generate: Callable[[list[list[int]], int], list[list[Completion]]],
+    rewards: list[Reward],
+    settings: RolloutSettings,
+    sum_over_processes: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Rollout:
+    """Sample ``settings.group_size`` completions per prompt, score them, and group them with their advantages.
+
+    Args:
+        prompts: This process's prompts.
+        prompt_ids: Their chat-templated token ids.
+        generate: ``(prompt ids, n) -> n completions per prompt`` (the engine, seeded and with its sampling).
+        rewards: Summed with their weights.
+        settings: Group size and advantage scaling.
+        sum_over_processes: Sums a tensor over processes; ``advantage_scale: batch`` needs it for the global std.
+    """
+    start = time.perf_counter()
+    completions = generate(prompt_ids, settings.group_size)
+    generate_s = time.perf_counter() - start
+    start = time.perf_counter()
+    total, metrics, correct = score_completions(rewards, prompts, completions)
+    score_s = time.perf_counter() - start
+    std = batch_std(total, sum_over_processes) if settings.advantage_scale == "batch" else None
+    # A group with a non-finite reward carries no signal (zero advantage, no pairs): see score_completions.
+    advantages = group_advantages(total, settings.group_size, settings.advantage_scale, std=std).nan_to_num(nan=0.0)
+    groups = make_groups(prompts, prompt_ids, completions, total, advantages, correct)
+    tokens = sum(len(c.token_ids) for group in completions for c in group)
+    rollout = Rollout(groups, metrics, {"generate_s": generate_s, "score_s": score_s}, tokens)
+    zero_std = rollout.zero_std
+    metrics.update(
+        {
+            "rollout/zero_std_frac": sum(zero_std) / len(groups),
+            "rollout/tokens_per_s": tokens / max(generate_s, 1e-9),
+            "rollout/generate_s": generate_s,
+            "rollout/score_s": score_s,
+            "rollout/groups_kept": float(len(rollout.trained_groups(settings.drop_zero_std_groups))),
+        }
+    )
+    return rollout
