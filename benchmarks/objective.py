@@ -6,8 +6,8 @@ Every objective sees the same step (N = groups x group_size completions of up to
 k3 KL to a reference with beta 0.001 as in the official runs), on-policy (old = None: the official setting) and
 off-policy (old log-probs given, ratios and clipping active). Timings interleave the objectives in one process
 (A B B A ...) and report medians, so machine noise hits all alike; the ratio AMIR / GRPO is the figure of merit
-(target <= 1.03). For context, ``autograd GRPO`` is the same GRPO loss written the usual way (TRL's formula,
-differentiated by autograd), which is what the closed-form gradient of ``GRPOLoss`` replaces.
+(target <= 1.03). For context, ``autograd GRPO`` is the same GRPO loss written the shortest way (TRL's formula,
+no step context, no statistics), also differentiated by autograd.
 
 glibc returns freed multi-megabyte blocks to the OS and faults them back in on the next allocation, which made
 these timings swing by 2x between runs; the script raises its mmap and trim thresholds (mallopt) first.
