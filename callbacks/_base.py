@@ -1,4 +1,4 @@
-"""Shared plumbing of the step monitors: torchmetrics aggregation over a step's micro-batches, TensorBoard extras."""
+"""Shared plumbing of the step monitors: torchmetrics aggregation over a step's micro-batches."""
 
 from __future__ import annotations
 
@@ -65,17 +65,3 @@ def micro_batches(outputs, step: RolloutStep) -> list[tuple[RolloutBatch, RowDia
     if not isinstance(step, RolloutStep) or not isinstance(rows, list):
         return []
     return list(zip(step.micro_batches, rows))
-
-
-def histogram(trainer, tag: str, values: torch.Tensor) -> None:
-    """Write a histogram to TensorBoard (other loggers are skipped)."""
-    experiment = getattr(trainer.logger, "experiment", None)
-    if values.numel() and trainer.is_global_zero and hasattr(experiment, "add_histogram"):
-        experiment.add_histogram(tag, values.detach().float().cpu(), trainer.global_step)
-
-
-def text(trainer, tag: str, content: str) -> None:
-    """Write markdown text to TensorBoard (other loggers are skipped)."""
-    experiment = getattr(trainer.logger, "experiment", None)
-    if trainer.is_global_zero and hasattr(experiment, "add_text"):
-        experiment.add_text(tag, content, trainer.global_step)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from amir_lightning.callbacks._base import StepMonitor, histogram, micro_batches
-from amir_lightning.tracking import log_metrics
+from amir_lightning.callbacks._base import StepMonitor, micro_batches
+from amir_lightning.tracking import log_histogram, log_metrics
 
 
 def _ranks(x: torch.Tensor) -> torch.Tensor:
@@ -91,5 +91,5 @@ class LengthBiasMonitor(StepMonitor):
         if logged:
             log_metrics(trainer, logged)
         if self.write_histogram:
-            histogram(trainer, "length/hist_correct", cats.get("hist_correct", torch.zeros(0)))
-            histogram(trainer, "length/hist_incorrect", cats.get("hist_incorrect", torch.zeros(0)))
+            log_histogram(trainer, "length/hist_correct", cats.get("hist_correct", torch.zeros(0)))
+            log_histogram(trainer, "length/hist_incorrect", cats.get("hist_incorrect", torch.zeros(0)))

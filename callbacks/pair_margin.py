@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from amir_lightning.callbacks._base import StepMonitor, histogram, micro_batches
-from amir_lightning.tracking import log_metrics
+from amir_lightning.callbacks._base import StepMonitor, micro_batches
+from amir_lightning.tracking import log_histogram, log_metrics
 
 
 class PairMarginMonitor(StepMonitor):
@@ -36,4 +36,4 @@ class PairMarginMonitor(StepMonitor):
         if margins.numel():
             log_metrics(trainer, {"amir/pair_margin_median": margins.median()})
         if self.write_histogram:
-            histogram(trainer, "amir/pair_margin_hist", margins)
+            log_histogram(trainer, "amir/pair_margin_hist", margins)

@@ -1,10 +1,13 @@
-"""RolloutSampleLogger: a few prompts with their completions and rewards, as TensorBoard text."""
+"""RolloutSampleLogger: a few prompts with their completions and rewards (TensorBoard text, a W&B table)."""
 
 from __future__ import annotations
 
 from lightning import Callback
 
-from amir_lightning.callbacks._base import text
+from amir_lightning.tracking import log_table
+
+#: The columns of the sample table.
+COLUMNS = ["question", "reference", "completion", "reward", "advantage", "tokens", "truncated", "correct"]
 
 
 class RolloutSampleLogger(Callback):
@@ -26,7 +29,20 @@ class RolloutSampleLogger(Callback):
         rollout = getattr(trainer.datamodule, "last_rollout", None)
         if rollout is None or not rollout.groups or trainer.current_epoch % self.every_n_epochs:
             return
-        text(trainer, "rollout/samples", self.render(rollout.groups[: self.num_prompts]))
+        groups = rollout.groups[: self.num_prompts]
+        log_table(trainer, "rollout/samples", COLUMNS, self.rows(groups), self.render(groups))
+
+    def rows(self, groups) -> list[list]:
+        """One row per completion (``COLUMNS``), for loggers that take tables."""
+        out = []
+        for g in groups:
+            for k, c in enumerate(g.completions):
+                correct = None if g.correct is None or g.correct[k].isnan() else bool(g.correct[k] == 1)
+                out.append(
+                    [g.question, g.answer, c.text[: self.max_chars], float(g.rewards[k]), float(g.advantages[k]),
+                     len(c.token_ids), c.truncated, correct]
+                )  # fmt: skip
+        return out
 
     def render(self, groups) -> str:
         """Markdown for ``groups``: question, reference answer, then each completion with reward and advantage."""

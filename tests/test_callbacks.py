@@ -32,6 +32,7 @@ class FakeTrainer:
 
     def __init__(self):
         self.logger = FakeLogger()
+        self.loggers = [self.logger]
 
 
 def make_step():

@@ -201,3 +201,47 @@ def test_resume_continues_with_the_next_rollout(tiny_run, tmp_path):
         torch.load(tiny_run / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]["max_grad_norm"]
         == 1.0
     )
+
+
+def test_every_configured_logger_gets_every_metric(tmp_path):
+    """``--trainer.logger '[TensorBoardLogger, CSVLogger]'``: the rollout, loss and monitor scalars reach both."""
+    import csv
+
+    config = str(ROOT / "configs" / "tiny.yaml")
+    run_amir(
+        ["fit", "--config", config, "--trainer.logger", "[TensorBoardLogger, CSVLogger]", "--trainer.max_epochs", "2"],
+        tmp_path,
+    )
+    tensorboard = read_scalars(tmp_path / "runs" / "tiny")
+    (metrics,) = (tmp_path / "runs" / "tiny").rglob("metrics.csv")
+    rows = list(csv.DictReader(metrics.open()))
+    columns = set(rows[0])
+    for key in ("rollout/reward_mean", "train/loss", "amir/lambda", "length/gap", "throughput/train_frac"):
+        logged = [float(r[key]) for r in rows if r.get(key)]
+        assert len(logged) == 2 and logged == pytest.approx(tensorboard[key][:2]), key
+    assert {k for k in tensorboard if not k.startswith("hp_")} <= columns | {"epoch"}
+
+
+def test_wandb_gets_scalars_histograms_and_the_sample_table(tmp_path, monkeypatch):
+    """An offline W&B run beside TensorBoard: the scalars, the pair-margin histogram and the sample table reach it."""
+    pytest.importorskip("wandb")
+    from helpers.wandb_log import history
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    wandb = "{class_path: WandbLogger, init_args: {offline: true, save_dir: wandb_runs, project: tiny}}"
+    config = str(ROOT / "configs" / "tiny.yaml")
+    run_amir(
+        ["fit", "--config", config, "--trainer.logger", f"[TensorBoardLogger, {wandb}]", "--trainer.max_epochs", "2"],
+        tmp_path,
+    )
+    rows = history(tmp_path / "wandb_runs")
+    tensorboard = read_scalars(tmp_path / "runs" / "tiny")
+    logged = [row["rollout/reward_mean"] for row in rows if "rollout/reward_mean" in row]
+    assert logged == pytest.approx(tensorboard["rollout/reward_mean"][:2])
+    assert any(row.get("amir/pair_margin_hist/_type") == "histogram" for row in rows)
+    (table,) = [row for row in rows if row.get("rollout/samples/_type") == "table-file"]
+    saved = json.loads(next((tmp_path / "wandb_runs").rglob("samples_*.table.json")).read_text())
+    assert (
+        saved["columns"][:3] == ["question", "reference", "completion"]
+        and len(saved["data"]) == table["rollout/samples/nrows"]
+    )
