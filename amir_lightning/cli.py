@@ -185,6 +185,8 @@ def main(args: ArgsType = None) -> None:
         from amir_lightning.evaluation.compare import main as compare_main
 
         return compare_main(argv[1:])
+    if os.getcwd() not in sys.path:  # `class_path: my_rewards.X` and reward functions from where amir runs
+        sys.path.insert(0, os.getcwd())
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: fast start, no disk sync
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="%(message)s")

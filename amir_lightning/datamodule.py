@@ -21,7 +21,7 @@ from amir_lightning.data.stream import PromptStream
 from amir_lightning.data.templates import render_prompts
 from amir_lightning.distributed import all_reduce
 from amir_lightning.evaluation.evaluator import EvaluationSettings, Evaluator
-from amir_lightning.rewards.base import Reward
+from amir_lightning.rewards.base import FunctionReward, Reward
 from amir_lightning.rewards.math import MathAnswerReward
 from amir_lightning.rollout.batch import build_steps
 from amir_lightning.rollout.collect import RewardGuard, Rollout, RolloutSettings, collect_rollout
@@ -43,7 +43,8 @@ class RolloutDataModule(LightningDataModule):
     Args:
         prompts: Training prompt source.
         engine: Rollout engine (``VLLMEngine`` or ``HFEngine``).
-        rewards: Rewards summed with their weights; default a ``MathAnswerReward``.
+        rewards: Rewards summed with their weights: ``Reward`` classes, or dotted paths to plain functions with TRL's
+            signature (``FunctionReward``); default a ``MathAnswerReward``.
         rollout: Group size, prompts per rollout, micro-batches, steps and passes per rollout, advantage scaling.
         sampling: Sampling settings for training rollouts.
         system_prompt: System message prepended to every prompt (e.g. ``THINK_ANSWER_SYSTEM_PROMPT``).
@@ -60,7 +61,7 @@ class RolloutDataModule(LightningDataModule):
         self,
         prompts: PromptSource,
         engine: RolloutEngine,
-        rewards: list[Reward] | None = None,
+        rewards: list[Reward | str] | None = None,
         rollout: RolloutSettings = RolloutSettings(),  # noqa: B008 (configs are never mutated)
         sampling: SamplingConfig = SamplingConfig(),  # noqa: B008
         system_prompt: str | None = None,
@@ -77,7 +78,7 @@ class RolloutDataModule(LightningDataModule):
         check_number(errors, "data.max_prompt_tokens", max_prompt_tokens, ge=1)
         raise_errors(errors)
         self.prompts, self.engine = prompts, engine
-        self.rewards = list(rewards) if rewards else [MathAnswerReward()]
+        self.rewards = [r if isinstance(r, Reward) else FunctionReward(r) for r in rewards or [MathAnswerReward()]]
         self.settings, self.sampling = rollout, sampling
         self.system_prompt, self.max_prompt_tokens = system_prompt, max_prompt_tokens
         self.sync_check = SyncCheck(sync)

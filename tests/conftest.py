@@ -25,13 +25,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-def run_amir(args, tmp_path, timeout=600):
-    """Run the ``amir`` CLI in a fresh process (each gets its own in-process vLLM engine), offline."""
+def run_amir(args, tmp_path, timeout=600, console_script=False):
+    """Run the ``amir`` CLI in a fresh process (each gets its own in-process vLLM engine), offline.
+
+    ``console_script`` runs the installed ``amir`` script, as a user does, instead of ``python -m amir_lightning``
+    (which puts the working directory on ``sys.path`` by itself).
+    """
     import subprocess
     import sys
+    from pathlib import Path
 
     env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "amir_lightning", *args]
+    if console_script:
+        env.pop("PYTHONPATH", None)
+    prefix = [str(Path(sys.executable).parent / "amir")] if console_script else [sys.executable, "-m", "amir_lightning"]
+    cmd = [*prefix, *args]
     result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stderr[-4000:]}")

@@ -96,3 +96,80 @@ def test_template_braces_other_than_the_placeholder_are_literal():
     assert p.question == template.replace("{expression}", expression)
     assert "\\boxed{}" in p.question and "{a}" in p.question and "{{x}}" in p.question
     assert p.question.endswith("Again: " + expression) and "{expression}" not in p.question
+
+
+def conversational_rows():
+    """TRL's conversational format: ``prompt`` as messages, the second row with its own system turn."""
+    return [
+        {"prompt": [{"role": "user", "content": "3="}], "solution": "3", "level": 1},
+        {
+            "prompt": [{"role": "system", "content": "9"}, {"role": "user", "content": "4="}],
+            "solution": "4",
+            "level": 2,
+        },
+    ]
+
+
+def test_conversational_jsonl_keeps_messages_and_its_own_system_turn(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in conversational_rows()))
+    source = JsonlPrompts(str(path))
+    first, second = source[0], source[1]
+    assert first.messages == ({"role": "user", "content": "3="},) and first.question == "3=" and first.answer == "3"
+    assert second.columns["level"] == 2 and second.columns["solution"] == "4"  # every column rides along
+    tok = build_char_tokenizer()
+    assert tok.decode(render_prompt(tok, first, system_prompt="1")) == "13="  # data.system_prompt added
+    assert tok.decode(render_prompt(tok, second, system_prompt="1")) == "94="  # the row's own system turn wins
+
+
+def test_prompt_only_jsonl_has_no_reference_and_the_math_reward_does_not_apply(tmp_path):
+    from amir_lightning.rewards import MathAnswerReward
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}=", "source": "gen"}) + "\n" for i in range(3)))
+    source = JsonlPrompts(str(path))
+    assert [p.question for p in source.items] == ["0=", "1=", "2="] and all(p.answer == "" for p in source.items)
+    assert source[1].columns == {"prompt": "1=", "source": "gen"}
+    reward = MathAnswerReward()
+    try:
+        assert reward.score(["1", "2"], ["", "2"]) == [None, 1.0]
+    finally:
+        reward.close()
+
+
+@pytest.mark.parametrize("conversational", [False, True])
+def test_local_datasets_folder_in_both_formats(tmp_path, conversational):
+    datasets = pytest.importorskip("datasets")
+    if conversational:
+        rows = conversational_rows()
+    else:
+        rows = [{"prompt": "3=", "ground_truth": "3", "level": 1}, {"prompt": "4=", "ground_truth": "4", "level": 2}]
+    saved, files = tmp_path / "saved", tmp_path / "files"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(saved))
+    files.mkdir()
+    (files / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    for folder in (saved, files):  # written by save_to_disk, and a folder of data files
+        source = HFDatasetPrompts(str(folder), split="train")
+        assert [p.answer for p in source.items] == ["3", "4"] and source[1].columns["level"] == 2
+        assert (source[1].messages is not None) == conversational
+        assert source[1].question == "4="
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        (
+            {"text": "3=", "label": "3"},
+            "no prompt field one of ['prompt', 'question', 'problem'] (keys: ['label', 'text'])",
+        ),
+        ({"prompt": [{"role": "robot", "content": "hi"}]}, "message 0 must be {role: system|user|assistant"),
+        ({"prompt": [{"role": "system", "content": "be brief"}]}, "field 'prompt' has no user message"),
+        ({"prompt": ["3="]}, "field 'prompt' must be text, got a list"),
+    ],
+)
+def test_a_row_in_no_known_format_names_file_line_and_keys(tmp_path, row, message):
+    path = tmp_path / "odd.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataFileError) as err:
+        JsonlPrompts(str(path))
+    assert "odd.jsonl:1: " in str(err.value) and message in str(err.value)

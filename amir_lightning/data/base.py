@@ -12,14 +12,25 @@ class Prompt:
     """One training or evaluation problem.
 
     Attributes:
-        question: The user message.
-        answer: The reference answer as the dataset gives it (e.g. GSM8K's ``... #### 72``).
+        question: The user message (of a conversational prompt: its last user message).
+        answer: The reference answer as the dataset gives it (e.g. GSM8K's ``... #### 72``); ``""`` when the
+            dataset has none (prompt-only: the rewards judge the completion alone).
         meta: Where it came from (file and line, dataset index, generator parameters) for error messages and logs.
+        messages: A conversational prompt (TRL's format): ``{"role", "content"}`` messages, rendered as they are;
+            a system message among them replaces ``data.system_prompt``. ``None``: ``question`` is the user message.
+        columns: Every column of the dataset row, passed by name to reward functions.
     """
 
     question: str
     answer: str
     meta: dict[str, Any] = field(default_factory=dict)
+    messages: tuple[dict[str, str], ...] | None = None
+    columns: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def row(self) -> dict[str, Any]:
+        """The dataset row the rewards see: its columns, or ``question`` and ``answer`` for generated problems."""
+        return self.columns or {"question": self.question, "answer": self.answer}
 
 
 class PromptSource(ABC):

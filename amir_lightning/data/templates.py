@@ -15,10 +15,23 @@ THINK_ANSWER_SYSTEM_PROMPT = (
 )
 
 
+def prompt_messages(prompt: Prompt, system_prompt: str | None = None) -> list[dict[str, str]]:
+    """The chat messages of ``prompt``.
+
+    A conversational prompt keeps its own messages (a system turn among them replaces ``system_prompt``); otherwise
+    the system prompt, then the question as the user message.
+    """
+    if prompt.messages is not None:
+        own = [dict(m) for m in prompt.messages]
+        has_system = any(m["role"] == "system" for m in own)
+        return own if has_system or not system_prompt else [{"role": "system", "content": system_prompt}, *own]
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return [*messages, {"role": "user", "content": prompt.question}]
+
+
 def render_prompt(tokenizer, prompt: Prompt, system_prompt: str | None = None) -> list[int]:
     """Token ids of ``prompt`` in the tokenizer's chat template, ending with the assistant's turn header."""
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": prompt.question})
+    messages = prompt_messages(prompt, system_prompt)
     if getattr(tokenizer, "chat_template", None):
         encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded

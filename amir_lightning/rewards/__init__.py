@@ -1,14 +1,16 @@
-"""Rewards: math answer correctness (sandboxed math-verify) and format rewards, composed as a weighted sum."""
+"""Rewards: sandboxed math correctness, format rewards and plain functions (TRL's signature), summed with weights."""
 
-from amir_lightning.rewards.base import Reward
+from amir_lightning.rewards.base import FunctionReward, Reward, RewardInputs
 from amir_lightning.rewards.format import AnswerNumberReward, TagCountReward, ThinkAnswerFormatReward
 from amir_lightning.rewards.math import MathAnswerReward
 from amir_lightning.rewards.sandbox import SandboxedGrader
 
 __all__ = [
     "AnswerNumberReward",
+    "FunctionReward",
     "MathAnswerReward",
     "Reward",
+    "RewardInputs",
     "SandboxedGrader",
     "TagCountReward",
     "ThinkAnswerFormatReward",

@@ -27,7 +27,7 @@ class ThinkAnswerFormatReward(Reward):
         super().__init__(weight, name)
         self.value = score
 
-    def score(self, completions: Sequence[str], answers: Sequence[str]) -> list[float]:  # noqa: D102
+    def score(self, completions: Sequence[str], answers: Sequence[str], **kwargs) -> list[float]:  # noqa: D102
         return [self.value if _STRICT.match(c) else 0.0 for c in completions]
 
 
@@ -51,7 +51,7 @@ class TagCountReward(Reward):
         super().__init__(weight, name)
         self.tags, self.per_tag = tuple(tags), per_tag
 
-    def score(self, completions: Sequence[str], answers: Sequence[str]) -> list[float]:  # noqa: D102
+    def score(self, completions: Sequence[str], answers: Sequence[str], **kwargs) -> list[float]:  # noqa: D102
         return [sum(self.per_tag for tag in self.tags if c.count(tag) == 1) for c in completions]
 
 
@@ -68,7 +68,7 @@ class AnswerNumberReward(Reward):
         super().__init__(weight, name)
         self.value = score
 
-    def score(self, completions: Sequence[str], answers: Sequence[str]) -> list[float]:  # noqa: D102
+    def score(self, completions: Sequence[str], answers: Sequence[str], **kwargs) -> list[float]:  # noqa: D102
         out = []
         for c in completions:
             match = _ANSWER.search(c)

@@ -58,8 +58,14 @@ class MathAnswerReward(Reward):
         args = [(c, a, self.fallback_last_number) for c, a in zip(completions, answers)]
         return self.grader.map(grade_answer, args)
 
-    def score(self, completions: Sequence[str], answers: Sequence[str]) -> list[float]:  # noqa: D102
-        return [self.correct_score if ok == 1.0 else self.wrong_score for ok in self.correctness(completions, answers)]
+    def score(self, completions: Sequence[str], answers: Sequence[str], **kwargs) -> list[float | None]:
+        """``correct_score`` or ``wrong_score``; ``None`` (does not apply) where the prompt has no reference."""
+        graded = [i for i, a in enumerate(answers) if a.strip()]
+        correct = self.correctness([completions[i] for i in graded], [answers[i] for i in graded]) if graded else []
+        out: list[float | None] = [None] * len(completions)
+        for i, ok in zip(graded, correct):
+            out[i] = self.correct_score if ok == 1.0 else self.wrong_score
+        return out
 
     def close(self) -> None:  # noqa: D102
         self.grader.close()

@@ -17,7 +17,7 @@ import torch
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.objectives.advantages import batch_std, group_advantages
-from amir_lightning.rewards.base import Reward
+from amir_lightning.rewards.base import Reward, RewardInputs
 from amir_lightning.rewards.math import MathAnswerReward
 from amir_lightning.rollout.batch import Group, make_groups
 from amir_lightning.rollout.engine import Completion
@@ -121,50 +121,86 @@ class RewardGuard:
         log.warning("%s (%d rollouts in a row)", message, self.in_a_row)
 
 
+def _values(reward: Reward, raw: list, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A reward's output as ``[N]`` values (NaN where it does not apply) and ``[N]`` applies flags."""
+    raw = list(raw)
+    if len(raw) != count:
+        raise ValueError(f"reward {reward.name} returned {len(raw)} scores for {count} completions (data.rewards)")
+    values = torch.full((count,), float("nan"))
+    for i, value in enumerate(raw):
+        if value is None:
+            continue
+        try:
+            values[i] = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"reward {reward.name} returned {value!r} for completion {i}: expected a number or None (data.rewards)"
+            ) from None
+    return values, torch.tensor([v is not None for v in raw], dtype=torch.bool)
+
+
 def score_completions(
     rewards: list[Reward], prompts: list[Prompt], completions: list[list[Completion]]
 ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
     """Total rewards ``[B * G]`` (groups contiguous), the rollout metrics, and correctness ``[B * G]``.
 
-    Correctness (1.0 / 0.0) comes from the first ``MathAnswerReward``; it is NaN when there is none, and the
-    monitors then skip their correct/incorrect split.
+    Every reward sees the same ``RewardInputs`` (TRL's keyword arguments). A reward returning ``None`` for a
+    completion does not apply to it: it adds nothing to its total and is left out of ``rollout/reward/<name>``
+    (TRL's rule); a completion no reward applies to totals 0 and is counted in ``rollout/unscored``.
+
+    Correctness (1.0 / 0.0) comes from the first ``MathAnswerReward``; it is NaN where that does not apply or when
+    there is none, and the monitors then skip their correct/incorrect split.
 
     A NaN or inf score (a bug in a reward function) makes that completion's total NaN: its group gets zero
     advantage and no pairs, so it is never trained on, and ``rollout/nonfinite_rewards`` counts it (``RewardGuard``
     warns and stops after ``data.rollout.max_bad_rollouts`` such rollouts in a row).
     """
-    texts = [c.text for group in completions for c in group]
-    answers = [p.answer for p, group in zip(prompts, completions) for _ in group]
-    total = torch.zeros(len(texts), dtype=torch.float32)
-    correct = torch.full((len(texts),), float("nan"))
+    rows = [(p, c) for p, group in zip(prompts, completions) for c in group]
+    inputs = RewardInputs(
+        [c.text for _, c in rows],
+        [p for p, _ in rows],
+        [c.token_ids for _, c in rows],
+        [c.finish_reason for _, c in rows],
+    )
+    count = len(rows)
+    total = torch.zeros(count, dtype=torch.float32)
+    applied = torch.zeros(count, dtype=torch.long)
+    correct = torch.full((count,), float("nan"))
     metrics: dict[str, float] = {}
+    found_grader = False
     for reward in rewards:
-        values = torch.tensor(reward.score(texts, answers), dtype=torch.float32)
-        if values.shape != total.shape:
-            raise ValueError(f"reward {reward.name} returned {values.numel()} scores for {len(texts)} completions")
-        finite = torch.isfinite(values)
-        if not finite.all():
-            metrics[f"rollout/nonfinite/{reward.name}"] = float((~finite).sum())
-            values = values.masked_fill(~finite, float("nan"))
-        metrics[f"rollout/reward/{reward.name}"] = values.nanmean().item()
-        if isinstance(reward, MathAnswerReward) and correct.isnan().all():
-            correct = (values == reward.correct_score).float()
-        total += reward.weight * values
-    lengths = torch.tensor([len(c.token_ids) for group in completions for c in group], dtype=torch.float32)
-    truncated = torch.tensor([c.truncated for group in completions for c in group], dtype=torch.float32)
+        values, applies = _values(reward, reward(inputs), count)
+        bad = applies & ~torch.isfinite(values)
+        if bad.any():
+            metrics[f"rollout/nonfinite/{reward.name}"] = float(bad.sum())
+            values = values.masked_fill(bad, float("nan"))  # inf too: the total must read as NaN
+        if applies.any():
+            metrics[f"rollout/reward/{reward.name}"] = values[applies & ~bad].mean().item()
+        if isinstance(reward, MathAnswerReward) and not found_grader:
+            found_grader = True
+            correct = torch.where(applies, (values == reward.correct_score).float(), correct)
+        # where() keeps the NaN of a non-finite score (the group is then dropped) and adds 0 where it does not apply
+        total += reward.weight * torch.where(applies, values, torch.zeros_like(values))
+        applied += applies.long()
+    lengths = torch.tensor([len(c.token_ids) for _, c in rows], dtype=torch.float32)
+    truncated = torch.tensor([c.truncated for _, c in rows], dtype=torch.float32)
     good = total[~total.isnan()]
     metrics.update(
         {
             "rollout/reward_mean": good.mean().item() if good.numel() else float("nan"),
             "rollout/reward_std": good.std().item() if good.numel() > 1 else 0.0,
             "rollout/nonfinite_rewards": float(total.isnan().sum()),
+            "rollout/unscored": float((applied == 0).sum()),
             "length/mean": lengths.mean().item(),
             "length/max": lengths.max().item(),
             "length/truncated_frac": truncated.mean().item(),
         }
     )
+    if (applied == 0).any():
+        log.warning("%d completions had no reward that applies (every reward returned None): they total 0",
+                    int((applied == 0).sum()))  # fmt: skip
     if not correct.isnan().all():
-        metrics["rollout/accuracy"] = correct.mean().item()
+        metrics["rollout/accuracy"] = correct[~correct.isnan()].mean().item()
     return total, {k: (0.0 if math.isnan(v) else v) for k, v in metrics.items()}, correct
 
 
