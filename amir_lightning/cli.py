@@ -24,11 +24,12 @@ from amir_lightning.datamodule import RolloutDataModule
 from amir_lightning.models.precision import check_strategy
 from amir_lightning.module import AmirGRPOModule
 from amir_lightning.preflight import (
+    check_base_model,
     check_checkpoint,
     check_compatible,
     check_config_files,
     check_trainer,
-    saved_weights,
+    saved_checkpoint,
 )
 from amir_lightning.rollout.sync import StaleEngineError
 
@@ -164,9 +165,11 @@ class AmirCLI(LightningCLI):
     def instantiate_classes(self) -> None:  # noqa: D102
         super().instantiate_classes()
         path = self.config[self.subcommand].get("ckpt_path") if self.subcommand else None
-        saved = saved_weights(path)
+        saved = saved_checkpoint(path)
         if saved is not None:  # before the engine starts and the weights load: a foreign checkpoint fails in seconds
-            check_compatible(self.model.expected_shapes(), saved, path)
+            check_base_model(saved.get("amir", {}).get("base_model"), self.model.base_model(), path)
+            own, optional = self.model.expected_shapes()
+            check_compatible(own, saved["state_dict"], path, optional)
 
     def instantiate_trainer(self, **kwargs):  # noqa: D102
         trainer = super().instantiate_trainer(**kwargs)

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
 import torch
 from lightning import LightningModule
@@ -27,6 +28,8 @@ from amir_lightning.distributed import all_reduce, rank_zero_first, sum_shares, 
 from amir_lightning.evaluation.report import benchmark_report
 from amir_lightning.models.loading import (
     LoraSettings,
+    base_identity,
+    export_adapters,
     export_policy,
     is_peft,
     load_policy,
@@ -44,7 +47,7 @@ from amir_lightning.objectives import (
     LossOutput,
     StepContext,
 )
-from amir_lightning.preflight import check_compatible
+from amir_lightning.preflight import check_base_model, check_compatible
 from amir_lightning.rollout.batch import RolloutBatch, RolloutStep
 from amir_lightning.tracking import log_metrics
 from amir_lightning.validation import check_number, raise_errors
@@ -76,6 +79,10 @@ class AmirGRPOModule(LightningModule):
         logprob_chunk_size: Rows whose log-softmax is materialised at once.
         log_entropy: Log the mean token entropy (one more softmax pass over the vocabulary).
         export_dir: Where the trained policy is written at the end of ``fit`` (default ``<log_dir>/policy``).
+        export_every_n_epochs: Also export every this many rollouts, to ``<export_dir>_epoch_<n>`` (``None``: only
+            at the end).
+        export_format: ``merged`` (a Hugging Face model directory, LoRA merged in: what ``HFModel`` and vLLM load)
+            or ``adapter`` (a peft adapter directory, LoRA only: megabytes instead of the whole model).
         max_bad_steps: Stop after this many optimisation steps in a row skipped for a non-finite loss or gradient.
     """
 
@@ -94,6 +101,8 @@ class AmirGRPOModule(LightningModule):
         logprob_chunk_size: int = 4,
         log_entropy: bool = True,
         export_dir: str | None = None,
+        export_every_n_epochs: int | None = None,
+        export_format: Literal["merged", "adapter"] = "merged",
         max_bad_steps: int = 3,
     ) -> None:
         super().__init__()
@@ -113,8 +122,12 @@ class AmirGRPOModule(LightningModule):
         check_number(errors, "model.temperature", temperature, gt=0)
         check_number(errors, "model.logprob_chunk_size", logprob_chunk_size, ge=1)
         check_number(errors, "model.max_bad_steps", max_bad_steps, ge=1)
+        check_number(errors, "model.export_every_n_epochs", export_every_n_epochs, ge=1, optional=True)
+        if export_format == "adapter" and lora is None:
+            errors.append("model.export_format: adapter needs model.lora (the whole policy trains: export merged)")
         raise_errors(errors)
         self.max_bad_steps = max_bad_steps
+        self.export_every_n_epochs, self.export_format = export_every_n_epochs, export_format
         self.policy = None
         self._reference: tuple = ()  # not a registered submodule: never trained, never checkpointed
         self._bad_steps = self._skipped_steps = 0
@@ -127,11 +140,23 @@ class AmirGRPOModule(LightningModule):
         """Local directory of the initial policy (resolved, downloaded or built once, by rank 0 first)."""
         return Path(rank_zero_first(self.source.resolve))
 
-    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Names and shapes of this module's state (policy weights and loss buffers), without loading the policy."""
-        built = policy_shapes(self.model_dir, self.lora, self.source.trust_remote_code)
+    def expected_shapes(self) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+        """This module's state as shapes, without loading the policy, and the names a checkpoint may leave out.
+
+        The state: policy weights and loss buffers; left out: the frozen base weights of a LoRA policy.
+        """
+        built, frozen = policy_shapes(self.model_dir, self.lora, self.source.trust_remote_code)
         shapes = {f"policy.{name}": shape for name, shape in built.items()}
-        return shapes | {k: tuple(v.shape) for k, v in self.state_dict().items() if not k.startswith("policy.")}
+        own = shapes | {k: tuple(v.shape) for k, v in self.state_dict().items() if not k.startswith("policy.")}
+        return own, {f"policy.{name}" for name in frozen}
+
+    def base_model(self) -> dict[str, str] | None:
+        """The identity of the frozen base model a LoRA policy adapts (``base_identity``); ``None`` without LoRA."""
+        if self.lora is None:
+            return None
+        source = getattr(self.source, "name_or_path", None) or type(self.source).__name__
+        revision = getattr(self.source, "revision", None)
+        return base_identity(self.model_dir, f"{source}@{revision}" if revision else source)
 
     @cached_property
     def tokenizer(self):
@@ -363,6 +388,41 @@ class AmirGRPOModule(LightningModule):
         log_metrics(self.trainer, results)
         self.log_dict(results, logger=False, batch_size=1, sync_dist=True)
 
+    # ------------------------------------------------------------------ checkpoints: what trains
+    def frozen_weights(self) -> set[str]:
+        """State names of the frozen base weights of a LoRA policy (empty without LoRA or before the policy loads)."""
+        if self.policy is None or not is_peft(self.policy):
+            return set()
+        return {
+            f"policy.{name}" for name, p in self.policy.named_parameters(remove_duplicate=False) if not p.requires_grad
+        }
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The module's state without the frozen base weights of a LoRA policy: checkpoints hold what trains.
+
+        The adapters, the loss's state, and (in the checkpoint, ``on_save_checkpoint``) the identity of the base
+        model, which a resume checks; every weight when the whole policy trains.
+        """
+        state = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        for name in self.frozen_weights():
+            state.pop(prefix + name, None)
+        return state
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a checkpoint's state; only the frozen base weights of a LoRA policy may be absent.
+
+        They come from ``model.policy``; anything else missing or unknown is an error when ``strict``.
+        """
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        frozen = self.frozen_weights()
+        missing = [name for name in result.missing_keys if name not in frozen]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(
+                f"the checkpoint's state does not fit this module: missing {missing[:3]} ({len(missing)}), "
+                f"unexpected {result.unexpected_keys[:3]} ({len(result.unexpected_keys)})"
+            )
+        return result
+
     # ------------------------------------------------------------------ optimisation and export
     def configure_optimizers(self):  # noqa: D102
         # Biases and norm weights (the 1-D parameters) take no weight decay, as in Hugging Face's Trainer.
@@ -378,25 +438,43 @@ class AmirGRPOModule(LightningModule):
         }
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:  # noqa: D102
-        checkpoint["amir"] = {"random_states": random_states(), "skipped_steps": self._skipped_steps}
+        checkpoint["amir"] = {
+            "random_states": random_states(),
+            "skipped_steps": self._skipped_steps,
+            "base_model": self.base_model(),
+        }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:  # noqa: D102
+        path = self.trainer.ckpt_path
+        check_base_model(checkpoint.get("amir", {}).get("base_model"), self.base_model(), path)
         if "state_dict" in checkpoint:  # a distributed checkpoint is loaded by the strategy, shard by shard
-            check_compatible(self.state_dict(), checkpoint["state_dict"], self.trainer.ckpt_path)
+            own = super().state_dict()  # every weight: an older checkpoint may hold the base weights too
+            check_compatible(own, checkpoint["state_dict"], path, optional=self.frozen_weights())
         if "amir" in checkpoint:
             restore_random_states(checkpoint["amir"]["random_states"])
             self._skipped_steps = checkpoint["amir"]["skipped_steps"]
 
+    def on_train_epoch_end(self) -> None:  # noqa: D102
+        every, done = self.export_every_n_epochs, self.current_epoch + 1
+        if every and done % every == 0 and done < (self.trainer.max_epochs or 0):  # the last one is on_fit_end's
+            root = self._export_root()
+            self.export(root.with_name(f"{root.name}_epoch_{done}"))  # beside the final export, which replaces root
+
     def on_fit_end(self) -> None:  # noqa: D102
-        self.export(Path(self.export_dir or Path(self.trainer.log_dir or ".") / "policy"))
+        self.export(self._export_root())
+
+    def _export_root(self) -> Path:
+        return Path(self.export_dir or Path(self.trainer.log_dir or ".") / "policy")
 
     def export(self, target: Path) -> Path:
-        """Write the policy (LoRA merged) and tokenizer as a Hugging Face directory, atomically.
+        """Write the policy and tokenizer to ``target``, atomically, in ``export_format``.
 
+        ``merged``: a Hugging Face model directory with LoRA merged in; ``adapter``: a peft adapter directory.
         Every process must call it (gathering sharded weights is collective); the global-zero process writes.
         """
         write = getattr(self, "_trainer", None) is None or self.trainer.is_global_zero
-        export_policy(self.policy, self.tokenizer, Path(target), write)
+        save = export_adapters if self.export_format == "adapter" else export_policy
+        save(self.policy, self.tokenizer, Path(target), write)
         if write:
             log.warning("exported the trained policy to %s", target)
         return Path(target)

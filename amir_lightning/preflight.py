@@ -76,8 +76,8 @@ def check_checkpoint(path: str | None) -> None:
         raise ValueError(f"--ckpt_path {path} is not a checkpoint (not a whole torch archive: {err})") from None
 
 
-def saved_weights(path: str | None) -> dict | None:
-    """The ``state_dict`` of a whole-file checkpoint, memory-mapped (no weight is read); None for anything else."""
+def saved_checkpoint(path: str | None) -> dict | None:
+    """A whole-file checkpoint, memory-mapped (no weight is read); None for anything else."""
     import torch
 
     if path is None or path in _SPECIAL_CHECKPOINTS or Path(path).is_dir():
@@ -88,13 +88,28 @@ def saved_weights(path: str | None) -> dict | None:
         raise ValueError(f"--ckpt_path {path} is not a checkpoint this package wrote ({type(err).__name__})") from None
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise ValueError(f"--ckpt_path {path} is not a Lightning checkpoint: it has no state_dict")
-    return checkpoint["state_dict"]
+    return checkpoint
 
 
-def check_compatible(own: dict, saved: dict, path: str | None) -> None:
+def check_base_model(saved: dict | None, own: dict, path: str | None) -> None:
+    """LoRA adapters resume only on the base model they were trained on (``base_identity`` of both must agree)."""
+    if not saved:
+        return
+    if saved["config_sha256"] != own["config_sha256"] or saved["weights_sha256"] != own["weights_sha256"]:
+        what = "config" if saved["config_sha256"] != own["config_sha256"] else "weights"
+        raise ValueError(
+            f"checkpoint {path} holds LoRA adapters trained on the base model {saved['source']}, but model.policy is "
+            f"{own['source']} here and its {what} differ (sha256 {saved[what + '_sha256'][:12]} there, "
+            f"{own[what + '_sha256'][:12]} here): the adapters would act on other weights. Resume with the base model "
+            "they were trained on."
+        )
+
+
+def check_compatible(own: dict, saved: dict, path: str | None, optional: set[str] | frozenset = frozenset()) -> None:
     """The checkpoint's weights must be this run's: same policy weights and loss state, same shapes.
 
-    ``own`` maps names to shapes or tensors, ``saved`` names to tensors. The first difference is named.
+    ``own`` maps names to shapes or tensors, ``saved`` names to tensors; names in ``optional`` (the frozen base
+    weights of a LoRA policy) may be absent from the checkpoint. The first difference is named.
     """
     where = f"checkpoint {path}" if path else "the checkpoint"
     redo = "resume with the configuration it was trained with"
@@ -106,7 +121,7 @@ def check_compatible(own: dict, saved: dict, path: str | None) -> None:
                 f"{shape} here; {redo}"
             )
     for kind, prefix in (("another model", "policy."), ("another objective (model.loss)", "")):
-        missing = sorted(name for name in own if name.startswith(prefix) and name not in saved)
+        missing = sorted(name for name in own if name.startswith(prefix) and name not in saved and name not in optional)
         extra = sorted(name for name in saved if name.startswith(prefix) and name not in own)
         if missing:
             raise ValueError(

@@ -291,3 +291,9 @@ def test_checkpoint_of_another_shape_or_objective_is_named():
     lora = {**own, "policy.model.q_proj.lora_A.default.weight": (4, 16)}
     with pytest.raises(ValueError, match=r"another model: it has no policy.model.q_proj.lora_A"):
         check_compatible(lora, saved, "a.ckpt")
+    # A LoRA checkpoint leaves the frozen base weights out: they may be missing, the adapters may not.
+    adapters = {k: v for k, v in saved.items() if k != "policy.model.norm.weight"}
+    adapters["policy.model.q_proj.lora_A.default.weight"] = torch.zeros(4, 16)
+    check_compatible(lora, adapters, "a.ckpt", optional={"policy.model.norm.weight"})
+    with pytest.raises(ValueError, match=r"it has no policy.model.q_proj.lora_A"):
+        check_compatible(lora, saved, "a.ckpt", optional={"policy.model.norm.weight"})

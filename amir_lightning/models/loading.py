@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -77,11 +78,14 @@ def load_policy(
     return model
 
 
-def policy_shapes(model_dir: Path, lora: LoraSettings | None = None, trust_remote_code: bool = False) -> dict:
-    """Names and shapes of the policy's weights as ``load_policy`` would build them, without reading any weight.
+def policy_shapes(
+    model_dir: Path, lora: LoraSettings | None = None, trust_remote_code: bool = False
+) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """Names and shapes of the policy's weights, and the names of the frozen ones, without reading any weight.
 
-    The model is built on the meta device from its config (and its LoRA adapters added), so a checkpoint can be
-    checked against it in a second, before the weights are read and the engine starts.
+    With LoRA the base weights are frozen and checkpoints leave them out (``AmirGRPOModule.state_dict``). The model
+    is built on the meta device from its config (and its LoRA adapters added), so a checkpoint can be checked
+    against it in a second, before the weights are read and the engine starts.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -95,7 +99,31 @@ def policy_shapes(model_dir: Path, lora: LoraSettings | None = None, trust_remot
                 r=lora.r, lora_alpha=lora.alpha, target_modules=lora.target_modules, task_type="CAUSAL_LM"
             )
             model = get_peft_model(model, settings, autocast_adapter_dtype=False)
-    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad} if lora else set()
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}, frozen
+
+
+def base_identity(model_dir: Path, source: str) -> dict[str, str]:
+    """What identifies a base model for LoRA adapters: where it came from, and hashes of its config and weights.
+
+    The weights' hash covers each weight file's size and its first and last MiB (the header and two ends of the
+    data), so two fine-tunes of one architecture differ while a 6 GB model is fingerprinted in milliseconds.
+    """
+    config = Path(model_dir) / "config.json"
+    weights = sorted(Path(model_dir).glob("*.safetensors")) or sorted(Path(model_dir).glob("*.bin"))
+    digest = hashlib.sha256()
+    for file in weights:
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with file.open("rb") as f:
+            digest.update(f.read(1 << 20))
+            f.seek(max(size - (1 << 20), 0))
+            digest.update(f.read(1 << 20))
+    return {
+        "source": source,
+        "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else "",
+        "weights_sha256": digest.hexdigest(),
+    }
 
 
 def load_reference(model_dir: Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
@@ -212,4 +240,22 @@ def export_policy(model, tokenizer, target: Path, write: bool = True) -> None:
         base = AutoModelForCausalLM.from_config(base.config)
     with atomic_directory(target) as tmp:
         base.save_pretrained(tmp, state_dict=state)
+        tokenizer.save_pretrained(tmp)
+
+
+def export_adapters(model, tokenizer, target: Path, write: bool = True) -> None:
+    """Save the LoRA adapters of ``model`` as a peft adapter directory (``PeftModel.from_pretrained`` loads it).
+
+    Every process calls it when the model is sharded (the gather is collective); only ``write`` ones save.
+    """
+    if not is_peft(model):
+        raise ValueError("model.export_format: adapter needs model.lora (the whole policy trains: export merged)")
+    from peft import get_peft_model_state_dict
+
+    state = {k: v.detach().cpu().contiguous() for k, v in full_state_dict(model).items() if "lora_" in k}
+    if not write:
+        return
+    adapters = get_peft_model_state_dict(model, state_dict=state)
+    with atomic_directory(target) as tmp:
+        model.save_pretrained(tmp, state_dict=adapters)
         tokenizer.save_pretrained(tmp)
