@@ -11,28 +11,27 @@ pytestmark = pytest.mark.slow
 CONFIG = str(Path(__file__).parents[1] / "configs" / "tiny.yaml")
 
 
-def test_stopped_and_resumed_run_matches_the_uninterrupted_one(tmp_path):
-    common = ["fit", "--config", CONFIG, "--trainer.deterministic", "true", "--trainer.check_val_every_n_epoch", "3"]
+def stop_and_resume(tmp_path, common, first_half=()) -> Path:
+    """4 rollouts in one run ("full"), and 2 stopped then resumed from last.ckpt for 2 more ("part").
+
+    Both must end with the same policy; returns the checkpoint the resume started from.
+    """
     run_amir([*common, "--trainer.max_epochs", "4", "--trainer.logger.init_args.name", "full"], tmp_path)
-    run_amir([*common, "--trainer.max_epochs", "2", "--trainer.logger.init_args.name", "part"], tmp_path)
+    run_amir([*common, *first_half, "--trainer.max_epochs", "2", "--trainer.logger.init_args.name", "part"], tmp_path)
     checkpoint = tmp_path / "runs" / "part" / "version_0" / "checkpoints" / "last.ckpt"
-    run_amir(
-        [
-            *common,
-            "--trainer.max_epochs",
-            "4",
-            "--trainer.logger.init_args.name",
-            "part",
-            "--ckpt_path",
-            str(checkpoint),
-        ],
-        tmp_path,
-    )
+    resume = ["--trainer.max_epochs", "4", "--trainer.logger.init_args.name", "part", "--ckpt_path", str(checkpoint)]
+    run_amir([*common, *resume], tmp_path)
     full = load_file(tmp_path / "runs" / "full" / "version_0" / "policy" / "model.safetensors")
     resumed = load_file(tmp_path / "runs" / "part" / "version_1" / "policy" / "model.safetensors")
     assert full.keys() == resumed.keys()
     for key in full:
         assert torch.equal(full[key], resumed[key]), key
+    return checkpoint
+
+
+def test_stopped_and_resumed_run_matches_the_uninterrupted_one(tmp_path):
+    common = ["fit", "--config", CONFIG, "--trainer.deterministic", "true", "--trainer.check_val_every_n_epoch", "3"]
+    stop_and_resume(tmp_path, common)
     whole = read_scalars(tmp_path / "runs" / "full" / "version_0")
     halves = read_scalars(tmp_path / "runs" / "part" / "version_0")
     rest = read_scalars(tmp_path / "runs" / "part" / "version_1")
@@ -199,32 +198,15 @@ def test_lora_checkpoints_hold_the_adapters_and_resume_exactly(tmp_path):
         "--trainer.check_val_every_n_epoch",
         "9",
     ]
-    run_amir([*common, "--trainer.max_epochs", "4", "--trainer.logger.init_args.name", "full"], tmp_path)
     # The first half also exports its adapters every rollout (peft directories beside the final export).
     adapters = ["--model.export_every_n_epochs", "1", "--model.export_format", "adapter"]
-    run_amir([*common, *adapters, "--trainer.max_epochs", "2", "--trainer.logger.init_args.name", "part"], tmp_path)
-    part = tmp_path / "runs" / "part" / "version_0"
-    checkpoint = part / "checkpoints" / "last.ckpt"
+    checkpoint = stop_and_resume(tmp_path, common, first_half=adapters)
+    part = checkpoint.parents[1]
     saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
     policy_keys = [k for k in saved["state_dict"] if k.startswith("policy.")]
     assert policy_keys and all(".lora_A." in k or ".lora_B." in k for k in policy_keys)
     assert set(saved["amir"]["base_model"]) == {"source", "config_sha256", "weights_sha256"}
     assert saved["optimizer_states"][0]["state"]  # AdamW's moments of the adapters
-    run_amir(
-        [
-            *common,
-            "--trainer.max_epochs",
-            "4",
-            "--trainer.logger.init_args.name",
-            "part",
-            "--ckpt_path",
-            str(checkpoint),
-        ],
-        tmp_path,
-    )
-    full = load_file(tmp_path / "runs" / "full" / "version_0" / "policy" / "model.safetensors")
-    resumed = load_file(tmp_path / "runs" / "part" / "version_1" / "policy" / "model.safetensors")
-    assert full.keys() == resumed.keys() and all(torch.equal(full[k], resumed[k]) for k in full)
     # The adapter export of rollout 1 loads onto the base model with peft.
     base_dir = next((tmp_path / "cache" / "models").iterdir())
     base = AutoModelForCausalLM.from_pretrained(base_dir)
