@@ -76,7 +76,10 @@ class AmirGRPOModule(LightningModule):
         lora: Train LoRA adapters instead of all weights; the reference is then the adapter-free model.
         temperature: Temperature of the training log-probs; must equal the sampling temperature (linked in the CLI).
         max_grad_norm: Clip the global gradient norm (``None``: no clipping).
-        logprob_chunk_size: Rows whose log-softmax is materialised at once.
+        logprob_chunk_size: Completion tokens whose ``[tokens, V]`` logits exist at once (memory against speed).
+        fused_logprobs: Fuse the LM head with the log-softmax (``chosen_token_logps``): the ``[n, T, V]`` logits never
+            exist and padding is skipped past the decoder. Off: the logits of the completion positions are
+            materialised (the path of TRL and the official code).
         log_entropy: Log the mean token entropy (one more softmax pass over the vocabulary).
         export_dir: Where the trained policy is written at the end of ``fit`` (default ``<log_dir>/policy``).
         export_every_n_epochs: Also export every this many rollouts, to ``<export_dir>_epoch_<n>`` (``None``: only
@@ -98,7 +101,8 @@ class AmirGRPOModule(LightningModule):
         lora: LoraSettings | None = None,
         temperature: float = 1.0,
         max_grad_norm: float | None = 1.0,
-        logprob_chunk_size: int = 4,
+        logprob_chunk_size: int = 512,
+        fused_logprobs: bool = True,
         log_entropy: bool = True,
         export_dir: str | None = None,
         export_every_n_epochs: int | None = None,
@@ -117,6 +121,7 @@ class AmirGRPOModule(LightningModule):
         self._fsdp2 = False  # whether configure_model sharded the policy (FSDP2 then casts for compute)
         self.temperature, self.max_grad_norm = temperature, max_grad_norm
         self.logprob_chunk_size, self.log_entropy, self.export_dir = logprob_chunk_size, log_entropy, export_dir
+        self.fused_logprobs = fused_logprobs
         errors: list[str] = []
         check_number(errors, "model.max_grad_norm", max_grad_norm, gt=0, optional=True)
         check_number(errors, "model.temperature", temperature, gt=0)
@@ -226,6 +231,7 @@ class AmirGRPOModule(LightningModule):
                 temperature,
                 self.logprob_chunk_size,
                 entropy,
+                self.fused_logprobs,
             )
 
     @contextmanager

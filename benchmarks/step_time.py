@@ -2,6 +2,7 @@
 
     python benchmarks/step_time.py [--groups 2] [--group-size 8] [--repeats 5]
     python benchmarks/step_time.py --paper-shape [--model DIR] [--layers 2] [--skip-official]
+    python benchmarks/step_time.py --materialised    # log-probs from materialised logits, for comparison
 
 One step = forward of every micro-batch, both loss terms, backward, gradient clipping, AdamW. The batch is the
 same for all variants: chat-templated arithmetic prompts to the bundled SmolLM2-135M with sampled-length random
@@ -128,6 +129,9 @@ def main() -> None:
     parser.add_argument("--skip-official", action="store_true")
     parser.add_argument("--paper-shape", action="store_true", help="the qwen.yaml step (module docstring)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers of the random paper-shape model")
+    parser.add_argument(
+        "--materialised", action="store_true", help="log-probs from materialised logits (model.fused_logprobs false)"
+    )
     args = parser.parse_args()
     steady_malloc()
     if args.paper_shape:
@@ -140,6 +144,7 @@ def main() -> None:
         module = AmirGRPOModule(policy=source, log_entropy=False)
         module.configure_model()
         groups = make_groups(module, args.groups, args.group_size)
+    module.fused_logprobs = not args.materialised
     optimizer = torch.optim.AdamW([p for p in module.policy.parameters() if p.requires_grad], lr=1e-12)
     (rollout_step,) = build_steps(groups, 1, 1, module.pad_token_id)
     rollout_step = module.transfer_batch_to_device(rollout_step, module.device, 0)
@@ -158,6 +163,7 @@ def main() -> None:
     tokens = sum(int(b.attention_mask.sum()) for b in rollout_step.micro_batches)
     base = median(times["GRPO"])
     setting = "paper shape: LoRA r16, bf16 compute, grad ckpt, " if args.paper_shape else ""
+    setting += "materialised log-probs, " if args.materialised else "fused log-probs, "
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else machine()
     print(
         f"training step on {args.groups} groups x {args.group_size} = {args.groups * args.group_size} sequences "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from amir_lightning.objectives.logprobs import selective_log_softmax, token_entropy
+from amir_lightning.objectives.logprobs import chosen_token_logps, selective_log_softmax, token_entropy
 
 
 def completion_logps(
@@ -17,27 +17,84 @@ def completion_logps(
     attention_mask: torch.Tensor,
     completion_width: int,
     temperature: float = 1.0,
-    chunk_rows: int = 4,
+    chunk_size: int = 512,
     entropy: bool = False,
+    fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[n, T]`` log-probs of the last ``T = completion_width`` tokens of each row (and their entropies).
 
     Rows are prompts padded on the left and completions padded on the right; position ids restart at each row's
-    first real token, so left padding does not shift the rotary positions. One forward; only the last ``T + 1``
-    positions' logits are computed, and their log-softmax is taken ``chunk_rows`` rows at a time.
+    first real token, so left padding does not shift the rotary positions. One forward.
+
+    ``fused`` (where the model allows it: a plain linear LM head, ``fused_head``) takes the decoder's last hidden
+    states of the real completion tokens only and fuses the LM head with the log-softmax, ``chunk_size`` tokens at
+    a time (``chosen_token_logps``): no ``[n, T, V]`` logits exist, in the forward or for the backward, and padding
+    costs nothing past the decoder. Otherwise the last ``T + 1`` positions' logits are computed and their
+    log-softmax taken ``max(1, chunk_size // T)`` rows at a time. Padding positions get log-prob 0 (and entropy 0).
     """
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        logits_to_keep=completion_width + 1,
-        use_cache=False,
-    ).logits[:, :-1]  # [n, T, V]
-    targets = input_ids[:, -completion_width:]
-    logps = selective_log_softmax(logits, targets, temperature, chunk_rows)
-    entropies = token_entropy(logits.detach(), temperature, chunk_rows) if entropy else None
-    return logps, entropies
+    targets = input_ids[:, -completion_width:]  # [n, T]
+    head = fused_head(model) if fused else None
+    if head is None:
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=completion_width + 1,
+            use_cache=False,
+        ).logits[:, :-1]  # [n, T, V]
+        rows = max(1, chunk_size // max(completion_width, 1))
+        real = attention_mask[:, -completion_width:].to(torch.float32)
+        logps = selective_log_softmax(logits, targets, temperature, rows) * real
+        entropies = token_entropy(logits.detach(), temperature, rows) * real if entropy else None
+        return logps, entropies
+    decoder, weight = head
+    captured = []
+    hook = decoder.register_forward_hook(lambda _module, _args, out: captured.append(out[0]))
+    try:  # the decoder's hidden states are caught on their way to the LM head, which computes no position
+        model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device),
+            use_cache=False,
+        )
+    finally:
+        hook.remove()
+    hidden = captured[-1][:, -completion_width - 1 : -1]  # [n, T, H]: position t predicts token t + 1
+    real = attention_mask[:, -completion_width:].bool()  # [n, T] real completion tokens
+    picked, picked_entropy = chosen_token_logps(
+        hidden[real], weight(), targets[real], temperature, chunk_size, entropy
+    )  # [M]
+    logps = torch.zeros(targets.shape, dtype=torch.float32, device=targets.device).masked_scatter(real, picked)
+    if picked_entropy is None:
+        return logps, None
+    return logps, torch.zeros_like(logps).masked_scatter(real, picked_entropy)
+
+
+def fused_head(model):
+    """``(decoder, weight)`` when the LM head of ``model`` is a plain linear map of the decoder's output, else None.
+
+    ``weight`` is a function giving the head's ``[V, H]`` weight after the forward: whole under FSDP2 too (the root
+    keeps its parameters gathered between forward and backward); a sharded head that trains falls back to the
+    materialised path. Heads with a bias, logit soft-capping or scaling are not fused.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_decoder = getattr(base, "get_decoder", None)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    config = getattr(base, "config", None)
+    if get_decoder is None or not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return None
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        return None
+    if type(head.weight).__name__ == "DTensor" and head.weight.requires_grad:
+        return None
+
+    def weight() -> torch.Tensor:
+        w = head.weight
+        return w.full_tensor() if type(w).__name__ == "DTensor" else w
+
+    return get_decoder(), weight
 
 
 @torch.no_grad()

@@ -3,7 +3,12 @@
 from amir_lightning.objectives.advantages import group_advantages
 from amir_lightning.objectives.amir import AmirGRPOLoss, LambdaSchedule
 from amir_lightning.objectives.base import LossOutput, RowDiagnostics, StepContext
-from amir_lightning.objectives.logprobs import selective_log_softmax, sequence_logps, token_entropy
+from amir_lightning.objectives.logprobs import (
+    chosen_token_logps,
+    selective_log_softmax,
+    sequence_logps,
+    token_entropy,
+)
 from amir_lightning.objectives.pairs import mine_pairs, pair_mask
 from amir_lightning.objectives.policy import GRPOLoss
 from amir_lightning.objectives.preference import pair_logits, preference_loss
@@ -15,6 +20,7 @@ __all__ = [
     "LossOutput",
     "RowDiagnostics",
     "StepContext",
+    "chosen_token_logps",
     "group_advantages",
     "mine_pairs",
     "pair_mask",
