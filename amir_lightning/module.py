@@ -462,7 +462,7 @@ class AmirGRPOModule(LightningModule):
 
     def on_train_epoch_end(self) -> None:  # noqa: D102
         every, done = self.export_every_n_epochs, self.current_epoch + 1
-        if every and done % every == 0 and done < (self.trainer.max_epochs or 0):  # the last one is on_fit_end's
+        if every and done % every == 0 and done != self.trainer.max_epochs:  # the last one is on_fit_end's
             root = self._export_root()
             self.export(root.with_name(f"{root.name}_epoch_{done}"))  # beside the final export, which replaces root
 
