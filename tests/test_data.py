@@ -173,3 +173,11 @@ def test_a_row_in_no_known_format_names_file_line_and_keys(tmp_path, row, messag
     with pytest.raises(DataFileError) as err:
         JsonlPrompts(str(path))
     assert "odd.jsonl:1: " in str(err.value) and message in str(err.value)
+
+
+def test_a_short_reference_is_preferred_to_a_worked_solution(tmp_path):
+    """OlympiadBench-like rows hold both: the final answer is the reference, the solution rides along."""
+    path = tmp_path / "both.jsonl"
+    path.write_text(json.dumps({"question": "2+2?", "solution": ["Two and two make 4."], "final_answer": ["4"]}) + "\n")
+    (prompt,) = JsonlPrompts(str(path)).items
+    assert prompt.answer == "4" and prompt.columns["solution"] == ["Two and two make 4."]

@@ -1,8 +1,8 @@
 """Prompt sources read from files: JSONL and Hugging Face ``datasets`` (hub or local).
 
 Rows in TRL's formats (``prompt`` as text, or as a list of ``{role, content}`` messages with an optional system turn;
-with or without an ``answer`` / ``solution`` / ``ground_truth`` column), GSM8K's (``question`` / ``answer ... #### N``)
-and MATH's (``problem`` / ``solution``). Every column of a row rides along to the reward functions.
+with or without an ``answer`` / ``ground_truth`` / ``final_answer`` / ``solution`` column), GSM8K's (``question`` /
+``answer ... #### N``) and MATH's (``problem`` / ``solution``). Every column of a row rides along to the rewards.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from amir_lightning.data.base import Prompt, PromptSource
 #: Fields holding the prompt, tried in order: TRL's ``prompt`` (text or messages), GSM8K's ``question``, MATH's
 #: ``problem``.
 QUESTION_KEYS = ("prompt", "question", "problem")
-#: Fields holding the reference answer, tried in order; a dataset with none of them is prompt-only.
-ANSWER_KEYS = ("answer", "solution", "ground_truth", "final_answer")
+#: Fields holding the reference answer, tried in order (short references before worked solutions); a dataset with
+#: none of them is prompt-only.
+ANSWER_KEYS = ("answer", "ground_truth", "final_answer", "solution")
 ROLES = ("system", "user", "assistant")
 
 
@@ -110,8 +111,8 @@ class JsonlPrompts(PromptSource):
     Args:
         path: The ``.jsonl`` file.
         question_key: Field holding the prompt; ``None`` picks the first of ``prompt``, ``question``, ``problem``.
-        answer_key: Field holding the reference answer; ``None`` picks the first of ``answer``, ``solution``,
-            ``ground_truth``, ``final_answer``, and none present means a prompt-only file.
+        answer_key: Field holding the reference answer; ``None`` picks the first of ``answer``, ``ground_truth``,
+            ``final_answer``, ``solution``, and none present means a prompt-only file.
         limit: Use only the first ``limit`` records.
     """
 
