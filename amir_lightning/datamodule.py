@@ -23,7 +23,7 @@ from amir_lightning.distributed import all_reduce
 from amir_lightning.evaluation.evaluator import EvaluationSettings, Evaluator
 from amir_lightning.rewards.base import FunctionReward, Reward
 from amir_lightning.rewards.math import MathAnswerReward
-from amir_lightning.rollout.batch import build_steps
+from amir_lightning.rollout.batch import agree_on_plan, build_steps, plan_steps
 from amir_lightning.rollout.collect import RewardGuard, Rollout, RolloutSettings, collect_rollout
 from amir_lightning.rollout.engine import RolloutEngine, SamplingConfig
 from amir_lightning.rollout.sync import SyncCheck, SyncSettings
@@ -97,11 +97,6 @@ class RolloutDataModule(LightningDataModule):
             raise ValueError(
                 "trainer.reload_dataloaders_every_n_epochs must be 1: every epoch is a fresh rollout "
                 f"(got {self.trainer.reload_dataloaders_every_n_epochs})"
-            )
-        if self.settings.drop_zero_std_groups and self.trainer.world_size > 1:
-            raise ValueError(
-                "data.rollout.drop_zero_std_groups needs a single process: processes would run different numbers of "
-                "micro-batches and data-parallel backward passes would wait on each other"
             )
         policy = self.trainer.lightning_module  # the policy's files, and its tokenizer for prompts and padding
         self.tokenizer = policy.tokenizer
@@ -195,9 +190,9 @@ class RolloutDataModule(LightningDataModule):
         self.last_rollout = rollout
         self._log(rollout.metrics)
         groups = rollout.trained_groups(settings.drop_zero_std_groups)
-        steps = build_steps(
-            groups, settings.micro_batch_groups, settings.steps_per_rollout, self.pad_token_id, settings.mu
-        )
+        plan = plan_steps(groups, settings.steps_per_rollout, settings.micro_batch_groups, settings.micro_batch_tokens)
+        plan = agree_on_plan(plan, settings.steps_per_rollout, self._max_over_processes)
+        steps = build_steps(plan, self.pad_token_id, settings.mu, filler=rollout.groups[0])
         return DataLoader(steps, batch_size=None, collate_fn=_identity)
 
     def val_dataloader(self) -> DataLoader | list:  # noqa: D102

@@ -23,12 +23,11 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
-from amir_lightning.checkpointing import random_states, restore_random_states
+from amir_lightning.checkpointing import TrainableCheckpoint
 from amir_lightning.distributed import all_reduce, rank_zero_first, sum_shares, world_size
 from amir_lightning.evaluation.report import benchmark_report
 from amir_lightning.models.loading import (
     LoraSettings,
-    base_identity,
     export_adapters,
     export_policy,
     is_peft,
@@ -39,7 +38,7 @@ from amir_lightning.models.loading import (
     shard_fsdp2,
 )
 from amir_lightning.models.precision import autocast, check_strategy, dtype_by_name, take_over_precision
-from amir_lightning.models.scoring import completion_logps, sequence_token_logps
+from amir_lightning.models.scoring import completion_logps, sequence_token_logps, varlen_attention
 from amir_lightning.models.sources import ModelSource
 from amir_lightning.objectives import (
     AmirGRPOLoss,
@@ -47,7 +46,6 @@ from amir_lightning.objectives import (
     LossOutput,
     StepContext,
 )
-from amir_lightning.preflight import check_base_model, check_compatible
 from amir_lightning.rollout.batch import RolloutBatch, RolloutStep
 from amir_lightning.tracking import log_metrics
 from amir_lightning.validation import check_number, raise_errors
@@ -60,7 +58,7 @@ def default_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-6)
 
 
-class AmirGRPOModule(LightningModule):
+class AmirGRPOModule(TrainableCheckpoint, LightningModule):
     """Policy, reference and objective.
 
     Args:
@@ -80,7 +78,16 @@ class AmirGRPOModule(LightningModule):
         fused_logprobs: Fuse the LM head with the log-softmax (``chosen_token_logps``): the ``[n, T, V]`` logits never
             exist and padding is skipped past the decoder. Off: the logits of the completion positions are
             materialised (the path of TRL and the official code).
-        log_entropy: Log the mean token entropy (one more softmax pass over the vocabulary).
+        packing: Score each micro-batch as one row of its real tokens back to back, without padding (position ids
+            restart at each sequence). ``auto``: where the attention runs each sequence alone
+            (``attn_implementation`` ``varlen`` or ``flash_attention_2``/``3``); ``on``: also under SDPA and eager,
+            which attend through a block-diagonal mask (exact, but attention then spans the whole pack); ``off``:
+            pad. Needs the fused head (``fused_logprobs``).
+        attn_implementation: The policy's attention kernels: ``varlen`` (PyTorch's variable-length flash
+            attention for packed rows on a GPU, SDPA elsewhere: ``amir_lightning.models.attention``) or a Hugging
+            Face name (``sdpa``, ``eager``, ``flash_attention_2``...); ``None``: transformers' default (SDPA).
+        log_entropy: Log the mean token entropy (from the fused head's chunks: no extra pass; one more softmax
+            pass over the vocabulary on the materialised path).
         export_dir: Where the trained policy is written at the end of ``fit`` (default ``<log_dir>/policy``).
         export_every_n_epochs: Also export every this many rollouts, to ``<export_dir>_epoch_<n>`` (``None``: only
             at the end).
@@ -103,6 +110,8 @@ class AmirGRPOModule(LightningModule):
         max_grad_norm: float | None = 1.0,
         logprob_chunk_size: int = 512,
         fused_logprobs: bool = True,
+        packing: Literal["auto", "on", "off"] = "auto",
+        attn_implementation: str | None = None,
         log_entropy: bool = True,
         export_dir: str | None = None,
         export_every_n_epochs: int | None = None,
@@ -121,7 +130,8 @@ class AmirGRPOModule(LightningModule):
         self._fsdp2 = False  # whether configure_model sharded the policy (FSDP2 then casts for compute)
         self.temperature, self.max_grad_norm = temperature, max_grad_norm
         self.logprob_chunk_size, self.log_entropy, self.export_dir = logprob_chunk_size, log_entropy, export_dir
-        self.fused_logprobs = fused_logprobs
+        self.fused_logprobs, self.packing, self.attn_implementation = fused_logprobs, packing, attn_implementation
+        self._packed = False  # decided in configure_model, from packing and the policy's attention
         errors: list[str] = []
         check_number(errors, "model.max_grad_norm", max_grad_norm, gt=0, optional=True)
         check_number(errors, "model.temperature", temperature, gt=0)
@@ -155,14 +165,6 @@ class AmirGRPOModule(LightningModule):
         own = shapes | {k: tuple(v.shape) for k, v in self.state_dict().items() if not k.startswith("policy.")}
         return own, {f"policy.{name}" for name in frozen}
 
-    def base_model(self) -> dict[str, str] | None:
-        """The identity of the frozen base model a LoRA policy adapts (``base_identity``); ``None`` without LoRA."""
-        if self.lora is None:
-            return None
-        source = getattr(self.source, "name_or_path", None) or type(self.source).__name__
-        revision = getattr(self.source, "revision", None)
-        return base_identity(self.model_dir, f"{source}@{revision}" if revision else source)
-
     @cached_property
     def tokenizer(self):
         """The policy's tokenizer."""
@@ -185,16 +187,18 @@ class AmirGRPOModule(LightningModule):
             return
         frozen = self.frozen_dtype or self.compute_dtype
         trust = self.source.trust_remote_code
+        attention = self.attn_implementation
         self.policy = load_policy(
-            self.model_dir, frozen, self.trainable_dtype, self.gradient_checkpointing, self.lora, trust
+            self.model_dir, frozen, self.trainable_dtype, self.gradient_checkpointing, self.lora, trust, attention
         )
+        self._packed = self.packing == "on" or (self.packing == "auto" and varlen_attention(self.policy))
         self.policy.train()  # dropout is disabled at load time, so train mode changes nothing but intent
         mesh = getattr(self, "device_mesh", None)  # set by ModelParallelStrategy: shard with FSDP2
         self._fsdp2 = mesh is not None
         if self._fsdp2:
             shard_fsdp2(self.policy, mesh.device_type, self.compute_dtype)
         if self.loss.needs_reference and not is_peft(self.policy):
-            self._reference = (load_reference(self.model_dir, frozen, trust),)
+            self._reference = (load_reference(self.model_dir, frozen, trust, attention),)
 
     def on_fit_start(self) -> None:  # noqa: D102
         for ref in self._reference:
@@ -232,6 +236,7 @@ class AmirGRPOModule(LightningModule):
                 self.logprob_chunk_size,
                 entropy,
                 self.fused_logprobs,
+                self._packed,
             )
 
     @contextmanager
@@ -317,6 +322,9 @@ class AmirGRPOModule(LightningModule):
         stats: dict[str, torch.Tensor] = {}
         rows, total, bad = [], 0.0, False
         for batch, old_logps in zip(step.micro_batches, self.old_policy_logps(step)):
+            if batch.filler:  # another process has more micro-batches: join its collectives, add nothing
+                self.manual_backward(self.completion_logps(self.policy, batch, self.temperature)[0].sum() * 0.0)
+                continue
             if old_logps is not None:
                 batch.old_logps = old_logps.to(self.device)
             out, logps = self.compute_loss(batch, context)
@@ -394,41 +402,6 @@ class AmirGRPOModule(LightningModule):
         log_metrics(self.trainer, results)
         self.log_dict(results, logger=False, batch_size=1, sync_dist=True)
 
-    # ------------------------------------------------------------------ checkpoints: what trains
-    def frozen_weights(self) -> set[str]:
-        """State names of the frozen base weights of a LoRA policy (empty without LoRA or before the policy loads)."""
-        if self.policy is None or not is_peft(self.policy):
-            return set()
-        return {
-            f"policy.{name}" for name, p in self.policy.named_parameters(remove_duplicate=False) if not p.requires_grad
-        }
-
-    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        """The module's state without the frozen base weights of a LoRA policy: checkpoints hold what trains.
-
-        The adapters, the loss's state, and (in the checkpoint, ``on_save_checkpoint``) the identity of the base
-        model, which a resume checks; every weight when the whole policy trains.
-        """
-        state = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-        for name in self.frozen_weights():
-            state.pop(prefix + name, None)
-        return state
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a checkpoint's state; only the frozen base weights of a LoRA policy may be absent.
-
-        They come from ``model.policy``; anything else missing or unknown is an error when ``strict``.
-        """
-        result = super().load_state_dict(state_dict, strict=False, assign=assign)
-        frozen = self.frozen_weights()
-        missing = [name for name in result.missing_keys if name not in frozen]
-        if strict and (missing or result.unexpected_keys):
-            raise RuntimeError(
-                f"the checkpoint's state does not fit this module: missing {missing[:3]} ({len(missing)}), "
-                f"unexpected {result.unexpected_keys[:3]} ({len(result.unexpected_keys)})"
-            )
-        return result
-
     # ------------------------------------------------------------------ optimisation and export
     def configure_optimizers(self):  # noqa: D102
         # Biases and norm weights (the 1-D parameters) take no weight decay, as in Hugging Face's Trainer.
@@ -442,23 +415,6 @@ class AmirGRPOModule(LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"},
         }
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:  # noqa: D102
-        checkpoint["amir"] = {
-            "random_states": random_states(),
-            "skipped_steps": self._skipped_steps,
-            "base_model": self.base_model(),
-        }
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:  # noqa: D102
-        path = self.trainer.ckpt_path
-        check_base_model(checkpoint.get("amir", {}).get("base_model"), self.base_model(), path)
-        if "state_dict" in checkpoint:  # a distributed checkpoint is loaded by the strategy, shard by shard
-            own = super().state_dict()  # every weight: an older checkpoint may hold the base weights too
-            check_compatible(own, checkpoint["state_dict"], path, optional=self.frozen_weights())
-        if "amir" in checkpoint:
-            restore_random_states(checkpoint["amir"]["random_states"])
-            self._skipped_steps = checkpoint["amir"]["skipped_steps"]
 
     def on_train_epoch_end(self) -> None:  # noqa: D102
         every, done = self.export_every_n_epochs, self.current_epoch + 1

@@ -33,6 +33,11 @@ transformers.__version__, peft.__version__, torch.cuda.get_device_name())"
     $PY -m pytest -p no:cacheprovider -c "$ROOT/pyproject.toml" --rootdir "$ROOT" -m gpu "$ROOT/tests/gpu" -v || status=1
     # The official re-forward costs ~45 s a step at this shape: time it separately, without --skip-official.
     $PY "$ROOT/benchmarks/step_time.py" --paper-shape --skip-official --repeats 5 "${@:2}" || status=1
+    # Less padding and no recomputation: packed rows through PyTorch's varlen flash kernel, with and without
+    # gradient checkpointing (peak memory decides qwen.yaml's gradient_checkpointing).
+    $PY "$ROOT/benchmarks/step_time.py" --paper-shape --skip-official --repeats 5 --packing --attn varlen || status=1
+    $PY "$ROOT/benchmarks/step_time.py" --paper-shape --skip-official --repeats 5 --packing --attn varlen \
+        --no-checkpointing || status=1
     exit $status
     ;;
 *)

@@ -3,6 +3,8 @@
     python benchmarks/step_time.py [--groups 2] [--group-size 8] [--repeats 5]
     python benchmarks/step_time.py --paper-shape [--model DIR] [--layers 2] [--skip-official]
     python benchmarks/step_time.py --materialised    # log-probs from materialised logits, for comparison
+    python benchmarks/step_time.py --lengths 32 256 --micro-batch-groups 2 [--packing]    # padding against packing
+    python benchmarks/step_time.py --paper-shape --attn varlen --packing [--no-checkpointing]    # on a GPU
 
 One step = forward of every micro-batch, both loss terms, backward, gradient clipping, AdamW. The batch is the
 same for all variants: chat-templated arithmetic prompts to the bundled SmolLM2-135M with sampled-length random
@@ -14,7 +16,8 @@ completions and rewards with variance. Variants, timed interleaved (median of ``
 
 ``--paper-shape`` times the qwen.yaml step instead: 4 groups x 8, 160-token prompts, completions of 128-512
 tokens, LoRA r 16 on every linear layer over a bf16 base, float32 adapters, bf16 compute, gradient checkpointing,
-micro-batches of one group, on the GPU when there is one. The model is ``--model`` or a random one of
+micro-batches of one group, on the GPU when there is one (``--packing --attn varlen``: packed rows through
+PyTorch's variable-length flash attention; ``--no-checkpointing``). The model is ``--model`` or a random one of
 Qwen2.5-3B-Instruct's shape (``--layers`` shrinks it for a dry run on a CPU); it prints tokens/s and peak memory.
 """
 
@@ -29,7 +32,7 @@ from amir_lightning.data import ArithmeticPrompts, render_prompt
 from amir_lightning.models import QWEN25_3B_SHAPE, BundledSmolLM2, HFModel, LoraSettings, TinyModel
 from amir_lightning.module import AmirGRPOModule
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages, mine_pairs, sequence_logps
-from amir_lightning.rollout.batch import Group, build_steps
+from amir_lightning.rollout.batch import Group, build_steps, plan_steps
 from amir_lightning.rollout.engine import Completion
 
 
@@ -69,16 +72,19 @@ def random_groups(module, groups: int, group_size: int, prompt_len: int, lengths
     return out
 
 
-def paper_shape_module(model: str | None, layers: int | None) -> AmirGRPOModule:
+def paper_shape_module(
+    model: str | None, layers: int | None, checkpointing: bool = True, attention: str | None = None
+) -> AmirGRPOModule:
     """The qwen.yaml policy set-up on a given model, or on a random one of Qwen2.5-3B's shape."""
     shape = dict(QWEN25_3B_SHAPE, dtype="bfloat16", **({"num_layers": layers} if layers else {}))
     source = HFModel(model) if model else TinyModel(**shape)
     module = AmirGRPOModule(
         policy=source,
         dtype="bfloat16",
-        gradient_checkpointing=True,
+        gradient_checkpointing=checkpointing,
         lora=LoraSettings(r=16, alpha=16, target_modules="all-linear"),
         log_entropy=False,
+        attn_implementation=attention,
     )
     module.compute_dtype = torch.bfloat16  # what trainer.precision=bf16-mixed sets
     module.configure_model()
@@ -132,21 +138,31 @@ def main() -> None:
     parser.add_argument(
         "--materialised", action="store_true", help="log-probs from materialised logits (model.fused_logprobs false)"
     )
+    parser.add_argument(
+        "--lengths", type=int, nargs=2, default=None, help="random completions of LO..HI tokens (64-token prompts)"
+    )
+    parser.add_argument("--micro-batch-groups", type=int, default=1)
+    parser.add_argument("--packing", action="store_true", help="model.packing on: one row of real tokens, no padding")
+    parser.add_argument("--attn", default=None, help="model.attn_implementation (varlen: packed rows on a GPU)")
+    parser.add_argument("--no-checkpointing", action="store_true", help="--paper-shape without gradient checkpointing")
     args = parser.parse_args()
     steady_malloc()
     if args.paper_shape:
         args.groups = 4
-        module = paper_shape_module(args.model, args.layers)
+        module = paper_shape_module(args.model, args.layers, not args.no_checkpointing, args.attn)
         groups = random_groups(module, args.groups, args.group_size, 160, (128, 512))
         source = module.source
     else:
         source = HFModel(args.model) if args.model else BundledSmolLM2()
         module = AmirGRPOModule(policy=source, log_entropy=False)
         module.configure_model()
-        groups = make_groups(module, args.groups, args.group_size)
-    module.fused_logprobs = not args.materialised
+        if args.lengths:
+            groups = random_groups(module, args.groups, args.group_size, 64, tuple(args.lengths))
+        else:
+            groups = make_groups(module, args.groups, args.group_size)
+    module.fused_logprobs, module._packed = not args.materialised, args.packing
     optimizer = torch.optim.AdamW([p for p in module.policy.parameters() if p.requires_grad], lr=1e-12)
-    (rollout_step,) = build_steps(groups, 1, 1, module.pad_token_id)
+    (rollout_step,) = build_steps(plan_steps(groups, 1, args.micro_batch_groups), module.pad_token_id)
     rollout_step = module.transfer_batch_to_device(rollout_step, module.device, 0)
     grpo, amir = GRPOLoss(), AmirGRPOLoss(lambda_=0.01, lambda_schedule="fixed", margin=0.5)
     pairs = int(amir.step_context(rollout_step.lengths, rollout_step.rewards, args.group_size).num_pairs)
@@ -161,9 +177,13 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
     times = interleaved(functions, args.repeats)
     tokens = sum(int(b.attention_mask.sum()) for b in rollout_step.micro_batches)
+    padded = sum(b.attention_mask.numel() for b in rollout_step.micro_batches)
     base = median(times["GRPO"])
-    setting = "paper shape: LoRA r16, bf16 compute, grad ckpt, " if args.paper_shape else ""
+    setting = "paper shape: LoRA r16, bf16 compute, " if args.paper_shape else ""
+    setting += "no grad ckpt, " if args.paper_shape and args.no_checkpointing else "grad ckpt, " * args.paper_shape
+    setting += f"attention {module.policy.config._attn_implementation}, "
     setting += "materialised log-probs, " if args.materialised else "fused log-probs, "
+    setting += "packed (no padding), " if args.packing else f"padded ({1 - tokens / padded:.0%} of {padded} padding), "
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else machine()
     print(
         f"training step on {args.groups} groups x {args.group_size} = {args.groups * args.group_size} sequences "

@@ -64,4 +64,4 @@ def micro_batches(outputs, step: RolloutStep) -> list[tuple[RolloutBatch, RowDia
     rows = outputs.get("rows") if isinstance(outputs, dict) else None
     if not isinstance(step, RolloutStep) or not isinstance(rows, list):
         return []
-    return list(zip(step.micro_batches, rows))
+    return list(zip([m for m in step.micro_batches if not m.filler], rows))

@@ -30,7 +30,8 @@ class ThroughputMonitor(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: D102
         if self._start is not None:
             self._train_s += time.perf_counter() - self._start
-            self._train_tokens += sum(float(micro.attention_mask.sum()) for micro in batch.micro_batches)
+            real = [micro for micro in batch.micro_batches if not micro.filler]
+            self._train_tokens += sum(float(micro.attention_mask.sum()) for micro in real)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:  # noqa: D102
         rollout = getattr(trainer.datamodule, "last_rollout", None)

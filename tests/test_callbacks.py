@@ -7,7 +7,7 @@ import torch
 from amir_lightning.callbacks import LengthBiasMonitor, PairMarginMonitor, RolloutSampleLogger
 from amir_lightning.callbacks.length_bias import spearman_per_group
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages
-from amir_lightning.rollout.batch import Group, build_steps
+from amir_lightning.rollout.batch import Group, build_steps, plan_steps
 from amir_lightning.rollout.engine import Completion
 
 G = 4
@@ -44,7 +44,7 @@ def make_step():
         groups.append(
             Group([1, 2], completions, r, group_advantages(r, G), correct=r.clone(), question="q", answer="a")
         )
-    (step,) = build_steps(groups, micro_batch_groups=1, steps_per_rollout=1, pad_id=0)
+    (step,) = build_steps(plan_steps(groups, 1, 1), pad_id=0)
     # token log-probs: completion k of every group has mean log-prob -(k + 1) / 10
     logps = [torch.tensor([[-(k + 1) / 10] * 4 for k in range(G)]) * b.completion_mask for b in step.micro_batches]
     return groups, step, logps

@@ -24,7 +24,7 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=5)
 
 
-def one_step(model_dir, out, devices, strategy, aggregation, loss, max_grad_norm=None):
+def one_step(model_dir, out, devices, strategy, aggregation, loss, max_grad_norm=None, extra=(), stdout=None):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [
         sys.executable,
@@ -40,9 +40,12 @@ def one_step(model_dir, out, devices, strategy, aggregation, loss, max_grad_norm
         "--loss",
         loss,
         *(["--max-grad-norm", str(max_grad_norm)] if max_grad_norm else []),
+        *extra,
     ]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=out.parent)
     assert result.returncode == 0, result.stderr[-3000:]
+    if stdout is not None:
+        stdout.append(result.stdout)
     return torch.load(out)
 
 
@@ -62,6 +65,23 @@ def test_two_processes_make_the_same_update_as_one(model_dir, tmp_path, strategy
     start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     largest = max((single[k] - start[k]).abs().max().item() for k in single)
     assert largest > 1e-3  # the step moved the weights
+    for key in single:
+        torch.testing.assert_close(double[key], single[key], atol=1e-5 * largest, rtol=0)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_processes_with_unequal_micro_batches_agree_and_make_the_same_update(model_dir, tmp_path, strategy):
+    """Rank 0 holds 3 groups, rank 1 one (as when groups without reward variance are dropped), and a token budget
+    of one group per micro-batch: rank 1 runs 2 fillers to keep in step. The update equals one process's."""
+    from transformers import AutoModelForCausalLM
+
+    single = one_step(model_dir, tmp_path / "one.pt", 1, "ddp", "grpo", "amir")
+    printed = []
+    extra = ["--uneven", "--micro-batch-tokens", "1"]
+    double = one_step(model_dir, tmp_path / "two.pt", 2, strategy, "grpo", "amir", extra=extra, stdout=printed)
+    assert "rank 0: micro-batches per step [3]" in printed[0] and "rank 1: micro-batches per step [3]" in printed[0]
+    start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    largest = max((single[k] - start[k]).abs().max().item() for k in single)
     for key in single:
         torch.testing.assert_close(double[key], single[key], atol=1e-5 * largest, rtol=0)
 

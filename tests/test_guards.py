@@ -13,7 +13,7 @@ from amir_lightning.models import HFModel, build_tiny_model
 from amir_lightning.module import AmirGRPOModule
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages
 from amir_lightning.rewards.base import Reward
-from amir_lightning.rollout.batch import Group, build_steps
+from amir_lightning.rollout.batch import Group, build_steps, plan_steps
 from amir_lightning.rollout.collect import RewardGuard, score_completions
 from amir_lightning.rollout.engine import Completion
 
@@ -93,7 +93,7 @@ class PoisonedRollouts(L.LightningDataModule):
             adv,
             rewards.clone(),
         )
-        batches = build_steps([group], 1, 1, module.pad_token_id)
+        batches = build_steps(plan_steps([group], 1, 1), module.pad_token_id)
         return DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
 
 

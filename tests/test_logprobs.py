@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from amir_lightning.models import HFModel, build_tiny_model
+from amir_lightning.models.attention import register as register_varlen
 from amir_lightning.models.scoring import completion_logps
 from amir_lightning.module import AmirGRPOModule
 from amir_lightning.objectives import selective_log_softmax
@@ -56,28 +57,66 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_a_policy_scores_the_same_fused_or_materialised(model_dir, lora):
-    """Whole forward and backward through a tiny Qwen2 (with LoRA too): log-probs, entropies and every gradient."""
+@pytest.mark.parametrize("attention", ["sdpa", "eager", "varlen"])
+def test_a_policy_scores_the_same_fused_packed_or_materialised(model_dir, lora, attention):
+    """Whole forward and backward through a tiny Qwen2 (with LoRA too): log-probs, entropies and every gradient, of
+    padded rows (fused or materialised head) and of the rows packed into one without padding."""
     from amir_lightning.models.loading import LoraSettings
 
     module = AmirGRPOModule(policy=HFModel(str(model_dir)), lora=LoraSettings(r=4) if lora else None)
     module.configure_model()
+    register_varlen()  # on a CPU, varlen is SDPA: this checks its registration and fallback (the kernel: tests/gpu)
+    module.policy.config._attn_implementation = attention  # the mask path of each (packed: block-diagonal)
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(3, 20, (3, 9), generator=gen)
     mask = torch.ones_like(ids)
     mask[0, :2] = 0  # left padding of the prompt
     mask[1, -3:] = 0  # right padding of the completion
-    results = []
-    for fused in (True, False):
+    results = {}
+    for mode in ("materialised", "fused", "packed"):
         module.policy.zero_grad(set_to_none=True)
-        logps, entropy = completion_logps(module.policy, ids, mask, 5, 0.8, chunk_size=4, entropy=True, fused=fused)
+        fused, packed = mode != "materialised", mode == "packed"
+        logps, entropy = completion_logps(module.policy, ids, mask, 5, 0.8, 4, True, fused, packed)
         (logps * torch.linspace(-1, 1, 5)).sum().backward()
         grads = {n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None}
-        results.append((logps.detach(), entropy, grads))
-    (fused_logps, fused_entropy, fused_grads), (ref_logps, ref_entropy, ref_grads) = results
-    assert fused_logps[1, -3:].eq(0).all() and ref_logps[1, -3:].eq(0).all()  # padding scores nothing
-    torch.testing.assert_close(fused_logps, ref_logps, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(fused_entropy, ref_entropy, rtol=1e-5, atol=1e-5)
-    assert fused_grads.keys() == ref_grads.keys() and len(fused_grads) > 0
-    for name in ref_grads:
-        torch.testing.assert_close(fused_grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+        results[mode] = (logps.detach(), entropy, grads)
+    ref_logps, ref_entropy, ref_grads = results["materialised"]
+    assert ref_logps[1, -3:].eq(0).all() and len(ref_grads) > 0  # padding scores nothing
+    for mode in ("fused", "packed"):
+        logps, entropy, grads = results[mode]
+        assert logps[1, -3:].eq(0).all()
+        torch.testing.assert_close(logps, ref_logps, rtol=1e-5, atol=1e-5, msg=mode)
+        torch.testing.assert_close(entropy, ref_entropy, rtol=1e-5, atol=1e-5, msg=mode)
+        assert grads.keys() == ref_grads.keys()
+        for name in ref_grads:
+            torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=f"{mode} {name}")
+
+
+def test_packing_attends_within_each_sequence_only(model_dir):
+    """A packed row's log-probs do not change when another sequence of the pack changes (no attention across)."""
+    module = AmirGRPOModule(policy=HFModel(str(model_dir)))
+    module.configure_model()
+    ids = torch.randint(3, 20, (2, 8), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        first = completion_logps(module.policy, ids, mask, 4, packed=True)[0]
+        ids[0, :] = torch.randint(3, 20, (8,), generator=torch.Generator().manual_seed(5))
+        second = completion_logps(module.policy, ids, mask, 4, packed=True)[0]
+    assert not torch.equal(first[0], second[0])
+    torch.testing.assert_close(second[1], first[1], rtol=0, atol=1e-6)
+
+
+def test_varlen_offsets_and_the_keywords_of_each_kernel_version():
+    from torch.nn.attention.varlen import varlen_attn
+
+    from amir_lightning.models.attention import _kernel_options, packed_starts
+
+    assert packed_starts(torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1, 2, 3]])).tolist() == [0, 3, 5, 6, 10]
+    current = {"window_size": (-1, 0), "enable_gqa": True, "scale": 0.125}  # causal
+    assert _kernel_options(varlen_attn, 0.125, 64, gqa=True) == current
+
+    def first_release(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None): ...
+
+    assert _kernel_options(first_release, 0.125, 64, gqa=True) == {"is_causal": True}  # kv heads repeated instead
+    with pytest.raises(ValueError, match="has no scale"):
+        _kernel_options(first_release, 0.2, 64, gqa=False)

@@ -6,7 +6,7 @@ import torch
 from amir_lightning.models import HFModel, build_tiny_model
 from amir_lightning.module import AmirGRPOModule
 from amir_lightning.objectives import AmirGRPOLoss, group_advantages
-from amir_lightning.rollout.batch import Group, build_steps, make_batch
+from amir_lightning.rollout.batch import Group, build_steps, fit_plan, make_batch, plan_steps
 from amir_lightning.rollout.engine import Completion
 
 G = 4
@@ -54,9 +54,12 @@ def test_logps_do_not_depend_on_padding(module):
             row += 1
 
 
-def step_gradient(module, groups, micro_batch_groups):
+def step_gradient(module, groups, micro_batch_groups, micro_batch_tokens=None, count=None):
     module.policy.zero_grad(set_to_none=True)
-    (step,) = build_steps(groups, micro_batch_groups, steps_per_rollout=1, pad_id=module.pad_token_id)
+    plan = plan_steps(groups, 1, micro_batch_groups, micro_batch_tokens)
+    if count is not None:
+        plan = fit_plan(plan, [count])
+    (step,) = build_steps(plan, module.pad_token_id)
     context = module.loss.step_context(step.lengths, step.rewards, G)
     for batch in step.micro_batches:
         out, _ = module.compute_loss(batch, context)
@@ -70,6 +73,20 @@ def test_step_gradient_does_not_depend_on_micro_batching(module):
     assert whole.abs().sum() > 0
     for micro in (1, 2):
         torch.testing.assert_close(step_gradient(module, groups, micro), whole, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "count", "sizes"),
+    [(1, None, [1, 1, 1, 1]), (80, None, [2, 1, 1]), (10**6, None, [4]), (10**6, 2, [2, 2]), (80, 4, [1, 1, 1, 1])],
+)
+def test_step_gradient_does_not_depend_on_the_token_budget_or_the_agreed_count(module, tokens, count, sizes):
+    """Any split into whole groups (by token budget, sorted by length; then split further to an agreed count)
+    makes the same update as the whole step in one micro-batch. ``sizes``: groups per micro-batch."""
+    groups = make_groups(module, seed=1)  # padded tokens per group alone: 32, 44, 44, 32
+    whole = step_gradient(module, groups, micro_batch_groups=4)
+    plan = plan_steps(groups, 1, 4, tokens)
+    assert [len(part) for part in (fit_plan(plan, [count]) if count else plan)[0]] == sizes
+    torch.testing.assert_close(step_gradient(module, groups, 4, tokens, count), whole, atol=1e-6, rtol=1e-4)
 
 
 def test_export_weights_match_policy(module):
@@ -151,7 +168,7 @@ def test_later_steps_of_a_rollout_take_the_sampling_policy_as_their_old_policy(t
         optimizer=lambda p: torch.optim.SGD(p, lr=0.5),
         log_entropy=False,
     )
-    steps = build_steps(make_groups(mod), 1, steps_per_rollout=2, pad_id=mod.pad_token_id, mu=2)
+    steps = build_steps(plan_steps(make_groups(mod), 2, 1), mod.pad_token_id, mu=2)
     seen: dict[int, list] = {}
 
     class Watch(L.Callback):
@@ -183,3 +200,33 @@ def test_later_steps_of_a_rollout_take_the_sampling_policy_as_their_old_policy(t
     for index, old in seen.items():
         for got, want in zip(old, watch.before[index % 2], strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_packed_micro_batches_make_the_same_update_as_padded_ones(module):
+    """``model.packing on`` (one row of real tokens per micro-batch, block-diagonal attention under SDPA)."""
+    groups = make_groups(module, seed=3)
+    padded = step_gradient(module, groups, micro_batch_groups=2)
+    module._packed = True
+    try:
+        packed = step_gradient(module, groups, micro_batch_groups=2)
+    finally:
+        module._packed = False
+    assert padded.abs().sum() > 0
+    torch.testing.assert_close(packed, padded, atol=1e-6, rtol=1e-4)
+
+
+def test_packing_auto_follows_the_attention_implementation(tmp_path):
+    from amir_lightning.models.scoring import varlen_attention
+
+    model_dir = build_tiny_model(tmp_path / "model", seed=2)
+    eager = AmirGRPOModule(policy=HFModel(str(model_dir)), attn_implementation="eager", packing="auto")
+    eager.configure_model()
+    assert eager.policy.config._attn_implementation == "eager" and not eager._packed
+    forced = AmirGRPOModule(policy=HFModel(str(model_dir)), packing="on")
+    forced.configure_model()
+    assert forced.policy.config._attn_implementation == "sdpa" and forced._packed
+    forced.policy.config._attn_implementation = "flash_attention_2"  # what from_pretrained sets where it is installed
+    assert varlen_attention(forced.policy)
+    varlen = AmirGRPOModule(policy=HFModel(str(model_dir)), attn_implementation="varlen")
+    varlen.configure_model()
+    assert varlen.policy.config._attn_implementation == "varlen" and varlen._packed

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from amir_lightning.models import attention
 from amir_lightning.models.files import atomic_directory
 
 
@@ -41,16 +42,21 @@ def load_policy(
     gradient_checkpointing: bool = False,
     lora: LoraSettings | None = None,
     trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
 ):
     """The trainable policy from ``model_dir``.
 
     Trainable weights are stored in ``trainable_dtype`` and frozen ones in ``frozen_dtype``: with LoRA the base model
-    is frozen, without it every weight trains.
+    is frozen, without it every weight trains. ``attn_implementation``: Hugging Face's (``sdpa``, ``eager``,
+    ``flash_attention_2``...) or ours, ``varlen`` (``amir_lightning.models.attention``); ``None`` takes
+    transformers' default.
     """
     from transformers import AutoModelForCausalLM
 
     load_dtype = frozen_dtype if lora is not None else trainable_dtype
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=load_dtype, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=load_dtype, trust_remote_code=trust_remote_code, **_attention(attn_implementation)
+    )
     model.config.use_cache = False
     # RL log-prob ratios assume the forward that scores is the one that sampled: no dropout (TRL does the same).
     for module in model.modules():
@@ -126,12 +132,27 @@ def base_identity(model_dir: Path, source: str) -> dict[str, str]:
     }
 
 
-def load_reference(model_dir: Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
+def load_reference(
+    model_dir: Path,
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+):
     """A frozen copy of the initial policy, for the KL term or the referenced pair term."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, trust_remote_code=trust_remote_code, **_attention(attn_implementation)
+    )
     return model.eval().requires_grad_(False)
+
+
+def _attention(attn_implementation: str | None) -> dict[str, str]:
+    if attn_implementation is None:
+        return {}
+    if attn_implementation == attention.NAME:
+        attention.register()
+    return {"attn_implementation": attn_implementation}
 
 
 def is_peft(model) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from amir_lightning.models import attention
 from amir_lightning.objectives.logprobs import chosen_token_logps, selective_log_softmax, token_entropy
 
 
@@ -20,6 +21,7 @@ def completion_logps(
     chunk_size: int = 512,
     entropy: bool = False,
     fused: bool = True,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[n, T]`` log-probs of the last ``T = completion_width`` tokens of each row (and their entropies).
 
@@ -31,10 +33,18 @@ def completion_logps(
     a time (``chosen_token_logps``): no ``[n, T, V]`` logits exist, in the forward or for the backward, and padding
     costs nothing past the decoder. Otherwise the last ``T + 1`` positions' logits are computed and their
     log-softmax taken ``max(1, chunk_size // T)`` rows at a time. Padding positions get log-prob 0 (and entropy 0).
+
+    ``packed`` (with the fused head) runs the decoder on one row of every real token back to back, with position ids
+    that restart at each sequence and no attention mask: no padding at all. Hugging Face models read the restarts
+    as separate sequences (varlen kernels under flash attention; a block-diagonal mask under SDPA and eager).
     """
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     targets = input_ids[:, -completion_width:]  # [n, T]
     head = fused_head(model) if fused else None
+    if head is not None and packed:
+        return _packed_completion_logps(
+            head, model, input_ids, attention_mask, position_ids, completion_width, temperature, chunk_size, entropy
+        )
     if head is None:
         logits = model(
             input_ids=input_ids,
@@ -49,9 +59,31 @@ def completion_logps(
         entropies = token_entropy(logits.detach(), temperature, rows) * real if entropy else None
         return logps, entropies
     decoder, weight = head
+    hidden = _decoder_output(model, decoder, input_ids, attention_mask, position_ids)
+    hidden = hidden[:, -completion_width - 1 : -1]  # [n, T, H]: position t predicts token t + 1
+    real = attention_mask[:, -completion_width:].bool()  # [n, T] real completion tokens
+    return _scatter(real, *chosen_token_logps(hidden[real], weight(), targets[real], temperature, chunk_size, entropy))
+
+
+def _packed_completion_logps(
+    head, model, input_ids, attention_mask, position_ids, completion_width, temperature, chunk_size, entropy
+):
+    decoder, weight = head
+    tokens = attention_mask.bool()  # [n, W] every real token, prompt and completion
+    hidden = _decoder_output(model, decoder, input_ids[tokens][None], None, position_ids[tokens][None])[0]  # [L, H]
+    flat = torch.full(tokens.shape, -1, dtype=torch.long, device=tokens.device)
+    flat[tokens] = torch.arange(int(tokens.sum()), device=tokens.device)  # row position -> packed position
+    real = tokens[:, -completion_width:]  # [n, T] real completion tokens; each follows a real token
+    before = flat[:, -completion_width - 1 : -1][real]  # [M] packed positions that predict them
+    targets = input_ids[:, -completion_width:][real]
+    return _scatter(real, *chosen_token_logps(hidden[before], weight(), targets, temperature, chunk_size, entropy))
+
+
+def _decoder_output(model, decoder, input_ids, attention_mask, position_ids) -> torch.Tensor:
+    """The decoder's last hidden states, caught on their way to the LM head, which computes no position."""
     captured = []
     hook = decoder.register_forward_hook(lambda _module, _args, out: captured.append(out[0]))
-    try:  # the decoder's hidden states are caught on their way to the LM head, which computes no position
+    try:
         model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -61,15 +93,21 @@ def completion_logps(
         )
     finally:
         hook.remove()
-    hidden = captured[-1][:, -completion_width - 1 : -1]  # [n, T, H]: position t predicts token t + 1
-    real = attention_mask[:, -completion_width:].bool()  # [n, T] real completion tokens
-    picked, picked_entropy = chosen_token_logps(
-        hidden[real], weight(), targets[real], temperature, chunk_size, entropy
-    )  # [M]
-    logps = torch.zeros(targets.shape, dtype=torch.float32, device=targets.device).masked_scatter(real, picked)
+    return captured[-1]
+
+
+def _scatter(real: torch.Tensor, picked: torch.Tensor, picked_entropy: torch.Tensor | None):
+    """``[M]`` values of the real completion tokens back into ``[n, T]`` (0 at padding)."""
+    logps = torch.zeros(real.shape, dtype=torch.float32, device=real.device).masked_scatter(real, picked)
     if picked_entropy is None:
         return logps, None
     return logps, torch.zeros_like(logps).masked_scatter(real, picked_entropy)
+
+
+def varlen_attention(model) -> bool:
+    """Whether ``model``'s attention runs packed sequences as separate ones (flash attention, ``varlen``)."""
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return isinstance(implementation, str) and ("flash" in implementation or implementation == attention.NAME)
 
 
 def fused_head(model):

@@ -1,7 +1,13 @@
-"""Rollout batches: groups of completions turned into padded micro-batches of whole groups."""
+"""Rollout batches: groups of completions turned into padded micro-batches of whole groups.
+
+A rollout becomes optimisation steps in three moves: ``plan_steps`` assigns whole groups to steps and micro-batches
+(by count, or by a token budget with the groups sorted by length), ``fit_plan`` makes every process run the same
+number of micro-batches per step (collectives under DDP and FSDP need it), and ``build_steps`` pads them into tensors.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -48,6 +54,8 @@ class RolloutBatch:
         sampling_logps: ``[n, T]`` the engine's log-probs of the sampled tokens.
         group_size: ``G``.
         old_logps: ``[n, T]`` log-probs of the sampling policy from the trainer, when the step is off-policy.
+        filler: A stand-in that keeps this process in step with others that have more micro-batches: the module
+            runs its forward and a zero backward, and it adds nothing to the loss, the gradient or the metrics.
     """
 
     input_ids: torch.Tensor
@@ -60,6 +68,7 @@ class RolloutBatch:
     sampling_logps: torch.Tensor
     group_size: int
     old_logps: torch.Tensor | None = None
+    filler: bool = False
 
     @property
     def completion_width(self) -> int:
@@ -148,7 +157,7 @@ class RolloutStep:
     """One optimisation step: its micro-batches of whole groups, and the step-wide facts of all its completions.
 
     Attributes:
-        micro_batches: The step's micro-batches (gradient accumulation), in order.
+        micro_batches: The step's micro-batches (gradient accumulation), in order; fillers (``fit_plan``) last.
         lengths: ``[N]`` completion lengths of every completion of the step.
         rewards: ``[N]`` their rewards.
         truncated: ``[N]`` their truncation flags.
@@ -168,34 +177,120 @@ class RolloutStep:
     rollout: list[list[RolloutBatch]] = field(default_factory=list)
 
 
-def build_steps(
-    groups: list[Group], micro_batch_groups: int, steps_per_rollout: int, pad_id: int, mu: int = 1
-) -> list[RolloutStep]:
-    """The optimisation schedule of a rollout: ``mu`` passes of ``steps_per_rollout`` steps of whole groups.
+Plan = list[list[list[Group]]]
+"""Steps, each a list of micro-batches, each a list of whole groups (an empty micro-batch is a filler)."""
 
-    Each step is split into micro-batches of ``micro_batch_groups`` groups (gradient accumulation). Later passes
-    share the first pass's tensors and continue its step indices. When any step follows an update of the policy
-    (``mu`` or ``steps_per_rollout`` above 1), the first step carries the whole pass in ``rollout``.
+
+def padded_tokens(groups: list[Group]) -> int:
+    """Tokens of ``groups`` padded into one micro-batch: rows x (longest prompt + longest completion)."""
+    if not groups:
+        return 0
+    rows = sum(len(g.completions) for g in groups)
+    prompt = max(len(g.prompt_ids) for g in groups)
+    completion = max(max(len(c.token_ids) for c in g.completions) for g in groups)
+    return rows * (prompt + max(completion, 1))
+
+
+def split_by_tokens(groups: list[Group], budget: int) -> list[list[Group]]:
+    """Whole groups sorted by padded length, as many per micro-batch as fit in ``budget`` padded tokens.
+
+    A group larger than the budget goes alone. Sorting puts groups of like lengths together, so little padding is
+    left; the step's gradient does not depend on the split (its normalisers are step-wide).
+    """
+    parts: list[list[Group]] = []
+    for group in sorted(groups, key=lambda g: padded_tokens([g])):
+        if parts and padded_tokens([*parts[-1], group]) <= budget:
+            parts[-1].append(group)
+        else:
+            parts.append([group])
+    return parts
+
+
+def plan_steps(
+    groups: list[Group], steps_per_rollout: int, micro_batch_groups: int, micro_batch_tokens: int | None = None
+) -> Plan:
+    """Whole groups into ``steps_per_rollout`` steps (in order), each split into micro-batches.
+
+    The split: ``micro_batch_tokens`` padded tokens at most (``split_by_tokens``), or else ``micro_batch_groups``
+    groups per micro-batch, in order.
     """
     if not groups:
         return []
     per_step = -(-len(groups) // steps_per_rollout)  # ceil
+    plan = []
+    for first in range(0, len(groups), per_step):
+        step = groups[first : first + per_step]
+        if micro_batch_tokens is not None:
+            plan.append(split_by_tokens(step, micro_batch_tokens))
+        else:
+            plan.append([step[s : s + micro_batch_groups] for s in range(0, len(step), micro_batch_groups)])
+    return plan
+
+
+def fit_plan(plan: Plan, counts: list[int]) -> Plan:
+    """``plan`` with exactly ``counts[i]`` micro-batches in step ``i`` (the most any process has there).
+
+    The micro-batch with most padded tokens is halved (at the point that balances the halves) until the count is
+    reached; when no micro-batch has two groups left, empty micro-batches (fillers) make up the rest. Steps with a
+    count of 0 are dropped: no process has a group there.
+    """
+    fitted = []
+    for index, count in enumerate(counts):
+        parts = [list(part) for part in (plan[index] if index < len(plan) else [])]
+        if len(parts) > count:
+            raise ValueError(f"step {index} has {len(parts)} micro-batches, more than the agreed {count}")
+        while len(parts) < count:
+            splittable = [i for i, part in enumerate(parts) if len(part) > 1]
+            if not splittable:
+                parts.extend([] for _ in range(count - len(parts)))
+                break
+            i = max(splittable, key=lambda i: padded_tokens(parts[i]))
+            part = parts.pop(i)
+            cut = min(range(1, len(part)), key=lambda c: max(padded_tokens(part[:c]), padded_tokens(part[c:])))
+            parts[i:i] = [part[:cut], part[cut:]]
+        if count:
+            fitted.append(parts)
+    return fitted
+
+
+def agree_on_plan(plan: Plan, steps_per_rollout: int, max_over_processes: Callable[[list[float]], list[float]]) -> Plan:
+    """``plan`` fitted (``fit_plan``) to the micro-batches per step that every process runs: the most any has.
+
+    Processes may hold different groups (those without reward variance dropped) and split them differently; every
+    process must call it (``max_over_processes`` is a collective).
+    """
+    counts = [float(len(plan[i])) if i < len(plan) else 0.0 for i in range(steps_per_rollout)]
+    return fit_plan(plan, [int(c) for c in max_over_processes(counts)])
+
+
+def build_steps(plan: Plan, pad_id: int, mu: int = 1, filler: Group | None = None) -> list[RolloutStep]:
+    """The optimisation schedule of a rollout: ``mu`` passes over the steps of ``plan``, padded.
+
+    Empty micro-batches become fillers made of ``filler`` (any group of the rollout). Later passes share the first
+    pass's tensors and continue its step indices. When any step follows an update of the policy (``mu`` or the
+    number of steps above 1), the first step carries the whole pass in ``rollout``.
+    """
     steps = []
-    for index, first in enumerate(range(0, len(groups), per_step)):
-        step_groups = groups[first : first + per_step]
+    for index, parts in enumerate(plan):
+        step_groups = [g for part in parts for g in part]
+        if any(not part for part in parts) and filler is None:
+            raise ValueError("the plan has filler micro-batches but no filler group was given")
         rows = [c for g in step_groups for c in g.completions]
-        starts = range(0, len(step_groups), micro_batch_groups)
         steps.append(
             RolloutStep(
-                micro_batches=[make_batch(step_groups[s : s + micro_batch_groups], pad_id) for s in starts],
+                micro_batches=[make_batch(part, pad_id) if part else _filler(filler, pad_id) for part in parts],
                 lengths=torch.tensor([len(c.token_ids) for c in rows], dtype=torch.float),
-                rewards=torch.cat([g.rewards for g in step_groups]).float(),
-                truncated=torch.tensor([c.truncated for c in rows]),
-                group_size=len(step_groups[0].completions),
+                rewards=torch.cat([g.rewards for g in step_groups]).float() if step_groups else torch.zeros(0),
+                truncated=torch.tensor([c.truncated for c in rows], dtype=torch.bool),
+                group_size=len((step_groups or [filler])[0].completions),
                 index=index,
             )
         )
-    if mu > 1 or len(steps) > 1:
+    if steps and (mu > 1 or len(steps) > 1):
         steps[0].rollout = [step.micro_batches for step in steps]
     later = [replace(step, index=step.index + k * len(steps), rollout=[]) for k in range(1, mu) for step in steps]
     return steps + later
+
+
+def _filler(group: Group, pad_id: int) -> RolloutBatch:
+    return replace(make_batch([group], pad_id), filler=True)

@@ -34,6 +34,9 @@ class RolloutSettings:
         group_size: ``G``, completions per prompt (>= 2).
         prompts_per_epoch: ``B``, prompts per rollout (one epoch) and process; the global batch is B x processes.
         micro_batch_groups: Groups per micro-batch (gradient accumulation splits a step into micro-batches).
+        micro_batch_tokens: When set, replaces ``micro_batch_groups``: whole groups, sorted by length, as many per
+            micro-batch as fit in this many padded tokens (rows x width; a larger group goes alone). Processes
+            agree on the number of micro-batches of each step (the most any has), splitting their own further.
         steps_per_rollout: Optimisation steps per rollout, each on its share of the groups.
         mu: Passes over the rollout (PPO-style); > 1 makes later steps off-policy (ratios and clipping act).
         advantage_scale: ``group``, ``batch`` or ``none`` (see ``group_advantages``).
@@ -44,6 +47,7 @@ class RolloutSettings:
     group_size: int = 8
     prompts_per_epoch: int = 16
     micro_batch_groups: int = 2
+    micro_batch_tokens: int | None = None
     steps_per_rollout: int = 1
     mu: int = 1
     advantage_scale: Literal["group", "batch", "none"] = "group"
@@ -55,6 +59,8 @@ class RolloutSettings:
         check_number(errors, "data.rollout.group_size", self.group_size, ge=2)
         for key in ("prompts_per_epoch", "micro_batch_groups", "steps_per_rollout", "mu", "max_bad_rollouts"):
             check_number(errors, f"data.rollout.{key}", getattr(self, key), ge=1)
+        if self.micro_batch_tokens is not None:
+            check_number(errors, "data.rollout.micro_batch_tokens", self.micro_batch_tokens, ge=1)
         if not errors and self.steps_per_rollout > self.prompts_per_epoch:
             errors.append(
                 f"data.rollout.steps_per_rollout ({self.steps_per_rollout}) > data.rollout.prompts_per_epoch "

@@ -51,3 +51,48 @@ def test_tiny_fsdp2_run_learns(tmp_path):
     rewards = read_scalars(tmp_path / "runs" / "tiny" / "version_0")["rollout/reward_mean"]
     assert len(rewards) == 20
     assert sum(rewards[-5:]) / 5 > sum(rewards[:3]) / 3 + 0.1
+
+
+def test_varlen_packing_matches_padded_sdpa(tmp_path, monkeypatch):
+    """``attn_implementation: varlen`` with ``packing: auto`` on CUDA: PyTorch's variable-length flash kernel runs
+    (once per layer), and the packed log-probs and LoRA gradients equal SDPA's on the padded rows (bf16 tolerance)."""
+    import torch
+    import torch.nn.attention.varlen as varlen_module
+
+    from amir_lightning.models import HFModel, LoraSettings, build_tiny_model
+    from amir_lightning.models.scoring import completion_logps
+    from amir_lightning.module import AmirGRPOModule
+
+    model_dir = build_tiny_model(tmp_path / "model", hidden_size=256, num_heads=4, num_kv_heads=2, dtype="bfloat16")
+    calls = []
+    kernel = varlen_module.varlen_attn
+    monkeypatch.setattr(varlen_module, "varlen_attn", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 20, (6, 40), generator=gen).cuda()
+    mask = torch.ones_like(ids)
+    for row in range(6):
+        mask[row, : row * 2] = 0  # left padding of the prompt
+        mask[row, 40 - row * 3 :] = 0  # right padding of the completion
+    results = {}
+    for attention in ("sdpa", "varlen"):
+        module = AmirGRPOModule(policy=HFModel(str(model_dir)), lora=LoraSettings(r=8), attn_implementation=attention)
+        module.compute_dtype = torch.bfloat16
+        torch.manual_seed(1)  # the same adapters in both: lora_A at creation, lora_B below
+        module.configure_model()
+        module.to("cuda")
+        for name, p in module.policy.named_parameters():  # the same non-zero adapters in both
+            if "lora_B" in name:
+                p.data.normal_(0, 0.02)
+        calls.clear()
+
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logps, _ = completion_logps(module.policy, ids, mask, 20, 0.9, packed=module._packed)
+        logps.sum().backward()
+        grads = {n: p.grad.float().clone() for n, p in module.policy.named_parameters() if p.grad is not None}
+        results[attention] = (logps.detach().float(), grads, module._packed, len(calls))
+    (ref, ref_grads, ref_packed, _), (out, grads, packed, kernel_calls) = results["sdpa"], results["varlen"]
+    assert not ref_packed and packed and kernel_calls == 2  # 2 layers, one packed row
+    torch.testing.assert_close(out, ref, rtol=0, atol=3e-2)
+    for name in ref_grads:
+        scale = ref_grads[name].abs().max().item()
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=5e-2 * scale + 1e-6, msg=name)

@@ -2,9 +2,11 @@
 
     python tests/helpers/dp_step.py MODEL_DIR OUT.pt --devices 2 --strategy ddp --aggregation dapo --loss amir
     python tests/helpers/dp_step.py MODEL_DIR OUT.pt --devices 2 --strategy fsdp2 --max-grad-norm 0.05
+    python tests/helpers/dp_step.py MODEL_DIR OUT.pt --devices 2 --uneven --micro-batch-tokens 30
 
 The global batch is the same whatever the number of processes: 4 groups of 4 completions, split into equal
-per-process shares of whole groups, each process accumulating over micro-batches of one group.
+per-process shares of whole groups (``--uneven``: 3 groups on rank 0, 1 on rank 1), each process accumulating over
+micro-batches of one group (or of ``--micro-batch-tokens``), agreed over processes as the data module does.
 """
 
 import argparse
@@ -13,10 +15,11 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from amir_lightning.distributed import all_reduce
 from amir_lightning.models import HFModel
 from amir_lightning.module import AmirGRPOModule
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages
-from amir_lightning.rollout.batch import Group, build_steps
+from amir_lightning.rollout.batch import Group, agree_on_plan, build_steps, plan_steps
 from amir_lightning.rollout.engine import Completion
 
 G, GROUPS = 4, 4
@@ -38,12 +41,23 @@ def fixed_groups(tokenizer):
 
 
 class FixedRollouts(L.LightningDataModule):
+    def __init__(self, uneven: bool = False, micro_batch_tokens: int | None = None):
+        super().__init__()
+        self.uneven, self.micro_batch_tokens = uneven, micro_batch_tokens
+
     def train_dataloader(self):
         module = self.trainer.lightning_module
         groups = fixed_groups(module.tokenizer)
-        share = GROUPS // self.trainer.world_size
-        mine = groups[self.trainer.global_rank * share : (self.trainer.global_rank + 1) * share]
-        batches = build_steps(mine, micro_batch_groups=1, steps_per_rollout=1, pad_id=module.pad_token_id)
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        bounds = [0, 3, 4] if self.uneven and world == 2 else [GROUPS * r // world for r in range(world + 1)]
+        mine = groups[bounds[rank] : bounds[rank + 1]]
+
+        def max_over_processes(values):
+            return all_reduce(torch.tensor(values), "max").tolist()
+
+        plan = agree_on_plan(plan_steps(mine, 1, 1, self.micro_batch_tokens), 1, max_over_processes)
+        self.micro_batches = [len(step) for step in plan]
+        batches = build_steps(plan, module.pad_token_id, filler=groups[0])
         return DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
 
 
@@ -56,6 +70,8 @@ def main():
     parser.add_argument("--aggregation", default="grpo")
     parser.add_argument("--loss", default="amir")
     parser.add_argument("--max-grad-norm", type=float, default=None)
+    parser.add_argument("--uneven", action="store_true")
+    parser.add_argument("--micro-batch-tokens", type=int, default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.loss == "amir":
@@ -88,7 +104,9 @@ def main():
         enable_model_summary=False,
         reload_dataloaders_every_n_epochs=1,
     )
-    trainer.fit(module, FixedRollouts())
+    data = FixedRollouts(args.uneven, args.micro_batch_tokens)
+    trainer.fit(module, data)
+    print(f"rank {trainer.global_rank}: micro-batches per step {data.micro_batches}")
     from amir_lightning.models.loading import full_state_dict
 
     state = {k: v.detach().cpu().clone() for k, v in full_state_dict(module.policy).items()}
