@@ -69,15 +69,16 @@ def test_two_processes_make_the_same_update_as_one(model_dir, tmp_path, strategy
         torch.testing.assert_close(double[key], single[key], atol=1e-5 * largest, rtol=0)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_processes_with_unequal_micro_batches_agree_and_make_the_same_update(model_dir, tmp_path, strategy):
+@pytest.mark.parametrize(("strategy", "packing"), [("ddp", "off"), ("fsdp2", "off"), ("fsdp2", "on")])
+def test_processes_with_unequal_micro_batches_agree_and_make_the_same_update(model_dir, tmp_path, strategy, packing):
     """Rank 0 holds 3 groups, rank 1 one (as when groups without reward variance are dropped), and a token budget
-    of one group per micro-batch: rank 1 runs 2 fillers to keep in step. The update equals one process's."""
+    of one group per micro-batch: rank 1 runs 2 fillers to keep in step. The update equals one process's (padded),
+    with packed rows too (model.packing on, FSDP2)."""
     from transformers import AutoModelForCausalLM
 
     single = one_step(model_dir, tmp_path / "one.pt", 1, "ddp", "grpo", "amir")
     printed = []
-    extra = ["--uneven", "--micro-batch-tokens", "1"]
+    extra = ["--uneven", "--micro-batch-tokens", "1", "--packing", packing]
     double = one_step(model_dir, tmp_path / "two.pt", 2, strategy, "grpo", "amir", extra=extra, stdout=printed)
     assert "rank 0: micro-batches per step [3]" in printed[0] and "rank 1: micro-batches per step [3]" in printed[0]
     start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
@@ -135,8 +136,10 @@ def test_two_process_fit_with_an_engine_per_rank(tmp_path, strategy):
 
 
 def test_qwen_yaml_setting_on_two_processes(tmp_path):
-    """configs/qwen.yaml's strategy (FSDP2), precision (bf16 compute, float32 adapters), LoRA, gradient
-    checkpointing, bf16 vLLM engine and calibrated sync check, with only the model (a tiny random Qwen2), the prompts
-    and the accelerator overridden: 3 rollouts on 2 CPU processes, every sync within tolerance, the export loads."""
-    run_amir(qwen_setting_args(tiny_policy(), "cpu", 2), tmp_path, timeout=900)
+    """configs/qwen.yaml's strategy (FSDP2), precision (bf16 compute, float32 adapters), LoRA, bf16 vLLM engine and
+    calibrated sync check, with only the model (a tiny random Qwen2), the prompts and the accelerator overridden:
+    3 rollouts on 2 CPU processes, every sync within tolerance, the export loads. Gradient checkpointing (off in
+    qwen.yaml, on for smaller GPUs) is switched on, so that this combination stays tested."""
+    extra = ["--model.gradient_checkpointing", "true"]
+    run_amir(qwen_setting_args(tiny_policy(), "cpu", 2, extra=extra), tmp_path, timeout=900)
     check_qwen_run(tmp_path / "runs" / "qwen" / "version_0", rollouts=3)

@@ -3,6 +3,7 @@
     python tests/helpers/dp_step.py MODEL_DIR OUT.pt --devices 2 --strategy ddp --aggregation dapo --loss amir
     python tests/helpers/dp_step.py MODEL_DIR OUT.pt --devices 2 --strategy fsdp2 --max-grad-norm 0.05
     python tests/helpers/dp_step.py MODEL_DIR OUT.pt --devices 2 --uneven --micro-batch-tokens 30
+    python tests/helpers/dp_step.py MODEL_DIR OUT.pt --devices 2 --strategy fsdp2 --packing on
 
 The global batch is the same whatever the number of processes: 4 groups of 4 completions, split into equal
 per-process shares of whole groups (``--uneven``: 3 groups on rank 0, 1 on rank 1), each process accumulating over
@@ -72,6 +73,7 @@ def main():
     parser.add_argument("--max-grad-norm", type=float, default=None)
     parser.add_argument("--uneven", action="store_true")
     parser.add_argument("--micro-batch-tokens", type=int, default=None)
+    parser.add_argument("--packing", default="auto")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.loss == "amir":
@@ -84,6 +86,7 @@ def main():
         max_grad_norm=args.max_grad_norm,
         optimizer=lambda params: torch.optim.SGD(params, lr=1.0),
         log_entropy=False,
+        packing=args.packing,
     )
     strategy = args.strategy
     if strategy == "fsdp2":
