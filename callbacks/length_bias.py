@@ -10,6 +10,8 @@ Per optimisation step:
   for AMIR-GRPO, ``length/neg_token_weight_pair``, the per-token push-down of the pair term on the same
   completions (``lambda beta / P * sum_i sigmoid(-z_ij) / |o_j|``), and their ratio ``length/pair_to_pg``. Both
   weights are the loss's own diagnostics (``LossOutput.rows``), computed with the step's normalisers and lambda;
+- with ``long_tokens``, ``length/long_incorrect_frac``: the share of the step's graded completions that are wrong
+  and longer than ``long_tokens``, the sampled estimate of the probability the policy gives to long wrong answers;
 - histograms of correct and incorrect lengths. (The truncation rate is ``length/truncated_frac`` of the rollout.)
 
 The paper defines no length metric; these are this project's.
@@ -45,11 +47,12 @@ class LengthBiasMonitor(StepMonitor):
 
     Args:
         histogram: Write length histograms (``length/hist_correct``, ``length/hist_incorrect``).
+        long_tokens: Log ``length/long_incorrect_frac``, the share of wrong completions longer than this many tokens.
     """
 
-    def __init__(self, histogram: bool = True) -> None:
+    def __init__(self, histogram: bool = True, long_tokens: int | None = None) -> None:
         super().__init__()
-        self.write_histogram = histogram
+        self.write_histogram, self.long_tokens = histogram, long_tokens
 
     @torch.no_grad()
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: D102
@@ -66,6 +69,8 @@ class LengthBiasMonitor(StepMonitor):
         self.mean("incorrect", lengths[known & (correct == 0)])
         self.cat("hist_correct", lengths[known & (correct == 1)])
         self.cat("hist_incorrect", lengths[known & (correct == 0)])
+        if self.long_tokens is not None:
+            self.mean("long_incorrect", ((lengths > self.long_tokens) & (correct == 0)).float()[known])
         self.mean("corr_advantage", spearman_per_group(lengths.view(-1, G), batch.advantages.view(-1, G)))
         negative = batch.advantages < 0
         self.mean("neg_pg", rows.pg_token_weight[negative])
@@ -81,6 +86,8 @@ class LengthBiasMonitor(StepMonitor):
             logged["length/incorrect_mean"] = means["incorrect"]
         if "correct" in means and "incorrect" in means:
             logged["length/gap"] = means["incorrect"] - means["correct"]
+        if "long_incorrect" in means:
+            logged["length/long_incorrect_frac"] = means["long_incorrect"]
         if "corr_advantage" in means and not means["corr_advantage"].isnan():
             logged["length/corr_advantage"] = means["corr_advantage"]
         if "neg_pg" in means:

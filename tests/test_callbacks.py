@@ -106,6 +106,10 @@ def test_length_bias_monitor():
     assert math.isclose(logged["length/neg_token_weight_pg"], expected_pg, rel_tol=1e-6)
     ratio = logged["length/neg_token_weight_pair"] / logged["length/neg_token_weight_pg"]
     assert math.isclose(logged["length/pair_to_pg"], ratio, rel_tol=1e-6)
+    assert "length/long_incorrect_frac" not in logged
+    # incorrect completions longer than 2 tokens: group 1 row 3 (4 tokens); group 2 none (1, 2): 1 of 8 completions
+    logged, _ = run(LengthBiasMonitor(histogram=False, long_tokens=2), AmirGRPOLoss(lambda_=0.05), step, logps)
+    assert math.isclose(logged["length/long_incorrect_frac"], 1 / 8)
 
 
 def test_length_bias_pair_weight_is_the_pair_terms_gradient():

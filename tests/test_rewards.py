@@ -76,3 +76,21 @@ def test_format_rewards():
     assert ThinkAnswerFormatReward().score([good, good + "\ntrailing", "7"], ["7"] * 3) == [0.5, 0.0, 0.0]
     assert TagCountReward().score([good, "<think><think>"], ["7"] * 2) == [pytest.approx(0.1), 0.0]
     assert MathAnswerReward().name == "math_answer" and TagCountReward().name == "tag_count"
+
+
+@pytest.mark.parametrize(("rule", "expected"), [("short", [1.0, 0.0, 0.0, 0.0]), ("long", [0.0, 1.0, 0.0, 0.0])])
+def test_length_controlled_answer_reward_applies_its_length_rule_to_right_answers(rule, expected):
+    from amir_lightning.rewards import LengthControlledAnswerReward
+
+    reward = LengthControlledAnswerReward(threshold_tokens=3, correct_when=rule)
+    try:
+        completions = ["7", "xx7", "8", "xx8"]  # right short, right long, wrong short, wrong long
+        ids = [[1, 0], [2, 2, 1, 0], [3, 0], [2, 2, 3, 0]]  # token counts 2, 4, 2, 4 (end token included)
+        assert reward.score(completions, ["7"] * 4, completion_ids=ids) == expected
+        assert reward.allowed(3) == (rule == "short") and reward.allowed(4) == (rule == "long")
+        with pytest.raises(ValueError, match="completion_ids"):
+            reward.score(completions, ["7"] * 4)
+    finally:
+        reward.close()
+    with pytest.raises(ValueError, match="threshold_tokens must be >= 1"):
+        LengthControlledAnswerReward(threshold_tokens=0)

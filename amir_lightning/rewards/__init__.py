@@ -2,12 +2,14 @@
 
 from amir_lightning.rewards.base import FunctionReward, Reward, RewardInputs
 from amir_lightning.rewards.format import AnswerNumberReward, TagCountReward, ThinkAnswerFormatReward
+from amir_lightning.rewards.length import LengthControlledAnswerReward
 from amir_lightning.rewards.math import MathAnswerReward
 from amir_lightning.rewards.sandbox import SandboxedGrader
 
 __all__ = [
     "AnswerNumberReward",
     "FunctionReward",
+    "LengthControlledAnswerReward",
     "MathAnswerReward",
     "Reward",
     "RewardInputs",
