@@ -26,32 +26,17 @@ class LengthControlledAnswerReward(MathAnswerReward):
         threshold_tokens: Longest "short" completion, in tokens.
         correct_when: ``short``: a right answer counts when the completion has at most ``threshold_tokens`` tokens;
             ``long``: when it has more.
-        weight, correct_score, wrong_score, fallback_last_number, timeout_s, num_workers, memory_mb, name: As
-            ``MathAnswerReward``.
+        kwargs: ``MathAnswerReward``'s (``weight``, ``correct_score``, ``wrong_score``, ...).
     """
 
-    def __init__(
-        self,
-        threshold_tokens: int = 4,
-        correct_when: Literal["short", "long"] = "short",
-        weight: float = 1.0,
-        correct_score: float = 1.0,
-        wrong_score: float = 0.0,
-        fallback_last_number: bool = True,
-        timeout_s: float = 5.0,
-        num_workers: int = 1,
-        memory_mb: int | None = 2048,
-        name: str | None = None,
-    ) -> None:
+    def __init__(self, threshold_tokens: int = 4, correct_when: Literal["short", "long"] = "short", **kwargs) -> None:
         errors: list[str] = []
         key = "data.rewards: LengthControlledAnswerReward"
         check_number(errors, f"{key}.threshold_tokens", threshold_tokens, ge=1)
         if correct_when not in ("short", "long"):
             errors.append(f"{key}.correct_when must be short or long, got {correct_when!r}")
         raise_errors(errors)
-        super().__init__(
-            weight, correct_score, wrong_score, fallback_last_number, timeout_s, num_workers, memory_mb, name
-        )
+        super().__init__(**kwargs)
         self.threshold_tokens, self.correct_when = threshold_tokens, correct_when
 
     def allowed(self, length: int) -> bool:
