@@ -138,6 +138,8 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         check_number(errors, "model.logprob_chunk_size", logprob_chunk_size, ge=1)
         check_number(errors, "model.max_bad_steps", max_bad_steps, ge=1)
         check_number(errors, "model.export_every_n_epochs", export_every_n_epochs, ge=1, optional=True)
+        if packing == "on" and not fused_logprobs:
+            errors.append("model.packing: on needs model.fused_logprobs: true (the fused head scores packed rows)")
         if export_format == "adapter" and lora is None:
             errors.append("model.export_format: adapter needs model.lora (the whole policy trains: export merged)")
         raise_errors(errors)

@@ -43,6 +43,11 @@ CASES = [
     ),
     ("zero micro-batch", ["--data.rollout.micro_batch_groups", "0"], "data.rollout.micro_batch_groups must be >= 1"),
     ("zero token budget", ["--data.rollout.micro_batch_tokens", "0"], "data.rollout.micro_batch_tokens must be >= 1"),
+    (
+        "packing without the fused head",
+        ["--model.packing", "on", "--model.fused_logprobs", "false"],
+        "model.packing: on needs model.fused_logprobs: true",
+    ),
     ("more steps than prompts", ["--data.rollout.steps_per_rollout", "99"], "data.rollout.steps_per_rollout (99)"),
     ("zero passes", ["--data.rollout.mu", "0"], "data.rollout.mu must be >= 1"),
     ("pass@k over samples", ["--data.evaluation.ks", "[1, 16]"], "data.evaluation.ks [1, 16]"),
