@@ -120,3 +120,29 @@ def test_varlen_offsets_and_the_keywords_of_each_kernel_version():
     assert _kernel_options(first_release, 0.125, 64, gqa=True) == {"is_causal": True}  # kv heads repeated instead
     with pytest.raises(ValueError, match="has no scale"):
         _kernel_options(first_release, 0.2, 64, gqa=False)
+
+
+def test_packed_scoring_hands_the_sequence_offsets_to_varlen_attention(model_dir, monkeypatch):
+    """The offsets of the packed sequences are computed once per forward and reach every layer's attention."""
+    from transformers import AttentionInterface
+
+    from amir_lightning.models.attention import varlen_attention_forward
+
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")))
+        return varlen_attention_forward(*args, **kwargs)
+
+    module = AmirGRPOModule(policy=HFModel(str(model_dir)), attn_implementation="varlen")
+    module.configure_model()  # registers varlen: the spy goes in after
+    monkeypatch.setitem(AttentionInterface._global_mapping, "varlen", spy)
+    ids = torch.randint(3, 20, (3, 9), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    mask[1, -3:] = 0
+    with torch.no_grad():
+        completion_logps(module.policy, ids, mask, 5, packed=module._packed)
+    assert module._packed and len(seen) == 2  # one call per layer
+    for offsets, longest in seen:
+        assert offsets.tolist() == [0, 7, 13, 22] and longest == 9

@@ -25,14 +25,12 @@ def packed_starts(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, end]).to(torch.int32)
 
 
-def _takes(query, key, attention_mask, position_ids, dropout, sliding_window) -> bool:
+def _takes(query, key, attention_mask, dropout, sliding_window) -> bool:
     return (
         query.is_cuda
         and query.dtype in (torch.float16, torch.bfloat16)
         and query.shape[0] == 1
         and query.shape[2] == key.shape[2]  # no KV cache: every key is a query of this forward
-        and position_ids is not None
-        and position_ids.reshape(-1)[0] == 0
         and not dropout
         and sliding_window is None
         and (attention_mask is None or attention_mask.dim() == 4)  # None or the mask of a packed row, not padding
@@ -52,20 +50,25 @@ def varlen_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """Transformers' attention interface: ``query`` ``[1, H, L, D]``, keys and values ``[1, H_kv, L, D]``.
 
-    Returns ``[1, L, H, D]`` (and no weights), causal within each sequence of the packed row.
+    Returns ``[1, L, H, D]`` (and no weights), causal within each sequence of the packed row. The sequences are
+    ``cu_seq_lens_q`` / ``max_length_q`` where the caller passes them (``completion_logps``, once per forward),
+    else where the position ids restart at 0.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    offsets, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     position_ids = kwargs.get("position_ids")
-    if not _takes(query, key, attention_mask, position_ids, dropout, sliding_window):
+    packed = offsets is not None or (position_ids is not None and position_ids.reshape(-1)[0] == 0)
+    if not (packed and _takes(query, key, attention_mask, dropout, sliding_window)):
         extra = {} if sliding_window is None else {"sliding_window": sliding_window}
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **extra, **kwargs
         )
     from torch.nn.attention.varlen import varlen_attn
 
-    offsets = packed_starts(position_ids)
-    longest = int((offsets[1:] - offsets[:-1]).max())
+    if offsets is None:
+        offsets = packed_starts(position_ids)
+        longest = int((offsets[1:] - offsets[:-1]).max())
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [L, H, D]
     gqa = q.shape[1] != k.shape[1]
     options = _kernel_options(varlen_attn, scaling, q.shape[-1], gqa)

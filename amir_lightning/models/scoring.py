@@ -70,7 +70,9 @@ def _packed_completion_logps(
 ):
     decoder, weight = head
     tokens = attention_mask.bool()  # [n, W] every real token, prompt and completion
-    hidden = _decoder_output(model, decoder, input_ids[tokens][None], None, position_ids[tokens][None])[0]  # [L, H]
+    extra = _sequence_offsets(tokens.sum(-1)) if varlen_attention(model) else {}
+    packed_ids, packed_positions = input_ids[tokens][None], position_ids[tokens][None]
+    hidden = _decoder_output(model, decoder, packed_ids, None, packed_positions, **extra)[0]  # [L, H]
     flat = torch.full(tokens.shape, -1, dtype=torch.long, device=tokens.device)
     flat[tokens] = torch.arange(int(tokens.sum()), device=tokens.device)  # row position -> packed position
     real = tokens[:, -completion_width:]  # [n, T] real completion tokens; each follows a real token
@@ -79,7 +81,18 @@ def _packed_completion_logps(
     return _scatter(real, *chosen_token_logps(hidden[before], weight(), targets, temperature, chunk_size, entropy))
 
 
-def _decoder_output(model, decoder, input_ids, attention_mask, position_ids) -> torch.Tensor:
+def _sequence_offsets(lengths: torch.Tensor) -> dict:
+    """Flash attention's keyword arguments for a packed row of sequences of ``lengths`` tokens.
+
+    Computed once per forward; without them every layer's varlen kernel would derive them from the position ids,
+    a device sync per layer.
+    """
+    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+    longest = int(lengths.max())
+    return {"cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets, "max_length_q": longest, "max_length_k": longest}
+
+
+def _decoder_output(model, decoder, input_ids, attention_mask, position_ids, **kwargs) -> torch.Tensor:
     """The decoder's last hidden states, caught on their way to the LM head, which computes no position."""
     captured = []
     hook = decoder.register_forward_hook(lambda _module, _args, out: captured.append(out[0]))
@@ -90,6 +103,7 @@ def _decoder_output(model, decoder, input_ids, attention_mask, position_ids) -> 
             position_ids=position_ids,
             logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device),
             use_cache=False,
+            **kwargs,
         )
     finally:
         hook.remove()
