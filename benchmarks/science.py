@@ -32,8 +32,12 @@ import numpy as np
 import yaml
 from learning import scalars
 
+from amir_lightning.evaluation.compare import compare, problem_margins, violin_plot
+
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = {"length": ROOT / "configs" / "length_bias.yaml"}
+CONFIGS = {"length": ROOT / "configs" / "length_bias.yaml", "smol": ROOT / "configs" / "science_smol.yaml"}
+#: Tasks whose model is built from a seed (the tiny model); the bundled SmolLM2 starts from its trained weights.
+SEEDED_INIT = {"length"}
 #: Metric, its label, and whether larger is better (for the reader; the tables give signed differences).
 METRICS = {
     "rollout/accuracy": "training accuracy",
@@ -43,6 +47,18 @@ METRICS = {
     "amir/pair_margin": "pair margin (mean log-prob, chosen - rejected)",
     "length/mean": "completion length (tokens)",
 }
+#: Held-out metrics of ``amir test`` (tasks in ``HELD_OUT``), from its per-problem report.
+HELD_OUT_METRICS = {
+    "heldout/pass@1": "held-out pass@1",
+    "heldout/pass@2": "held-out pass@2",
+    "heldout/pass@4": "held-out pass@4",
+    "heldout/solved": "held-out problems solved by at least one of 8 samples (share)",
+    "heldout/margin": "held-out margin, correct - incorrect mean log-prob (problems with both)",
+    "heldout/length_gap": "held-out length gap, incorrect - correct (tokens)",
+}
+METRICS.update(HELD_OUT_METRICS)
+#: Tasks evaluated on held-out problems with ``amir test`` after training.
+HELD_OUT = {"smol"}
 PLOTTED = ["rollout/accuracy", "length/long_incorrect_frac", "amir/pair_margin", "length/gap"]
 FINAL_STEPS = 5
 RESAMPLES = 10_000
@@ -70,27 +86,61 @@ def run_name(task: str, arm: str, aggregation: str, seed: int) -> str:
     return f"{task}_{aggregation}_{arm.replace(' ', '_').replace('=', '')}_seed{seed}"
 
 
+def command(args: list[str], log: Path, what: str) -> float:
+    """Run ``amir`` with ``args`` offline on one thread, its output in ``log``; the seconds it took."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with log.open("w") as sink:
+        cmd = [sys.executable, "-m", "amir_lightning", *args]
+        status = subprocess.run(cmd, env=env, cwd=log.parent, stdout=sink, stderr=subprocess.STDOUT).returncode
+    if status != 0:
+        raise SystemExit(f"{what} failed (exit {status}); its output is in {log}")
+    return time.perf_counter() - start
+
+
+def logger_args(out: Path, name: str) -> list[str]:
+    return [
+        "--trainer.logger.init_args.save_dir",
+        str(out / "runs"),
+        "--trainer.logger.init_args.name",
+        name,
+        "--trainer.logger.init_args.version",
+        "0",
+    ]
+
+
 def run(task: str, arm: str, aggregation: str, seed: int, out: Path) -> dict[str, list[tuple[int, float]]]:
     """One ``amir fit`` (reused when it finished before); its TensorBoard scalars."""
     name = run_name(task, arm, aggregation, seed)
     log_dir = out / "runs" / name / "version_0"
     if not (log_dir / "cost.json").exists():
         shutil.rmtree(log_dir, ignore_errors=True)
-        args = [sys.executable, "-m", "amir_lightning", "fit", "--config", str(CONFIGS[task])]
-        args += ["--seed_everything", str(seed), "--data.seed", str(seed), "--model.policy.init_args.seed", str(seed)]
+        args = ["fit", "--config", str(CONFIGS[task]), "--seed_everything", str(seed), "--data.seed", str(seed)]
+        args += ["--model.policy.init_args.seed", str(seed)] if task in SEEDED_INIT else []
         args += ["--model.loss", json.dumps(arm_loss(arm, aggregation, CONFIGS[task]))]
-        args += ["--trainer.logger.init_args.save_dir", str(out / "runs"), "--trainer.logger.init_args.name", name]
-        args += ["--trainer.logger.init_args.version", "0", "--trainer.check_val_every_n_epoch", "1000"]
-        env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        log = out / "runs" / f"{name}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        start = time.perf_counter()
-        with log.open("w") as sink:
-            status = subprocess.run(args, env=env, cwd=out, stdout=sink, stderr=subprocess.STDOUT).returncode
-        if status != 0:
-            raise SystemExit(f"{name} failed (exit {status}); its output is in {log}")
-        (log_dir / "cost.json").write_text(json.dumps({"wall_s": time.perf_counter() - start}))
+        args += [*logger_args(out, name), "--trainer.check_val_every_n_epoch", "1000"]
+        took = command(args, out / "runs" / f"{name}.log", name)
+        (log_dir / "cost.json").write_text(json.dumps({"wall_s": took}))
     return scalars(log_dir)
+
+
+def held_out(task: str, arm: str, aggregation: str, seed: int, out: Path) -> dict:
+    """``amir test`` of a run's last checkpoint (``arm`` ``base``: the untrained model); its held-out report.
+
+    Every test samples with seed 0, so runs differ only in their weights.
+    """
+    trained = arm != "base"
+    name = (run_name(task, arm, aggregation, seed) if trained else f"{task}_base") + "_test"
+    report = out / "runs" / name / "version_0" / "eval" / "heldout.json"
+    if not report.exists():
+        args = ["test", "--config", str(CONFIGS[task]), "--seed_everything", "0", "--data.seed", "0"]
+        if trained:
+            checkpoint = out / "runs" / run_name(task, arm, aggregation, seed) / "version_0" / "checkpoints"
+            args += ["--model.loss", json.dumps(arm_loss(arm, aggregation, CONFIGS[task]))]
+            args += ["--ckpt_path", str(checkpoint / "last.ckpt")]
+        command([*args, *logger_args(out, name)], out / "runs" / f"{name}.log", name)
+    return json.loads(report.read_text())
 
 
 def final(result: dict[str, list[tuple[int, float]]], key: str) -> float:
@@ -99,6 +149,40 @@ def final(result: dict[str, list[tuple[int, float]]], key: str) -> float:
     values = [v for _, v in sorted(result.get(name, []))]
     values = values if scope == "run" else values[-FINAL_STEPS:]
     return float(np.mean(values)) if values else float("nan")
+
+
+def held_out_metrics(report: dict) -> dict[str, float]:
+    """pass@k, the solved share, the mean margin and the length gap of one held-out report."""
+    problems = report["problems"]
+    margins = problem_margins(report)
+    lengths = {c: [n for p in problems for n, ok in zip(p["lengths"], p["correct"]) if ok == c] for c in (0, 1)}
+    gap = np.mean(lengths[0]) - np.mean(lengths[1]) if lengths[0] and lengths[1] else float("nan")
+    out = {f"heldout/pass@{k}": v for k, v in report["pass@k"].items()}
+    out["heldout/solved"] = float(np.mean([any(p["correct"]) for p in problems]))
+    out["heldout/margin"] = float(np.mean(margins)) if margins else float("nan")
+    out["heldout/length_gap"] = float(gap)
+    return out
+
+
+def coverage_table(reports: dict, arms: list[str], aggregation: str, seeds: int) -> None:
+    """Table 2 by seed: held-out problems solved by GRPO only, the AMIR arm only, both; the paired difference."""
+    rng = np.random.default_rng(1)
+    print(f"\ncoverage of held-out problems ({aggregation}; solved = at least one correct of 8 samples), {seeds} seeds")
+    print("| arm | solved by both | GRPO only | arm only | neither | arm only - GRPO only, per seed [95 % CI] |")
+    print("|---|---|---|---|---|---|")
+    for arm in arms[1:]:
+        counts, diffs = np.zeros(4, int), []
+        for seed in range(seeds):
+            grpo = [any(p["correct"]) for p in reports[aggregation]["GRPO"][seed]["problems"]]
+            other = [any(p["correct"]) for p in reports[aggregation][arm][seed]["problems"]]
+            pairs = list(zip(grpo, other))
+            seed_counts = [sum(g and o for g, o in pairs), sum(g and not o for g, o in pairs)]
+            seed_counts += [sum(o and not g for g, o in pairs), sum(not (g or o) for g, o in pairs)]
+            counts += seed_counts
+            diffs.append(seed_counts[2] - seed_counts[1])
+        low, high = bootstrap(np.array(diffs, float), rng)
+        cells = " | ".join(str(c) for c in counts)
+        print(f"| {arm} | {cells} | {np.mean(diffs):+.1f} [{low:+.1f}, {high:+.1f}] |")
 
 
 def bootstrap(values: np.ndarray, rng: np.random.Generator) -> tuple[float, float]:
@@ -196,6 +280,24 @@ def plot(curves: dict, aggregations: list[str], arms: list[str], path: Path, tit
     plt.close(fig)
 
 
+def print_held_out(base: dict, reports: dict, arms: list[str], args: argparse.Namespace, out: Path) -> None:
+    """The untrained model's held-out figures, coverage, the pooled margin violins and ``amir compare`` per seed."""
+    print("\nuntrained model, held out: " + ", ".join(f"{k} {v:.3f}" for k, v in held_out_metrics(base).items()))
+    for agg in args.aggregations:
+        coverage_table(reports, arms, agg, args.seeds)
+        margins = [problem_margins(base)] + [[m for r in reports[agg][arm] for m in problem_margins(r)] for arm in arms]
+        png = args.img / f"science_{args.task}_margins_{agg}.png"
+        title = f"held-out margins, {args.seeds} seeds pooled ({agg})"
+        violin_plot(png, ["untrained", *arms], margins, title)
+        print(f"margin violins: {png}")
+        for seed in range(args.seeds):  # what `amir compare base GRPO AMIR-GRPO ...` writes, one seed at a time
+            names = [run_name(args.task, arm, agg, seed) + "_test" for arm in arms]
+            runs = [out / "runs" / f"{args.task}_base_test" / "version_0"]
+            runs += [out / "runs" / name / "version_0" for name in names]
+            compare(runs, ["untrained", *arms], out / f"compare_{args.task}_{agg}_seed{seed}")
+        print(f"amir compare, per seed: {out}/compare_{args.task}_{agg}_seed<seed>/compare.md")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("task", choices=sorted(CONFIGS))
@@ -210,13 +312,28 @@ def main() -> None:
     arms = ["GRPO", "AMIR-GRPO", *(f"AMIR-GRPO lambda={lam:g}" for lam in args.fixed_lambda)]
     jobs = [(arm, agg, seed) for agg in args.aggregations for arm in arms for seed in range(args.seeds)]
     start = time.perf_counter()
+    out, tested = args.out.resolve(), args.task in HELD_OUT
+
+    def fit_and_test(job: tuple[str, str, int]) -> tuple[dict, dict | None]:
+        result = run(args.task, *job, out)
+        return result, held_out(args.task, *job, out) if tested else None
+
     with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda job: run(args.task, *job, args.out.resolve()), jobs))
+        base = pool.submit(held_out, args.task, "base", "", 0, out) if tested else None
+        results = list(pool.map(fit_and_test, jobs))
     curves: dict = {agg: {arm: [] for arm in arms} for agg in args.aggregations}
-    for (arm, agg, _), result in zip(jobs, results):
+    reports: dict = {agg: {arm: [] for arm in arms} for agg in args.aggregations}
+    for (arm, agg, _), (result, report) in zip(jobs, results):
         curves[agg][arm].append(result)
+        reports[agg][arm].append(report)
     finals = {
-        agg: {arm: [{k: final(r, k) for k in METRICS} for r in curves[agg][arm]] for arm in arms}
+        agg: {
+            arm: [
+                {**{k: final(r, k) for k in METRICS}, **(held_out_metrics(rep) if rep else {})}
+                for r, rep in zip(curves[agg][arm], reports[agg][arm])
+            ]
+            for arm in arms
+        }
         for agg in args.aggregations
     }
     lam = {}
@@ -235,6 +352,8 @@ def main() -> None:
     print_tables(table, arms, args.aggregations, args.seeds, lam)
     (args.out / f"{args.task}_summary.json").write_text(json.dumps({"table": table, "finals": finals}, indent=1))
     args.img.mkdir(parents=True, exist_ok=True)
+    if tested:
+        print_held_out(base.result(), reports, arms, args, out)
     png = args.img / f"science_{args.task}.png"
     plot(curves, args.aggregations, arms, png, f"{args.task}: every seed (thin) and the mean (thick)")
     print(f"\nplot: {png}")

@@ -49,7 +49,8 @@ def coverage(reports: list[dict]) -> tuple[int, list[tuple[tuple[bool, ...], int
     return len(relevant), rows
 
 
-def _violin(path: Path, labels: list[str], margins: list[list[float]], title: str) -> None:
+def violin_plot(path: Path, labels: list[str], margins: list[list[float]], title: str) -> None:
+    """A violin of per-problem margins per run (runs with under 2 margins left out), written to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -125,7 +126,7 @@ def compare(runs: list[Path], labels: list[str], out: Path) -> Path:
             else:
                 lines.append(f"| {label} | 0 | - | - | - |")
         png = out / f"margins_{name}.png"
-        _violin(png, labels, margins, f"{name}: margin of correct over incorrect samples")
+        violin_plot(png, labels, margins, f"{name}: margin of correct over incorrect samples")
         lines += ["", f"![margins]({png.name})", ""]
     report = out / "compare.md"
     report.write_text("\n".join(lines) + "\n")
