@@ -2,12 +2,20 @@
 
     python benchmarks/science.py length --seeds 20                       # every aggregation, GRPO vs AMIR-GRPO
     python benchmarks/science.py length --seeds 20 --aggregations grpo --fixed-lambda 0.5 2 8 --jobs 2
+    python benchmarks/science.py length --seeds 20 --no-adaptive --sum-lambda 0.2     # the pair term on sums
+    python benchmarks/science.py smol --seeds 5 --aggregations grpo      # SmolLM2, then amir test on held-out sums
 
 ``length``: ``configs/length_bias.yaml``, a tiny Qwen2 where every completion over 4 tokens is wrong (a controlled
-length bias, docs/science.md). Arms: GRPO (``GRPOLoss``), AMIR-GRPO with the config's adaptive lambda, and
-AMIR-GRPO with lambda fixed at each ``--fixed-lambda``; each under every ``--aggregations``. A seed sets the model's
-initialisation, the prompts and the sampling, so the arms of one seed share their first rollout: differences are
-taken by seed (paired).
+length bias, docs/science.md). ``smol``: ``configs/science_smol.yaml``, the bundled SmolLM2 on sums "step by step"
+(about 90 tokens a completion); after each run ``amir test`` samples 8 completions of 48 held-out problems, and the
+script adds held-out pass@k, coverage by seed (the paper's Table 2), pooled margin violins (its Figure 4) and the
+``amir compare`` report of each seed.
+
+Arms: GRPO (``GRPOLoss``), AMIR-GRPO with the config's adaptive lambda (``--no-adaptive`` leaves it out),
+AMIR-GRPO with lambda fixed at each ``--fixed-lambda``, and with lambda fixed at each ``--sum-lambda`` and the pair
+term on summed sequence log-probs (``reduction: sum``); each under every ``--aggregations``. A seed sets the
+model's initialisation (tiny model), the prompts and the sampling, so the arms of one seed share their first
+rollout: differences are taken by seed (paired).
 
 Per run, the final value of a metric is its mean over the last 5 optimisation steps (``@run``: over all
 steps). The tables give, per arm, the mean over seeds with a bootstrap 95 % interval, and against GRPO of the same
@@ -65,7 +73,8 @@ RESAMPLES = 10_000
 
 
 def arm_loss(arm: str, aggregation: str, config: Path) -> dict:
-    """``model.loss`` of an arm: ``GRPO``, ``AMIR-GRPO`` (the config's adaptive lambda) or ``AMIR-GRPO lambda=x``.
+    """``model.loss`` of an arm: ``GRPO``, ``AMIR-GRPO`` (the config's adaptive lambda), ``AMIR-GRPO lambda=x``
+    or ``AMIR-GRPO sum lambda=x`` (summed, not length-normalised, sequence log-probs in the pair term).
 
     The arms keep the config's KL weight ``beta``; the pair term's settings are the config's.
     """
@@ -79,6 +88,8 @@ def arm_loss(arm: str, aggregation: str, config: Path) -> dict:
     init = dict(given, aggregation=aggregation)
     if "=" in arm:
         init.update(lambda_=float(arm.split("=", 1)[1]), lambda_schedule="fixed")
+    if " sum " in arm:  # the pair term on summed sequence log-probs (the first official commit's form)
+        init.update(reduction="sum")
     return {"class_path": "amir_lightning.objectives.AmirGRPOLoss", "init_args": init}
 
 
@@ -226,7 +237,10 @@ def summarise(finals: dict, arms: list[str], aggregations: list[str], seeds: int
 
 def print_tables(table: dict, arms: list[str], aggregations: list[str], seeds: int, lam: dict) -> None:
     for key, label in METRICS.items():
+        if not any(table.get(f"{agg}|{arm}|{key}", {}).get("n") for agg in aggregations for arm in arms):
+            continue
         scope = "mean over all steps" if key.endswith("@run") else f"final: mean of the last {FINAL_STEPS} steps"
+        scope = "after training" if key in HELD_OUT_METRICS else scope
         print(f"\n{label} (`{key}`), {scope}, {seeds} seeds")
         print("| aggregation | arm | mean [95 % CI] | vs GRPO, paired [95 % CI] | d_z | detectable |")
         print("|---|---|---|---|---|---|")
@@ -304,12 +318,21 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--aggregations", nargs="+", default=["grpo", "dapo", "dr_grpo"])
     parser.add_argument("--fixed-lambda", type=float, nargs="*", default=[], help="AMIR-GRPO arms at fixed lambda")
+    parser.add_argument(
+        "--sum-lambda", type=float, nargs="*", default=[], help="AMIR-GRPO arms at fixed lambda, pair term on sums"
+    )
+    parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True, help="the adaptive arm")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (each on one thread)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/science"))
     parser.add_argument("--img", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    arms = ["GRPO", "AMIR-GRPO", *(f"AMIR-GRPO lambda={lam:g}" for lam in args.fixed_lambda)]
+    arms = [
+        "GRPO",
+        *(["AMIR-GRPO"] if args.adaptive else []),
+        *(f"AMIR-GRPO lambda={lam:g}" for lam in args.fixed_lambda),
+    ]
+    arms += [f"AMIR-GRPO sum lambda={lam:g}" for lam in args.sum_lambda]
     jobs = [(arm, agg, seed) for agg in args.aggregations for arm in arms for seed in range(args.seeds)]
     start = time.perf_counter()
     out, tested = args.out.resolve(), args.task in HELD_OUT
