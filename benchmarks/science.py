@@ -19,7 +19,8 @@ rollout: differences are taken by seed (paired).
 
 Per run, the final value of a metric is its mean over the last 5 optimisation steps (``@run``: over all
 steps). The tables give, per arm, the mean over seeds with a bootstrap 95 % interval, and against GRPO of the same
-aggregation the paired difference (mean, bootstrap 95 % interval), its effect size ``d_z`` (mean difference / its
+aggregation the paired difference (mean, bootstrap 95 % interval), the two-sided p of the sign-flip permutation
+test (exact up to 16 seeds; never below 2 / 2^n), its effect size ``d_z`` (mean difference / its
 standard deviation) and the smallest difference the seeds could detect (two-sided 5 %, power 80 %:
 ``2.80 sd / sqrt(n)``). Plots of every seed's curves go to ``--img``.
 """
@@ -204,14 +205,31 @@ def bootstrap(values: np.ndarray, rng: np.random.Generator) -> tuple[float, floa
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
+def sign_flip_p(diff: np.ndarray, rng: np.random.Generator) -> float:
+    """Two-sided p of the paired sign-flip (permutation) test of mean difference 0.
+
+    Under the null each seed's difference is as likely negative as positive; the p is the share of sign patterns
+    whose |mean| reaches the observed one. Exact for up to 16 seeds, else 200,000 random patterns. With n seeds it
+    cannot go below 2 / 2^n (0.0625 for 5 seeds): bootstrap percentile intervals are too narrow at such n.
+    """
+    n = len(diff)
+    if n <= 16:
+        signs = ((np.arange(2**n)[:, None] >> np.arange(n)) & 1) * 2 - 1
+    else:
+        signs = rng.choice(np.array([-1, 1]), size=(200_000, n))
+    means = np.abs((signs * diff).mean(1))
+    return float(np.mean(means >= abs(diff.mean()) * (1 - 1e-9)))
+
+
 def paired(diff: np.ndarray, rng: np.random.Generator) -> dict[str, float]:
-    """Mean paired difference, its bootstrap interval, d_z and the smallest detectable difference."""
+    """Mean paired difference, its bootstrap interval, sign-flip p, d_z and the smallest detectable difference."""
     low, high = bootstrap(diff, rng)
     sd = float(diff.std(ddof=1)) if len(diff) > 1 else float("nan")
     return {
         "mean": float(diff.mean()),
         "low": low,
         "high": high,
+        "p": sign_flip_p(diff, rng),
         "d_z": float(diff.mean() / sd) if sd > 0 else float("nan"),
         "detectable": 2.80 * sd / np.sqrt(len(diff)),
     }
@@ -242,8 +260,8 @@ def print_tables(table: dict, arms: list[str], aggregations: list[str], seeds: i
         scope = "mean over all steps" if key.endswith("@run") else f"final: mean of the last {FINAL_STEPS} steps"
         scope = "after training" if key in HELD_OUT_METRICS else scope
         print(f"\n{label} (`{key}`), {scope}, {seeds} seeds")
-        print("| aggregation | arm | mean [95 % CI] | vs GRPO, paired [95 % CI] | d_z | detectable |")
-        print("|---|---|---|---|---|---|")
+        print("| aggregation | arm | mean [95 % CI] | vs GRPO, paired [95 % CI] | p (sign-flip) | d_z | detectable |")
+        print("|---|---|---|---|---|---|---|")
         for aggregation in aggregations:
             for arm in arms:
                 e = table.get(f"{aggregation}|{arm}|{key}")
@@ -253,9 +271,9 @@ def print_tables(table: dict, arms: list[str], aggregations: list[str], seeds: i
                 v = e.get("vs_grpo")
                 if v:
                     interval = f"[{v['low']:+.3f}, {v['high']:+.3f}]"
-                    row += f" {v['mean']:+.3f} {interval} | {v['d_z']:+.2f} | {v['detectable']:.3f} |"
+                    row += f" {v['mean']:+.3f} {interval} | {v['p']:.3f} | {v['d_z']:+.2f} | {v['detectable']:.3f} |"
                 else:
-                    row += " - | - | - |"
+                    row += " - | - | - | - |"
                 print(row)
     print("\npair push-down per token / GRPO's (`length/pair_to_pg`, mean over the run) and lambda (`amir/lambda`)")
     print("| aggregation | arm | pair_to_pg | lambda |")
