@@ -32,6 +32,7 @@ CANDIDATES = {
     "sum 0-12, step by step": ("What is {expression}? Think step by step.", 2, 12, 160),
     "sum 0-9, step by step": ("What is {expression}? Think step by step.", 2, 9, 160),
     "3 digits, free answer": ("What is {expression}?", 3, 9, 128),
+    "3 digits, step by step": ("What is {expression}? Think step by step.", 3, 9, 192),
 }
 
 
