@@ -360,6 +360,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (each on one thread)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/science"))
     parser.add_argument("--img", type=Path, default=Path("docs/img"))
+    parser.add_argument("--tag", default="", help="suffix of the summary and plot names (science_<task><tag>.png)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     arms = [
@@ -408,11 +409,12 @@ def main() -> None:
     took = time.perf_counter() - start
     print(f"task {args.task} ({CONFIGS[args.task].relative_to(ROOT)}), {len(jobs)} runs, {took:.0f} s")
     print_tables(table, arms, args.aggregations, args.seeds, lam)
-    (args.out / f"{args.task}_summary.json").write_text(json.dumps({"table": table, "finals": finals}, indent=1))
+    summary = args.out / f"{args.task}{args.tag}_summary.json"
+    summary.write_text(json.dumps({"table": table, "finals": finals}, indent=1))
     args.img.mkdir(parents=True, exist_ok=True)
     if tested:
         print_held_out(base.result(), reports, arms, args, out)
-    png = args.img / f"science_{args.task}.png"
+    png = args.img / f"science_{args.task}{args.tag}.png"
     plot(curves, args.aggregations, arms, png, f"{args.task}: every seed (thin) and the mean (thick)")
     print(f"\nplot: {png}")
 
