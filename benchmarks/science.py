@@ -6,7 +6,8 @@
     python benchmarks/science.py smol --seeds 5 --aggregations grpo      # SmolLM2, then amir test on held-out sums
 
 ``length``: ``configs/length_bias.yaml``, a tiny Qwen2 where every completion over 4 tokens is wrong (a controlled
-length bias, docs/science.md). ``smol``: ``configs/science_smol.yaml``, the bundled SmolLM2 on sums "step by step"
+length bias, docs/science.md); ``length_long`` reverses it (every completion of at most 4 tokens is wrong).
+``smol``: ``configs/science_smol.yaml``, the bundled SmolLM2 on sums "step by step"
 (about 90 tokens a completion); after each run ``amir test`` samples 8 completions of 48 held-out problems, and the
 script adds held-out pass@k, coverage by seed (the paper's Table 2), pooled margin violins (its Figure 4) and the
 ``amir compare`` report of each seed.
@@ -45,9 +46,18 @@ from learning import scalars
 from amir_lightning.evaluation.compare import compare, problem_margins, violin_plot
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = {"length": ROOT / "configs" / "length_bias.yaml", "smol": ROOT / "configs" / "science_smol.yaml"}
+CONFIGS = {
+    "length": ROOT / "configs" / "length_bias.yaml",
+    "length_long": ROOT / "configs" / "length_bias.yaml",
+    "smol": ROOT / "configs" / "science_smol.yaml",
+}
+#: Arguments a task adds to its config's: ``length_long`` is the reverse setting, a right answer counts only in a
+#: completion over 4 tokens.
+REVERSED = {"class_path": "amir_lightning.rewards.LengthControlledAnswerReward"}
+REVERSED["init_args"] = {"threshold_tokens": 4, "correct_when": "long"}
+TASK_ARGS = {"length_long": ["--data.rewards", json.dumps([REVERSED])]}
 #: Tasks whose model is built from a seed (the tiny model); the bundled SmolLM2 starts from its trained weights.
-SEEDED_INIT = {"length"}
+SEEDED_INIT = {"length", "length_long"}
 #: Metric, its label, and whether larger is better (for the reader; the tables give signed differences).
 METRICS = {
     "rollout/accuracy": "training accuracy",
@@ -131,6 +141,7 @@ def run(task: str, arm: str, aggregation: str, seed: int, out: Path) -> dict[str
         shutil.rmtree(log_dir, ignore_errors=True)
         args = ["fit", "--config", str(CONFIGS[task]), "--seed_everything", str(seed), "--data.seed", str(seed)]
         args += ["--model.policy.init_args.seed", str(seed)] if task in SEEDED_INIT else []
+        args += TASK_ARGS.get(task, [])
         args += ["--model.loss", json.dumps(arm_loss(arm, aggregation, CONFIGS[task]))]
         args += [*logger_args(out, name), "--trainer.check_val_every_n_epoch", "1000"]
         took = command(args, out / "runs" / f"{name}.log", name)
