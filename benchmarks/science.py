@@ -58,7 +58,7 @@ REVERSED["init_args"] = {"threshold_tokens": 4, "correct_when": "long"}
 TASK_ARGS = {"length_long": ["--data.rewards", json.dumps([REVERSED])]}
 #: Tasks whose model is built from a seed (the tiny model); the bundled SmolLM2 starts from its trained weights.
 SEEDED_INIT = {"length", "length_long"}
-#: Metric, its label, and whether larger is better (for the reader; the tables give signed differences).
+#: Metric and its label (the tables give signed differences: read the label for which way is better).
 METRICS = {
     "rollout/accuracy": "training accuracy",
     "length/long_incorrect_frac": "long wrong completions (share)",
@@ -346,7 +346,7 @@ def print_held_out(base: dict, reports: dict, arms: list[str], args: argparse.Na
     for agg in args.aggregations:
         coverage_table(reports, arms, agg, args.seeds)
         margins = [problem_margins(base)] + [[m for r in reports[agg][arm] for m in problem_margins(r)] for arm in arms]
-        png = args.img / f"science_{args.task}_margins_{agg}.png"
+        png = args.img / f"science_{args.task}{args.tag}_margins_{agg}.png"
         title = f"held-out margins, {args.seeds} seeds pooled ({agg})"
         violin_plot(png, ["untrained", *arms], margins, title)
         print(f"margin violins: {png}")
