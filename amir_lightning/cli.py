@@ -12,9 +12,11 @@ import logging
 import os
 import re
 import sys
+import warnings
 
 from jsonargparse import lazy_instance
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -193,6 +195,9 @@ def main(args: ArgsType = None) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: fast start, no disk sync
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # The module's logged values are reduced over processes already (torchmetrics, or sync_dist). Lightning still
+    # asks for sync_dist on one device whenever torch.distributed is up, as the in-process vLLM engine makes it.
+    warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\(", category=PossibleUserWarning)
     try:
         check_config_files(argv or [])
         AmirCLI(
