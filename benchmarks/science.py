@@ -191,7 +191,7 @@ def held_out_metrics(report: dict) -> dict[str, float]:
 def coverage_table(reports: dict, arms: list[str], aggregation: str, seeds: int) -> None:
     """Table 2 by seed: held-out problems solved by GRPO only, the AMIR arm only, both; the paired difference."""
     rng = np.random.default_rng(1)
-    print(f"\ncoverage of held-out problems ({aggregation}; solved = at least one correct of 8 samples), {seeds} seeds")
+    print(f"\ncoverage of held-out problems ({aggregation}; solved = one of 8 samples correct), {seeds} seeds\n")
     print("| arm | solved by both | GRPO only | arm only | neither | arm only - GRPO only, per seed [95 % CI] |")
     print("|---|---|---|---|---|---|")
     for arm in arms[1:]:
@@ -287,7 +287,7 @@ def print_tables(table: dict, arms: list[str], aggregations: list[str], seeds: i
             continue
         scope = "mean over all steps" if key.endswith("@run") else f"final: mean of the last {FINAL_STEPS} steps"
         scope = "after training" if key in HELD_OUT_METRICS else scope
-        print(f"\n{label} (`{key}`), {scope}, {seeds} seeds")
+        print(f"\n{label} (`{key}`), {scope}, {seeds} seeds\n")
         print("| aggregation | arm | mean [95 % CI] | vs GRPO, paired [95 % CI] | p (sign-flip) | d_z | detectable |")
         print("|---|---|---|---|---|---|---|")
         for aggregation in aggregations:
@@ -303,7 +303,7 @@ def print_tables(table: dict, arms: list[str], aggregations: list[str], seeds: i
                 else:
                     row += " - | - | - | - |"
                 print(row)
-    print("\npair push-down per token / GRPO's (`length/pair_to_pg`, mean over the run) and lambda (`amir/lambda`)")
+    print("\npair push-down per token / GRPO's (`length/pair_to_pg`, mean over the run) and lambda (`amir/lambda`)\n")
     print("| aggregation | arm | pair_to_pg | lambda |")
     print("|---|---|---|---|")
     for (aggregation, arm), (ratio, weight) in lam.items():
