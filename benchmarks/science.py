@@ -15,8 +15,9 @@ script adds held-out pass@k, coverage by seed (the paper's Table 2), pooled marg
 Arms: GRPO (``GRPOLoss``), AMIR-GRPO with the config's adaptive lambda (``--no-adaptive`` leaves it out),
 AMIR-GRPO with lambda fixed at each ``--fixed-lambda``, and with lambda fixed at each ``--sum-lambda`` and the pair
 term on summed sequence log-probs (``reduction: sum``); each under every ``--aggregations``. A seed sets the
-model's initialisation (tiny model), the prompts and the sampling, so the arms of one seed share their first
-rollout: differences are taken by seed (paired).
+model's initialisation (tiny model) and the sampling, so the arms of one seed share their first rollout:
+differences are taken by seed (paired). The prompt sequence is the same for every seed (``ArithmeticPrompts`` draws
+from its own ``seed``, which this script does not vary).
 
 Per run, the final value of a metric is its mean over the last 5 optimisation steps (``@run``: over all
 steps). The tables give, per arm, the mean over seeds with a bootstrap 95 % interval, and against GRPO of the same
@@ -61,6 +62,7 @@ SEEDED_INIT = {"length", "length_long"}
 #: Metric and its label (the tables give signed differences: read the label for which way is better).
 METRICS = {
     "rollout/accuracy": "training accuracy",
+    "rollout/accuracy@run": "training accuracy, mean over the whole run",
     "length/long_incorrect_frac": "long wrong completions (share)",
     "length/long_incorrect_frac@run": "long wrong completions (share), mean over the whole run",
     "length/gap": "length gap, wrong - correct (tokens)",
