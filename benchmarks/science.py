@@ -17,7 +17,7 @@ AMIR-GRPO with lambda fixed at each ``--fixed-lambda``, and with lambda fixed at
 term on summed sequence log-probs (``reduction: sum``); each under every ``--aggregations``. A seed sets the
 model's initialisation (tiny model) and the sampling, so the arms of one seed share their first rollout:
 differences are taken by seed (paired). The prompt sequence is the same for every seed (``ArithmeticPrompts`` draws
-from its own ``seed``, which this script does not vary).
+from its own ``seed``) unless ``--prompt-seeds`` sets that too.
 
 Per run, the final value of a metric is its mean over the last 5 optimisation steps (``@run``: over all
 steps). The tables give, per arm, the mean over seeds with a bootstrap 95 % interval, and against GRPO of the same
@@ -107,8 +107,13 @@ def arm_loss(arm: str, aggregation: str, config: Path) -> dict:
     return {"class_path": "amir_lightning.objectives.AmirGRPOLoss", "init_args": init}
 
 
+#: ``--prompt-seeds``: the seed also sets the prompts' draw (``data.prompts.init_args.seed``); such runs end in _ps.
+PROMPT_SEEDS = {"on": False}
+
+
 def run_name(task: str, arm: str, aggregation: str, seed: int) -> str:
-    return f"{task}_{aggregation}_{arm.replace(' ', '_').replace('=', '')}_seed{seed}"
+    suffix = "_ps" if PROMPT_SEEDS["on"] else ""
+    return f"{task}_{aggregation}_{arm.replace(' ', '_').replace('=', '')}_seed{seed}{suffix}"
 
 
 def command(args: list[str], log: Path, what: str) -> float:
@@ -144,6 +149,7 @@ def run(task: str, arm: str, aggregation: str, seed: int, out: Path) -> dict[str
         args = ["fit", "--config", str(CONFIGS[task]), "--seed_everything", str(seed), "--data.seed", str(seed)]
         args += ["--model.policy.init_args.seed", str(seed)] if task in SEEDED_INIT else []
         args += TASK_ARGS.get(task, [])
+        args += ["--data.prompts.init_args.seed", str(seed)] if PROMPT_SEEDS["on"] else []
         args += ["--model.loss", json.dumps(arm_loss(arm, aggregation, CONFIGS[task]))]
         args += [*logger_args(out, name), "--trainer.check_val_every_n_epoch", "1000"]
         took = command(args, out / "runs" / f"{name}.log", name)
@@ -370,12 +376,16 @@ def main() -> None:
         "--sum-lambda", type=float, nargs="*", default=[], help="AMIR-GRPO arms at fixed lambda, pair term on sums"
     )
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True, help="the adaptive arm")
+    parser.add_argument(
+        "--prompt-seeds", action="store_true", help="the seed also sets the prompt draw (default: one draw for all)"
+    )
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (each on one thread)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/science"))
     parser.add_argument("--img", type=Path, default=Path("docs/img"))
     parser.add_argument("--tag", default="", help="suffix of the summary and plot names (science_<task><tag>.png)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    PROMPT_SEEDS["on"] = args.prompt_seeds
     arms = [
         "GRPO",
         *(["AMIR-GRPO"] if args.adaptive else []),
