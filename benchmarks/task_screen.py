@@ -6,7 +6,8 @@ GRPO learns only from groups whose rewards differ. For each candidate task (temp
 samples ``--prompts`` training prompts x ``--samples`` completions from the untrained model with vLLM at the
 training temperature (0.7), grades them with ``MathAnswerReward`` (last number, or ``\\boxed{}``), and prints:
 accuracy, mean completion length (all, correct, wrong), the share cut at the length limit, and the share of groups
-with reward variance. docs/science.md (experiment 2) picks the longest task where at least half the groups vary.
+with reward variance. The rule is to take the longest task where at least half the groups vary (docs/science.md,
+experiment 2).
 """
 
 from __future__ import annotations
