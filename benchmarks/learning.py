@@ -40,6 +40,18 @@ def scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
+def logger_args(out: Path, name: str) -> list[str]:
+    """Arguments that put a run's logs in ``<out>/runs/<name>/version_0``."""
+    return [
+        "--trainer.logger.init_args.save_dir",
+        str(out / "runs"),
+        "--trainer.logger.init_args.name",
+        name,
+        "--trainer.logger.init_args.version",
+        "0",
+    ]
+
+
 def run(task: str, method: str, seed: int, out: Path) -> dict[str, list[tuple[int, float]]]:
     config = ROOT / "configs" / f"{task}{'_grpo' if method == 'GRPO' else ''}.yaml"
     name = f"{task}_{method.replace(' ', '_')}_seed{seed}"
@@ -57,12 +69,7 @@ def run(task: str, method: str, seed: int, out: Path) -> dict[str, list[tuple[in
             str(seed),
             "--data.seed",
             str(seed),
-            "--trainer.logger.init_args.save_dir",
-            str(out / "runs"),
-            "--trainer.logger.init_args.name",
-            name,
-            "--trainer.logger.init_args.version",
-            "0",
+            *logger_args(out, name),
         ]
         args += ["--validate_before_fit", "true", "--trainer.check_val_every_n_epoch", str(VAL_EVERY[task])]
         if task == "tiny":

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
-from learning import scalars
+from learning import logger_args, scalars
 
 from amir_lightning.evaluation.compare import compare, problem_margins, violin_plot
 
@@ -127,17 +127,6 @@ def command(args: list[str], log: Path, what: str) -> float:
     if status != 0:
         raise SystemExit(f"{what} failed (exit {status}); its output is in {log}")
     return time.perf_counter() - start
-
-
-def logger_args(out: Path, name: str) -> list[str]:
-    return [
-        "--trainer.logger.init_args.save_dir",
-        str(out / "runs"),
-        "--trainer.logger.init_args.name",
-        name,
-        "--trainer.logger.init_args.version",
-        "0",
-    ]
 
 
 def run(task: str, arm: str, aggregation: str, seed: int, out: Path) -> dict[str, list[tuple[int, float]]]:
