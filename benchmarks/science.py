@@ -4,13 +4,15 @@
     python benchmarks/science.py length --seeds 20 --aggregations grpo --fixed-lambda 0.5 2 8 --jobs 2
     python benchmarks/science.py length --seeds 20 --no-adaptive --sum-lambda 0.2     # the pair term on sums
     python benchmarks/science.py smol --seeds 5 --aggregations grpo      # SmolLM2, then amir test on held-out sums
+    python benchmarks/science.py smol3 --seeds 5 --aggregations grpo --prompt-seeds   # three-term sums
 
 ``length``: ``configs/length_bias.yaml``, a tiny Qwen2 where every completion over 4 tokens is wrong (a controlled
 length bias, docs/science.md); ``length_long`` reverses it (every completion of at most 4 tokens is wrong).
 ``smol``: ``configs/science_smol.yaml``, the bundled SmolLM2 on sums "step by step"
 (about 90 tokens a completion); after each run ``amir test`` samples 8 completions of 48 held-out problems, and the
 script adds held-out pass@k, coverage by seed (the paper's Table 2), pooled margin violins (its Figure 4) and the
-``amir compare`` report of each seed.
+``amir compare`` report of each seed. ``smol3``: ``configs/science_smol3.yaml``, the same on three-term sums of 0-9
+"step by step" (about 115 tokens a completion).
 
 Arms: GRPO (``GRPOLoss``), AMIR-GRPO with the config's adaptive lambda (``--no-adaptive`` leaves it out),
 AMIR-GRPO with lambda fixed at each ``--fixed-lambda``, and with lambda fixed at each ``--sum-lambda`` and the pair
@@ -51,6 +53,7 @@ CONFIGS = {
     "length": ROOT / "configs" / "length_bias.yaml",
     "length_long": ROOT / "configs" / "length_bias.yaml",
     "smol": ROOT / "configs" / "science_smol.yaml",
+    "smol3": ROOT / "configs" / "science_smol3.yaml",
 }
 #: Arguments a task adds to its config's: ``length_long`` is the reverse setting, a right answer counts only in a
 #: completion over 4 tokens.
@@ -80,7 +83,7 @@ HELD_OUT_METRICS = {
 }
 METRICS.update(HELD_OUT_METRICS)
 #: Tasks evaluated on held-out problems with ``amir test`` after training.
-HELD_OUT = {"smol"}
+HELD_OUT = {"smol", "smol3"}
 PLOTTED = ["rollout/accuracy", "length/long_incorrect_frac", "amir/pair_margin", "length/gap"]
 FINAL_STEPS = 5
 RESAMPLES = 10_000
