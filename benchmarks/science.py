@@ -18,8 +18,9 @@ Arms: GRPO (``GRPOLoss``), AMIR-GRPO with the config's adaptive lambda (``--no-a
 AMIR-GRPO with lambda fixed at each ``--fixed-lambda``, and with lambda fixed at each ``--sum-lambda`` and the pair
 term on summed sequence log-probs (``reduction: sum``); each under every ``--aggregations``. A seed sets the
 model's initialisation (tiny model) and the sampling, so the arms of one seed share their first rollout:
-differences are taken by seed (paired). The prompt sequence is the same for every seed (``ArithmeticPrompts`` draws
-from its own ``seed``) unless ``--prompt-seeds`` sets that too.
+differences are taken by seed (paired). The prompt sequence is the same for every seed (the runs pass
+``--data.shuffle false``, and ``ArithmeticPrompts`` draws from its own ``seed``) unless ``--prompt-seeds`` sets
+that seed too.
 
 Per run, the final value of a metric is its mean over the last 5 optimisation steps (``@run``: over all
 steps). The tables give, per arm, the mean over seeds with a bootstrap 95 % interval, and against GRPO of the same
@@ -141,6 +142,8 @@ def run(task: str, arm: str, aggregation: str, seed: int, out: Path) -> dict[str
         args = ["fit", "--config", str(CONFIGS[task]), "--seed_everything", str(seed), "--data.seed", str(seed)]
         args += ["--model.policy.init_args.seed", str(seed)] if task in SEEDED_INIT else []
         args += TASK_ARGS.get(task, [])
+        # one prompt sequence for every seed, or (--prompt-seeds) one drawn by the source's own seed
+        args += ["--data.shuffle", "false"]
         args += ["--data.prompts.init_args.seed", str(seed)] if PROMPT_SEEDS["on"] else []
         args += ["--model.loss", json.dumps(arm_loss(arm, aggregation, CONFIGS[task]))]
         args += [*logger_args(out, name), "--trainer.check_val_every_n_epoch", "1000"]
@@ -350,7 +353,9 @@ def print_held_out(base: dict, reports: dict, arms: list[str], args: argparse.Na
         title = f"held-out margins, {args.seeds} seeds pooled ({agg})"
         violin_plot(png, ["untrained", *arms], margins, title)
         print(f"margin violins: {png}")
-        for seed in range(args.seeds):  # what `amir compare base GRPO AMIR-GRPO ...` writes, one seed at a time
+        for seed in range(
+            args.first_seed, args.first_seed + args.seeds
+        ):  # what `amir compare base GRPO AMIR-GRPO ...` writes, one seed at a time
             names = [run_name(args.task, arm, agg, seed) + "_test" for arm in arms]
             runs = [out / "runs" / f"{args.task}_base_test" / "version_0"]
             runs += [out / "runs" / name / "version_0" for name in names]
@@ -362,6 +367,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("task", choices=sorted(CONFIGS))
     parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
     parser.add_argument("--aggregations", nargs="+", default=["grpo", "dapo", "dr_grpo"])
     parser.add_argument("--fixed-lambda", type=float, nargs="*", default=[], help="AMIR-GRPO arms at fixed lambda")
     parser.add_argument(
@@ -384,7 +390,12 @@ def main() -> None:
         *(f"AMIR-GRPO lambda={lam:g}" for lam in args.fixed_lambda),
     ]
     arms += [f"AMIR-GRPO sum lambda={lam:g}" for lam in args.sum_lambda]
-    jobs = [(arm, agg, seed) for agg in args.aggregations for arm in arms for seed in range(args.seeds)]
+    jobs = [
+        (arm, agg, seed)
+        for agg in args.aggregations
+        for arm in arms
+        for seed in range(args.first_seed, args.first_seed + args.seeds)
+    ]
     start = time.perf_counter()
     out, tested = args.out.resolve(), args.task in HELD_OUT
 
