@@ -4,7 +4,8 @@
     python benchmarks/learning.py --task demo --seeds 3      # bundled SmolLM2, easy arithmetic (~10 min a run)
 
 Each run is ``amir fit --config configs/<task>[_grpo].yaml`` with ``--seed_everything`` and ``--data.seed`` set to
-the seed (and the tiny model's init seed); the twins differ only in the objective. The script prints the settings
+the seed (and the tiny model's init seed), and ``--data.shuffle false``, so every seed trains on the same prompt
+sequence; the twins differ only in the objective. The script prints the settings
 (lambda, beta, margin), a table of final reward and held-out accuracy (mean and range over seeds), the first step at
 which each method reaches GRPO's final mean accuracy, and writes ``<out>/learning_<task>.png``: rollout reward,
 held-out accuracy, pair margin and the length gap of incorrect minus correct completions, mean with min-max band.
@@ -69,6 +70,9 @@ def run(task: str, method: str, seed: int, out: Path) -> dict[str, list[tuple[in
             str(seed),
             "--data.seed",
             str(seed),
+            # every seed trains on the same prompt sequence, as in the tables of docs/benchmarks.md
+            "--data.shuffle",
+            "false",
             *logger_args(out, name),
         ]
         args += ["--validate_before_fit", "true", "--trainer.check_val_every_n_epoch", str(VAL_EVERY[task])]

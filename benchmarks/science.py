@@ -18,8 +18,9 @@ Arms: GRPO (``GRPOLoss``), AMIR-GRPO with the config's adaptive lambda (``--no-a
 AMIR-GRPO with lambda fixed at each ``--fixed-lambda``, and with lambda fixed at each ``--sum-lambda`` and the pair
 term on summed sequence log-probs (``reduction: sum``); each under every ``--aggregations``. A seed sets the
 model's initialisation (tiny model) and the sampling, so the arms of one seed share their first rollout:
-differences are taken by seed (paired). The prompt sequence is the same for every seed (``ArithmeticPrompts`` draws
-from its own ``seed``) unless ``--prompt-seeds`` sets that too.
+differences are taken by seed (paired). The prompt sequence is the same for every seed (the runs pass
+``--data.shuffle false``, and ``ArithmeticPrompts`` draws from its own ``seed``) unless ``--prompt-seeds`` sets
+that seed too.
 
 Per run, the final value of a metric is its mean over the last 5 optimisation steps (``@run``: over all
 steps). The tables give, per arm, the mean over seeds with a bootstrap 95 % interval, and against GRPO of the same
@@ -141,6 +142,8 @@ def run(task: str, arm: str, aggregation: str, seed: int, out: Path) -> dict[str
         args = ["fit", "--config", str(CONFIGS[task]), "--seed_everything", str(seed), "--data.seed", str(seed)]
         args += ["--model.policy.init_args.seed", str(seed)] if task in SEEDED_INIT else []
         args += TASK_ARGS.get(task, [])
+        # one prompt sequence for every seed, or (--prompt-seeds) one drawn by the source's own seed
+        args += ["--data.shuffle", "false"]
         args += ["--data.prompts.init_args.seed", str(seed)] if PROMPT_SEEDS["on"] else []
         args += ["--model.loss", json.dumps(arm_loss(arm, aggregation, CONFIGS[task]))]
         args += [*logger_args(out, name), "--trainer.check_val_every_n_epoch", "1000"]
