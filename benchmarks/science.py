@@ -353,7 +353,9 @@ def print_held_out(base: dict, reports: dict, arms: list[str], args: argparse.Na
         title = f"held-out margins, {args.seeds} seeds pooled ({agg})"
         violin_plot(png, ["untrained", *arms], margins, title)
         print(f"margin violins: {png}")
-        for seed in range(args.seeds):  # what `amir compare base GRPO AMIR-GRPO ...` writes, one seed at a time
+        for seed in range(
+            args.first_seed, args.first_seed + args.seeds
+        ):  # what `amir compare base GRPO AMIR-GRPO ...` writes, one seed at a time
             names = [run_name(args.task, arm, agg, seed) + "_test" for arm in arms]
             runs = [out / "runs" / f"{args.task}_base_test" / "version_0"]
             runs += [out / "runs" / name / "version_0" for name in names]
@@ -365,6 +367,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("task", choices=sorted(CONFIGS))
     parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
     parser.add_argument("--aggregations", nargs="+", default=["grpo", "dapo", "dr_grpo"])
     parser.add_argument("--fixed-lambda", type=float, nargs="*", default=[], help="AMIR-GRPO arms at fixed lambda")
     parser.add_argument(
@@ -387,7 +390,12 @@ def main() -> None:
         *(f"AMIR-GRPO lambda={lam:g}" for lam in args.fixed_lambda),
     ]
     arms += [f"AMIR-GRPO sum lambda={lam:g}" for lam in args.sum_lambda]
-    jobs = [(arm, agg, seed) for agg in args.aggregations for arm in arms for seed in range(args.seeds)]
+    jobs = [
+        (arm, agg, seed)
+        for agg in args.aggregations
+        for arm in arms
+        for seed in range(args.first_seed, args.first_seed + args.seeds)
+    ]
     start = time.perf_counter()
     out, tested = args.out.resolve(), args.task in HELD_OUT
 
