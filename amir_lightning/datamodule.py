@@ -48,13 +48,14 @@ class RolloutDataModule(LightningDataModule):
         rollout: Group size, prompts per rollout, micro-batches, steps and passes per rollout, advantage scaling.
         sampling: Sampling settings for training rollouts.
         system_prompt: System message prepended to every prompt (e.g. ``THINK_ANSWER_SYSTEM_PROMPT``).
-        shuffle: Shuffle a finite prompt source once per pass over it.
+        shuffle: Shuffle a finite prompt source once per pass over it; start a random one (``is_random``, e.g.
+            ``ArithmeticPrompts``) at a seed-dependent index. Off: every seed trains on the same prompt sequence.
         max_prompt_tokens: Longest allowed prompt after the chat template.
         sync: How the weight sync is verified (a fixed tolerance, or how to measure it: ``rollout/sync.py``).
         val_prompts: Held-out prompts for ``validate`` and validation during ``fit``.
         benchmarks: Benchmarks for ``amir test`` (``BenchmarkPrompts``); default: the held-out prompts.
         evaluation: Sizes, samples, sampling and pass@k of validation and ``amir test``.
-        seed: Seed of prompt shuffling and the engine.
+        seed: Seed of the prompt order (with ``shuffle``) and of the engine.
     """
 
     def __init__(

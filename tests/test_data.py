@@ -13,6 +13,7 @@ from amir_lightning.data import (
     ReasoningGymPrompts,
     render_prompt,
 )
+from amir_lightning.data.stream import PromptStream
 from amir_lightning.models import build_char_tokenizer
 from amir_lightning.rewards.grading import grade_answer, reference_answer
 
@@ -73,6 +74,24 @@ def test_arithmetic_splits_are_disjoint_and_answers_right():
         p = mixed[i]
         assert int(p.answer) == eval(p.meta["expression"])  # noqa: S307 (test oracle on digits and + - *)
         assert p.question == f"What is {p.meta['expression']}?"
+
+
+def test_the_seed_sets_which_prompts_a_random_source_serves_unless_shuffle_is_off():
+    """``data.seed`` reaches a generator's draw: seeds train on different prompts; seed 0 and ``shuffle: false``
+    serve the source from index 0; a stream put back at a position continues with the same prompts."""
+    source = ArithmeticPrompts(num_terms=3, max_value=99)
+
+    def questions(seed, shuffle=True, start=0, count=12):
+        stream = PromptStream(source, shuffle=shuffle, seed=seed)
+        stream.position = start
+        return [p.question for p in stream.take(count)]
+
+    from_start = [source[i].question for i in range(12)]
+    assert questions(0) == from_start
+    assert questions(7, shuffle=False) == from_start
+    drawn = [questions(seed) for seed in range(4)]
+    assert all(set(a).isdisjoint(b) for i, a in enumerate(drawn) for b in drawn[i + 1 :])
+    assert questions(3, start=5, count=7) == drawn[3][5:]
 
 
 def test_reasoning_gym_prompts_are_gradable():

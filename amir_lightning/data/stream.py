@@ -6,9 +6,16 @@ import random
 
 from amir_lightning.data.base import Prompt, PromptSource
 
+#: Multiplier (Knuth's multiplicative hash) that spreads the seeds' starting places over a random source's indices.
+_SPREAD = 2_654_435_761
+
 
 class PromptStream:
     """Serves prompts from ``source`` in order; a finite source is reshuffled (seeded) on every pass over it.
+
+    A random source (``is_random``: every index is already a fresh draw) is not shuffled; with ``shuffle`` on, the
+    seed picks where in its index space the stream starts (seed 0: at index 0), so runs of different seeds train
+    on different prompts. With ``shuffle`` off it is served from index 0 whatever the seed.
 
     The position is the only state: it is saved in checkpoints, so a resumed run continues with the next prompt.
     """
@@ -20,8 +27,10 @@ class PromptStream:
 
     def _at(self, position: int) -> Prompt:
         size = len(self.source)
-        if not self.shuffle or self.source.is_random:
+        if not self.shuffle:
             return self.source[position % size]
+        if self.source.is_random:
+            return self.source[(position + self.seed * _SPREAD) % size]
         data_epoch, offset = divmod(position, size)
         if self._order[0] != data_epoch:  # a fresh permutation per pass
             order = list(range(size))
