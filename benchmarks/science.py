@@ -4,7 +4,7 @@
     python benchmarks/science.py length --seeds 20 --aggregations grpo --fixed-lambda 0.5 2 8 --jobs 2
     python benchmarks/science.py length --seeds 20 --no-adaptive --sum-lambda 0.2     # the pair term on sums
     python benchmarks/science.py smol --seeds 5 --aggregations grpo      # SmolLM2, then amir test on held-out sums
-    python benchmarks/science.py smol3 --seeds 5 --aggregations grpo --prompt-seeds   # three-term sums
+    python benchmarks/science.py smol3 --seeds 5 --aggregations grpo --fixed-lambda 0.5 --prompt-seeds --tag _ps
 
 ``length``: ``configs/length_bias.yaml``, a tiny Qwen2 where every completion over 4 tokens is wrong (a controlled
 length bias, docs/science.md); ``length_long`` reverses it (every completion of at most 4 tokens is wrong).
@@ -343,6 +343,11 @@ def plot(curves: dict, aggregations: list[str], arms: list[str], path: Path, tit
     plt.close(fig)
 
 
+def seed_range(args: argparse.Namespace) -> range:
+    """The seeds of a call: ``--first-seed`` and the ``--seeds`` after it."""
+    return range(args.first_seed, args.first_seed + args.seeds)
+
+
 def print_held_out(base: dict, reports: dict, arms: list[str], args: argparse.Namespace, out: Path) -> None:
     """The untrained model's held-out figures, coverage, the pooled margin violins and ``amir compare`` per seed."""
     print("\nuntrained model, held out: " + ", ".join(f"{k} {v:.3f}" for k, v in held_out_metrics(base).items()))
@@ -353,9 +358,8 @@ def print_held_out(base: dict, reports: dict, arms: list[str], args: argparse.Na
         title = f"held-out margins, {args.seeds} seeds pooled ({agg})"
         violin_plot(png, ["untrained", *arms], margins, title)
         print(f"margin violins: {png}")
-        for seed in range(
-            args.first_seed, args.first_seed + args.seeds
-        ):  # what `amir compare base GRPO AMIR-GRPO ...` writes, one seed at a time
+        # what `amir compare base GRPO AMIR-GRPO ...` writes, one seed at a time
+        for seed in seed_range(args):
             names = [run_name(args.task, arm, agg, seed) + "_test" for arm in arms]
             runs = [out / "runs" / f"{args.task}_base_test" / "version_0"]
             runs += [out / "runs" / name / "version_0" for name in names]
@@ -390,12 +394,7 @@ def main() -> None:
         *(f"AMIR-GRPO lambda={lam:g}" for lam in args.fixed_lambda),
     ]
     arms += [f"AMIR-GRPO sum lambda={lam:g}" for lam in args.sum_lambda]
-    jobs = [
-        (arm, agg, seed)
-        for agg in args.aggregations
-        for arm in arms
-        for seed in range(args.first_seed, args.first_seed + args.seeds)
-    ]
+    jobs = [(arm, agg, seed) for agg in args.aggregations for arm in arms for seed in seed_range(args)]
     start = time.perf_counter()
     out, tested = args.out.resolve(), args.task in HELD_OUT
 
