@@ -51,7 +51,8 @@ class RolloutDataModule(LightningDataModule):
         shuffle: Shuffle a finite prompt source once per pass over it; start a random one (``is_random``, e.g.
             ``ArithmeticPrompts``) at a seed-dependent index. Off: every seed trains on the same prompt sequence.
         max_prompt_tokens: Longest allowed prompt after the chat template.
-        sync: How the weight sync is verified (a fixed tolerance, or how to measure it: ``rollout/sync.py``).
+        sync: How the weight sync is verified (``rollout/sync.py``): the engine's weights against the pushed ones,
+            exactly, and the probe log-probs.
         val_prompts: Held-out prompts for ``validate`` and validation during ``fit``.
         benchmarks: Benchmarks for ``amir test`` (``BenchmarkPrompts``); default: the held-out prompts.
         evaluation: Sizes, samples, sampling and pass@k of validation and ``amir test``.
@@ -158,10 +159,11 @@ class RolloutDataModule(LightningDataModule):
             return 0.0
         policy = self.trainer.lightning_module  # the trainer's side: its weights and its probe log-probs
         self.sync_check.set_probe(self.tokenizer, probe_prompt, probe_answer)
-        gap, tolerance = self.sync_check.push_and_verify(policy, self.engine, self._max_over_processes)
+        report = self.sync_check.push_and_verify(policy, self.engine, self._max_over_processes)
         self.synced_at_step = step
-        log_metrics(self.trainer, {"rollout/sync_logp_diff": gap, "rollout/sync_tolerance": tolerance})
-        return gap
+        metrics = {"rollout/sync_logp_diff": report.gap, "rollout/sync_tolerance": report.tolerance}
+        log_metrics(self.trainer, metrics | {"rollout/sync_verified_tensors": report.verified})
+        return report.gap
 
     # ------------------------------------------------------------------ loaders
     def train_dataloader(self) -> DataLoader:

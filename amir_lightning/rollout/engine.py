@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from amir_lightning.rollout.digest import Digest, WeightSlot
 from amir_lightning.validation import check_number, raise_errors
 
 
@@ -60,6 +61,14 @@ class Completion:
         return self.finish_reason == "length"
 
 
+class WeightLayout(ABC):
+    """Maps the trainer's parameter names (Hugging Face's) to where an engine keeps them."""
+
+    @abstractmethod
+    def slot(self, name: str) -> WeightSlot | None:
+        """Where the engine keeps the pushed tensor ``name``; ``None``: it keeps no copy of it."""
+
+
 class RolloutEngine(ABC):
     """Generates completions for the trainer and follows its weights."""
 
@@ -78,6 +87,21 @@ class RolloutEngine(ABC):
     @abstractmethod
     def score(self, prompt: list[int], completion: list[int]) -> list[float]:
         """Log-probabilities (temperature 1) of ``completion`` after ``prompt``: the weight-sync probe."""
+
+    def weight_layout(self) -> WeightLayout | None:
+        """Where the engine keeps each pushed tensor, for the exact sync check (``rollout/sync.py``).
+
+        ``None`` (the default): the engine cannot say, and its syncs are checked by the probe alone.
+        """
+        return None
+
+    def held_weights(self) -> dict[str, list[Digest]] | None:
+        """Digests of the weights the engine holds now, read back from the engine itself, by ``WeightSlot.key``.
+
+        A key may have several readings (a parameter and a kernel's packed copy of it); each must equal the
+        digest of what was pushed. ``None`` (the default): the engine cannot read its weights back.
+        """
+        return None
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release the engine."""

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from amir_lightning.models.scoring import sequence_token_logps
-from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig
+from amir_lightning.rollout.digest import Digest, WeightSlot, tensor_digest
+from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig, WeightLayout
 from amir_lightning.validation import check_number, raise_errors
 
 
@@ -118,6 +119,24 @@ class HFEngine(RolloutEngine):
         for name, tensor in state.items():
             own[name].copy_(tensor.to(own[name].device, own[name].dtype))
 
+    def weight_layout(self) -> WeightLayout:  # noqa: D102
+        return _NamedLayout({name: t.dtype for name, t in self.model.state_dict().items()})
+
+    @torch.no_grad()
+    def held_weights(self) -> dict[str, list[Digest]]:  # noqa: D102
+        return {name: [tensor_digest(t)] for name, t in self.model.state_dict().items()}
+
     @torch.no_grad()
     def score(self, prompt: list[int], completion: list[int]) -> list[float]:  # noqa: D102
         return sequence_token_logps(self.model, prompt, completion, self.device)
+
+
+class _NamedLayout(WeightLayout):
+    """A copy of the policy under its own names: every pushed tensor lands whole in the tensor of its name."""
+
+    def __init__(self, dtypes: dict[str, torch.dtype]) -> None:
+        self.dtypes = dtypes
+
+    def slot(self, name: str) -> WeightSlot | None:  # noqa: D102
+        dtype = self.dtypes.get(name)
+        return None if dtype is None else WeightSlot(name, "", dtype)

@@ -1,31 +1,38 @@
-"""Weight sync from the trainer into the rollout engine, verified on a probe sequence against measured numerics.
+"""Weight sync from the trainer into the rollout engine, verified exactly.
 
-After every push the engine and the trainer score the same probe (a prompt, its reference answer and EOS); the
-largest absolute difference of their log-probs is the sync gap. In float32 a correct engine agrees to ~1e-6. In
-bf16 two correct implementations differ by their rounding: about 0.1 nat on a 3B model's probe, and more as the
-policy sharpens (a tiny model learning from scratch: 0.001 at step 0, 0.015 twenty steps later). A fixed tolerance
-either stops a correct run or misses a stale engine, so the tolerance is measured:
+Every push is checked against what the engine reads back from itself (``RolloutEngine.held_weights``): each pushed
+tensor is digested on its way to the engine, in the dtype the engine keeps it in (``rollout/digest.py``), and after
+the load every engine tensor must carry exactly the digest of what was pushed into it. So an engine that ignores a
+push, takes part of the tensors, or applies part of an update is stopped at the first sync where its weights differ
+from the trainer's, with one line naming the first tensor that differs; a correct engine is never stopped, in any
+dtype, however long the run.
 
-- The probe is fixed at the first sync and kept for the whole run (saved in checkpoints), so gaps compare.
-- The first sync of a run measures the noise floor: at step 0 engine and trainer hold the same weights whether or
-  not the push worked, so the gap is pure numerics. It must stay under ``calibration_limit``; more means they do
-  not run the same model at all. The trainer's probe log-probs at that sync are kept as the reference.
-- Every later sync must stay within ``max(min_tolerance, noise_factor * noise floor, drift_share * drift)``, where
-  drift is how far the trainer's probe log-probs moved from the reference. An engine that ignores pushes still
-  holds the reference weights, so its gap is the whole drift and it is stopped once that exceeds the noise; a
-  correct engine's gap is rounding, far below the drift of a policy that has changed enough to sharpen.
+The probe stays, as a measurement: after each push the engine and the trainer score the same probe (a prompt, its
+reference answer and EOS), and the largest absolute difference of their log-probs is logged
+(``rollout/sync_logp_diff``). In float32 a correct engine agrees to ~1e-6; in bf16 two correct implementations
+differ by their rounding (about 0.1 nat on a 3B model's probe, growing as the policy sharpens), so the probe cannot
+tell a stale engine from rounding and never stops a run after the first sync. At the first sync both sides hold
+the same weights, so the gap there is pure numerics: above ``calibration_limit`` the engine does not run the same
+model (another architecture reading, dtype or configuration), which is an error. Later gaps above the warning level
+(``data.sync.tolerance``, or ``noise_factor`` x the first gap) are logged as a warning.
 
-``data.sync.tolerance`` set to a number replaces the measured tolerance; the other ``SyncSettings`` tune the
-measurement.
+An engine that cannot read its weights back (``held_weights`` returns ``None``) is checked by the probe alone, and
+the run says so once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from amir_lightning.rollout.engine import RolloutEngine
+import torch
+
+from amir_lightning.rollout.digest import Digest, WeightSlot
+from amir_lightning.rollout.engine import RolloutEngine, WeightLayout
 from amir_lightning.validation import check_number, raise_errors
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -33,19 +40,20 @@ class SyncSettings:
     """How the weight sync is verified (``data.sync``).
 
     Attributes:
-        tolerance: A fixed tolerance on the sync gap in nats; ``None`` measures it (module docstring).
-        noise_factor: The measured tolerance is at least this many times the noise floor...
-        drift_share: ...and this share of the trainer's drift since the first sync (a stale engine shows all of
-            it)...
-        min_tolerance: ...and never below this (float32 engines agree to ~1e-6).
-        calibration_limit: A larger gap at the first sync, when engine and trainer hold the same weights, means
-            they run different models or dtypes.
+        verify_weights: Compare the weights the engine holds after every push with the pushed ones, exactly
+            (module docstring); off: the probe is the only check.
+        tolerance: Probe gap (nats) above which a sync is reported as a warning; ``None``: ``noise_factor`` times
+            the gap at the first sync, and at least ``min_tolerance``.
+        noise_factor: See ``tolerance``.
+        min_tolerance: See ``tolerance`` (float32 engines agree to ~1e-6).
+        calibration_limit: A larger probe gap at the first sync, when engine and trainer hold the same weights,
+            means they do not run the same model: an error.
         probe_tokens: Answer tokens in the probe.
     """
 
+    verify_weights: bool = True
     tolerance: float | None = None
     noise_factor: float = 4.0
-    drift_share: float = 0.5
     min_tolerance: float = 1e-3
     calibration_limit: float = 1.0
     probe_tokens: int = 32
@@ -54,7 +62,6 @@ class SyncSettings:
         errors: list[str] = []
         check_number(errors, "data.sync.tolerance", self.tolerance, gt=0, optional=True)
         check_number(errors, "data.sync.noise_factor", self.noise_factor, ge=1)
-        check_number(errors, "data.sync.drift_share", self.drift_share, gt=0, lt=1)
         check_number(errors, "data.sync.min_tolerance", self.min_tolerance, gt=0)
         check_number(errors, "data.sync.calibration_limit", self.calibration_limit, gt=0)
         check_number(errors, "data.sync.probe_tokens", self.probe_tokens, ge=1)
@@ -62,21 +69,92 @@ class SyncSettings:
 
 
 class StaleEngineError(RuntimeError):
-    """The engine's log-probs disagree with the trainer's after a sync: it would sample from old weights."""
+    """After a sync the engine holds other weights than the trainer pushed: it would sample from a wrong policy."""
+
+
+@dataclass
+class SyncReport:
+    """What one sync measured.
+
+    Attributes:
+        gap: Largest absolute probe log-prob difference, engine against trainer (over processes).
+        tolerance: The warning level of ``gap``.
+        verified: Engine tensors whose digest was compared with the push (0 when the engine cannot read back).
+    """
+
+    gap: float
+    tolerance: float
+    verified: int
+
+
+class PushedDigests:
+    """Digests of a push, per engine tensor and part, taken as the tensors stream to the engine."""
+
+    def __init__(self, layout: WeightLayout) -> None:
+        self.layout = layout
+        self.parts: dict[str, dict[str, tuple[Digest, ...]]] = {}
+        self.sources: dict[str, list[str]] = {}  # engine tensor -> the pushed names that fill it
+        self.conflicts: list[str] = []  # tied names pushed with different values
+        self.unheld: list[str] = []  # pushed names the engine keeps no copy of
+
+    def tap(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``named``, unchanged, with each tensor digested as it passes."""
+        for name, tensor in named:
+            self.add(name, tensor)
+            yield name, tensor
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Record one pushed tensor."""
+        slot: WeightSlot | None = self.layout.slot(name)
+        if slot is None:
+            self.unheld.append(name)
+            return
+        digests = slot.digests(tensor)
+        parts = self.parts.setdefault(slot.key, {})
+        if slot.part in parts and parts[slot.part] != digests:
+            self.conflicts.append(f"{name} and {self.sources[slot.key][0]}, which both fill {slot.key}")
+        parts[slot.part] = digests
+        self.sources.setdefault(slot.key, []).append(name)
+
+    def expected(self, key: str) -> set[Digest]:
+        """The digests the engine tensor ``key`` may have: the sum of its parts', each way it may be loaded."""
+        ways = max(len(d) for d in self.parts[key].values())
+        totals = set()
+        for way in range(ways):
+            total = Digest()
+            for digests in self.parts[key].values():
+                total = total + digests[min(way, len(digests) - 1)]
+            totals.add(total)
+        return totals
+
+    def mismatches(self, held: dict[str, list[Digest]]) -> list[str]:
+        """Descriptions of every engine tensor that does not hold what was pushed, in push order."""
+        wrong = [f"the push holds different values for the tied {c}" for c in self.conflicts]
+        for key in self.parts:
+            readings, expected = held.get(key, []), self.expected(key)
+            stale = sum(r not in expected for r in readings)
+            if stale:
+                copies = f"{stale} of its {len(readings)} copies differ; " if len(readings) > 1 else ""
+                wrong.append(f"{key} ({copies}pushed as {' and '.join(self.sources[key])})")
+        wrong += [f"{key}, which no pushed tensor fills" for key in held if key not in self.parts]
+        return wrong
 
 
 class SyncCheck:
-    """Pushes the policy into the engine and verifies it; holds the probe and the noise floor of the run.
+    """Pushes the policy into the engine and verifies it; holds the probe and its first gap for the run.
 
     Args:
-        settings: The tolerance, or how to measure it.
+        settings: How the sync is verified.
     """
 
     def __init__(self, settings: SyncSettings | None = None) -> None:
         self.settings = settings or SyncSettings()
         self.probe: tuple[list[int], list[int]] | None = None  # (prompt ids, completion ids)
-        self.noise_floor: float | None = None
-        self.reference: list[float] | None = None  # the trainer's probe log-probs at the first sync
+        self.noise_floor: float | None = None  # the probe gap at the first sync
+        self.syncs = 0
+        self._layout: WeightLayout | None = None
+        self._warned_at = 0.0  # the probe gap of the last warning
+        self._said_unverified = False
 
     def set_probe(self, tokenizer, prompt_ids: list[int], answer: str) -> None:
         """Fix the probe (once per run): ``prompt_ids``, then the answer's first tokens and EOS."""
@@ -95,64 +173,99 @@ class SyncCheck:
 
     def push_and_verify(
         self, module, engine: RolloutEngine, reduce_max: Callable[[list[float]], list[float]] = list
-    ) -> tuple[float, float]:
-        """Load the module's weights into the engine, then check the probe gap; returns (gap, tolerance).
+    ) -> SyncReport:
+        """Load the module's weights into the engine, then check what it holds and measure the probe gap.
 
-        ``reduce_max`` takes element-wise maxima over processes (every process checks its own engine, and all of
-        them must agree on stopping). Raises ``StaleEngineError`` when the gap exceeds the tolerance.
+        ``reduce_max`` takes element-wise maxima over processes (each process checks its own engine, and all of them
+        must agree on stopping). Raises ``StaleEngineError`` naming the first engine tensor that differs from the
+        push (or, at the first sync, when the probe shows another model).
         """
         if self.probe is None:
             raise RuntimeError("SyncCheck.set_probe must run before the first sync")
-        with module.export_weights() as named:
-            engine.load_weights(named)
-        engine_logps, policy_logps = self.scores(module, engine)
-        gap = max(abs(a - b) for a, b in zip(engine_logps, policy_logps))
-        if self.reference is None:
-            drift = 0.0
-        else:
-            drift = max(abs(a - b) for a, b in zip(policy_logps, self.reference))
-        gap, drift = reduce_max([gap, drift])
-        s = self.settings
-        if s.tolerance is not None:
-            tolerance, source = s.tolerance, f"data.sync.tolerance={s.tolerance}"
-        elif self.noise_floor is None:
-            self._calibrate(gap, policy_logps)
-            tolerance, source = max(s.min_tolerance, s.noise_factor * gap), "calibration"
-        else:
-            tolerance = max(s.min_tolerance, s.noise_factor * self.noise_floor, s.drift_share * drift)
-            source = (
-                f"the largest of {s.noise_factor:g} x the noise floor {self.noise_floor:.3g} measured at the first "
-                f"sync and {s.drift_share:g} x the {drift:.3g} nat the trainer's probe log-probs moved since then"
-            )
-        if not gap <= tolerance:  # also catches NaN
-            raise StaleEngineError(
-                f"rollout engine is stale: after the weight sync its log-probs on the probe differ from the trainer's "
-                f"by {gap:.3g}, above the tolerance {tolerance:.3g} ({source}). The engine did not take the new "
-                "weights (parameter names or dtypes differ?), so training would continue on rollouts from an old "
-                "policy."
-            )
-        return gap, tolerance
+        pushed = self._push(module, engine)
+        wrong: list[str] = []
+        verified = 0
+        if pushed is not None:
+            held = engine.held_weights()
+            if held is None:
+                pushed = None
+            else:
+                wrong, verified = pushed.mismatches(held), len(held)
+        if pushed is None:
+            self._say_unverified(engine)
+        gap = max(abs(a - b) for a, b in zip(*self.scores(module, engine)))
+        gap, any_wrong = reduce_max([gap, float(bool(wrong))])
+        self.syncs += 1
+        if any_wrong:
+            self._stop(wrong, verified)
+        return SyncReport(gap, self._probe_level(gap), verified)
 
-    def _calibrate(self, gap: float, policy_logps: list[float]) -> None:
-        limit = self.settings.calibration_limit
-        if not gap <= limit:  # also catches NaN
-            raise StaleEngineError(
-                f"at the first weight sync the engine's log-probs on the probe differ from the trainer's by "
-                f"{gap:.3g} nat although both hold the same weights (data.sync.calibration_limit {limit:g}): they do "
-                "not run the same model. Check data.engine's dtype against trainer.precision and model.dtype, and "
-                "that both load the same model; or set data.sync.tolerance to a number to accept the gap."
+    def _push(self, module, engine: RolloutEngine) -> PushedDigests | None:
+        """Stream the module's weights into the engine, digesting them on the way (unless the check is off)."""
+        if self.settings.verify_weights and self._layout is None:
+            self._layout = engine.weight_layout()
+        pushed = PushedDigests(self._layout) if self.settings.verify_weights and self._layout else None
+        with module.export_weights() as named:
+            stream = pushed.tap(named) if pushed is not None else iter(named)
+            engine.load_weights(stream)
+            for _ in stream:  # what the engine did not read still counts as pushed
+                pass
+        if pushed is not None and pushed.unheld and self.syncs == 0:
+            log.info("weight sync: the engine keeps no copy of %s (not verified)", ", ".join(pushed.unheld[:8]))
+        return pushed
+
+    def _stop(self, wrong: list[str], verified: int) -> None:
+        where = "this process's engine" if wrong else "the engine of another process"
+        first = f"; the first: {wrong[0]}" if wrong else ""
+        raise StaleEngineError(
+            f"rollout engine is stale: after weight sync {self.syncs} {where} holds other weights than the trainer "
+            f"pushed ({len(wrong) or 'some'} of {verified or 'its'} tensors differ, read back from the engine{first}). "
+            "It did not take the whole update, so training would continue on rollouts from another policy. Check "
+            "that the engine loads every pushed tensor (parameter names, dtypes, a custom load_weights)."
+        )
+
+    def _probe_level(self, gap: float) -> float:
+        """The probe gap's warning level; the first sync measures the noise floor (and refuses another model)."""
+        s = self.settings
+        if self.noise_floor is None:
+            if not gap <= s.calibration_limit:  # also catches NaN
+                raise StaleEngineError(
+                    f"at the first weight sync the engine's log-probs on the probe differ from the trainer's by "
+                    f"{gap:.3g} nat although both hold the same weights (data.sync.calibration_limit "
+                    f"{s.calibration_limit:g}): they do not run the same model. Check data.engine's dtype against "
+                    "trainer.precision and model.dtype, and that both load the same model and configuration."
+                )
+            self.noise_floor = gap
+        level = s.tolerance if s.tolerance is not None else max(s.min_tolerance, s.noise_factor * self.noise_floor)
+        if gap > level and gap >= 2 * self._warned_at:
+            self._warned_at = gap
+            log.warning(
+                "weight sync %d: the engine's probe log-probs differ from the trainer's by %.3g nat (warning level "
+                "%.3g): their numerics drift apart (the weights themselves were verified: data.sync.verify_weights)",
+                self.syncs,
+                gap,
+                level,
             )
-        self.noise_floor, self.reference = gap, list(policy_logps)
+        return level
+
+    def _say_unverified(self, engine: RolloutEngine) -> None:
+        if not self._said_unverified:
+            self._said_unverified = True
+            why = "data.sync.verify_weights is off" if not self.settings.verify_weights else "it cannot read them back"
+            log.warning(
+                "weight sync: the weights %s holds are not compared with the pushed ones (%s); only the probe "
+                "log-probs are measured",
+                type(engine).__name__,
+                why,
+            )
 
     def state_dict(self) -> dict:
-        """The probe, the noise floor and the reference log-probs (the tolerance comes from the configuration)."""
-        return {"probe": self.probe, "noise_floor": self.noise_floor, "reference": self.reference}
+        """The probe and the noise floor (the settings come from the configuration)."""
+        return {"probe": self.probe, "noise_floor": self.noise_floor, "syncs": self.syncs}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what ``state_dict`` saved; older checkpoints without it recalibrate at the next sync."""
+        """Restore what ``state_dict`` saved."""
         probe = state.get("probe")
         self.probe = (list(probe[0]), list(probe[1])) if probe is not None else None
         self.noise_floor = state.get("noise_floor")
-        self.reference = state.get("reference")
-        if self.reference is None:
-            self.noise_floor = None
+        self.syncs = int(state.get("syncs", 0))

@@ -2,8 +2,18 @@
 
 In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the engine starts in seconds and weights move from the
 trainer without touching disk: ``collective_rpc("reload_weights", weights_iterator=...)``, then the prefix cache
-is reset. An empty weight iterator "succeeds" and leaves stale weights, which is why the rollout
-data module verifies every sync with a probe.
+is reset. A reload can "succeed" and leave stale weights (an empty iterator does; so does a tied embedding pushed
+without its ``lm_head.weight`` alias on CPU, where vLLM then restores the old values), which is why the rollout data
+module checks every sync against what the engine reads back from its own workers (``held_weights``):
+
+- parameters as they are where they hold the weights (GPU);
+- on CPU, vLLM repacks every linear weight into its GEMM kernel's own layout and empties the parameter, so those
+  weights are read back through the kernel itself: the product of an identity matrix with the packed weight is the
+  weight, exactly (one nonzero term per output). The embedding, whose parameter stays and whose packed copy
+  computes the logits, is read both ways.
+
+``weight_layout`` maps the trainer's Hugging Face names to these tensors with the model's own weight mapper
+(``q_proj`` -> the ``q`` part of ``qkv_proj``) and its tied aliases.
 """
 
 from __future__ import annotations
@@ -17,7 +27,8 @@ from pathlib import Path
 import torch
 
 from amir_lightning.distributed import world_size
-from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig
+from amir_lightning.rollout.digest import Digest, WeightSlot, tensor_digest
+from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig, WeightLayout
 from amir_lightning.validation import check_number, raise_errors
 
 log = logging.getLogger(__name__)
@@ -154,6 +165,24 @@ class VLLMEngine(RolloutEngine):
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
 
+    def weight_layout(self) -> WeightLayout:  # noqa: D102
+        return _VLLMLayout(*self.llm.collective_rpc(_layout)[0])
+
+    def held_weights(self) -> dict[str, list[Digest]]:  # noqa: D102
+        per_worker = self.llm.collective_rpc(_read_back)
+        if len(per_worker) == 1:
+            return per_worker[0][0]
+        # Tensor parallelism: a sharded tensor's digest is the sum of its shards'; a replicated one is read on every
+        # worker, and every copy must agree.
+        held: dict[str, list[Digest]] = {}
+        for readings, sharded in per_worker:
+            for key, digests in readings.items():
+                if key in sharded and key in held:
+                    held[key] = [a + b for a, b in zip(held[key], digests)]
+                else:
+                    held.setdefault(key, []).extend(digests)
+        return held
+
     def score(self, prompt: list[int], completion: list[int]) -> list[float]:  # noqa: D102
         from vllm.inputs import TokensPrompt
 
@@ -165,3 +194,100 @@ class VLLMEngine(RolloutEngine):
 
     def close(self) -> None:  # noqa: D102
         self.llm = None
+
+
+# ---------------------------------------------------------------------- run on the engine's workers (collective_rpc)
+def _named_parameters(model) -> tuple[dict[int, str], dict[str, torch.nn.Parameter]]:
+    """Each parameter's first name (tied ones share a tensor), and every name with its parameter."""
+    first: dict[int, str] = {}
+    every = dict(model.named_parameters(remove_duplicate=False))
+    for name, param in every.items():
+        first.setdefault(id(param), name)
+    return first, every
+
+
+def _layout(worker) -> tuple:
+    """Plain data for ``_VLLMLayout``: the weight mapper, packed modules, aliases and dtypes of the worker's model."""
+    model = worker.model_runner.get_model()
+    first, every = _named_parameters(model)
+    model_dtype = worker.model_runner.model_config.dtype
+    loaded = _load_dtypes(model)
+    aliases, dtypes, load_dtypes = {}, {}, {}
+    for name, param in every.items():
+        key = first[id(param)]
+        aliases[name] = key
+        dtypes[key] = param.dtype
+        load = loaded.get(key, model_dtype)
+        if load != param.dtype and load.itemsize < param.dtype.itemsize:
+            load_dtypes[key] = load  # loaded narrow, kept wide (vLLM's CPU kernels keep biases in float32)
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    packed = dict(getattr(model, "packed_modules_mapping", None) or {})
+    return mapper, packed, aliases, dtypes, load_dtypes
+
+
+def _load_dtypes(model) -> dict[str, torch.dtype]:
+    """The dtype each parameter is loaded in (vLLM's record of the checkpoint format, kept for reloading)."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:
+        return {}
+    out = {}
+    for module_name, module in model.named_modules():
+        info = LAYERWISE_INFO.get(module)
+        for name, meta in (info.restore_metadata[0] if info is not None else {}).items():
+            out[f"{module_name}.{name}" if module_name else name] = meta.dtype
+    return out
+
+
+@torch.no_grad()
+def _read_back(worker) -> tuple[dict[str, list[Digest]], set[str]]:
+    """Digests of the weights this worker computes with, and the keys it holds a shard of."""
+    model = worker.model_runner.get_model()
+    first, _ = _named_parameters(model)
+    held: dict[str, list[Digest]] = {}
+    sharded = set()
+    for name, param in model.named_parameters():
+        if getattr(param, "output_dim", None) is not None or getattr(param, "input_dim", None) is not None:
+            sharded.add(name)
+        if param.numel():
+            held.setdefault(name, []).append(tensor_digest(param))
+    for module in model.modules():
+        kernel, weight = getattr(module, "cpu_linear", None), getattr(module, "weight", None)
+        if kernel is not None and isinstance(weight, torch.nn.Parameter) and id(weight) in first:
+            held.setdefault(first[id(weight)], []).append(_kernel_digest(module, kernel, weight))
+    return held, sharded
+
+
+def _kernel_digest(module, kernel, weight: torch.nn.Parameter, rows: int = 512) -> Digest:
+    """The digest of the weight a CPU GEMM kernel holds: ``kernel(I) = I @ W.T``, one identity block at a time."""
+    width = getattr(module, "input_size_per_partition", None) or getattr(module, "embedding_dim", None)
+    width = width or weight.shape[-1]
+    total = Digest()
+    for start in range(0, width, rows):
+        block = min(rows, width - start)
+        eye = torch.zeros(block, width, dtype=weight.dtype, device=weight.device)
+        eye[torch.arange(block), torch.arange(start, start + block)] = 1
+        total = total + tensor_digest(kernel(eye, weight, None))  # [block, N]: columns start.. of W
+    return total
+
+
+class _VLLMLayout(WeightLayout):
+    """Hugging Face names -> vLLM's tensors: the model's ``hf_to_vllm_mapper``, else its packed modules."""
+
+    def __init__(self, mapper, packed: dict, aliases: dict, dtypes: dict, load_dtypes: dict) -> None:
+        self.mapper, self.packed, self.aliases = mapper, packed, aliases
+        self.dtypes, self.load_dtypes = dtypes, load_dtypes
+
+    def slot(self, name: str) -> WeightSlot | None:  # noqa: D102
+        target = self.mapper.map_name(name) if self.mapper is not None else name
+        if target is None:
+            return None  # vLLM drops it on load
+        part = ""
+        for fused, pieces in self.packed.items():
+            for piece in pieces:  # q_proj is the q part of qkv_proj, whether or not the mapper renamed it
+                if f".{piece}." in f".{name}" and (f".{fused}." in target or f".{piece}." in target):
+                    target, part = target.replace(f".{piece}.", f".{fused}.", 1), piece
+        key = self.aliases.get(target)
+        if key is None:
+            return None
+        return WeightSlot(key, part, self.dtypes[key], self.load_dtypes.get(key))

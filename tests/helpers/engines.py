@@ -1,6 +1,13 @@
-"""Helpers of the engine tests: an "optimiser step" that moves every weight, and an engine that ignores pushes."""
+"""Helpers of the engine tests: an "optimiser step" that moves every weight, and real engines that take pushes wrong.
+
+The faulty engines are the real ``VLLMEngine`` and ``HFEngine`` with one change to ``load_weights``; they generate,
+score and read their weights back as the real ones do. Importable by ``amir`` (the tests put this folder on
+PYTHONPATH) and selected by ``class_path``.
+"""
 
 import torch
+
+from amir_lightning.rollout import HFEngine, VLLMEngine
 
 
 def perturb(model, scale, seed):
@@ -22,3 +29,71 @@ class SkipsPushes:
 
     def score(self, prompt, completion):
         return self.engine.score(prompt, completion)
+
+    def weight_layout(self):
+        return self.engine.weight_layout()
+
+    def held_weights(self):
+        return self.engine.held_weights()
+
+
+class _IgnoresPushesAfter:
+    """Takes the first ``good_pushes`` pushes, then ignores every later one (an engine that stopped listening)."""
+
+    def __init__(self, good_pushes: int = 3, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.good_pushes, self.pushes = good_pushes, 0
+
+    def load_weights(self, named_tensors):  # noqa: D102
+        self.pushes += 1
+        if self.pushes <= self.good_pushes:
+            super().load_weights(named_tensors)
+
+
+class _DropsHalf:
+    """Loads every other pushed tensor and drops the rest (a loader that misses half of the names)."""
+
+    def load_weights(self, named_tensors):  # noqa: D102
+        super().load_weights(t for i, t in enumerate(named_tensors) if i % 2 == 0)
+
+
+class _PartialUpdate:
+    """Moves its weights only ``fraction`` of the way from what it holds to what is pushed, at every push."""
+
+    def __init__(self, fraction: float = 0.55, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fraction = fraction
+        self.held: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, named_tensors):  # noqa: D102
+        applied = []
+        for name, tensor in named_tensors:
+            new = tensor.detach().float()
+            old = self.held.get(name, new)
+            self.held[name] = old + self.fraction * (new - old)
+            applied.append((name, self.held[name].to(tensor.dtype)))
+        super().load_weights(applied)
+
+
+class VLLMIgnoresPushesAfter(_IgnoresPushesAfter, VLLMEngine):
+    """``VLLMEngine`` that ignores pushes after the ``good_pushes``-th."""
+
+
+class VLLMDropsHalf(_DropsHalf, VLLMEngine):
+    """``VLLMEngine`` that loads every other pushed tensor."""
+
+
+class VLLMPartialUpdate(_PartialUpdate, VLLMEngine):
+    """``VLLMEngine`` that applies ``fraction`` of each update."""
+
+
+class HFIgnoresPushesAfter(_IgnoresPushesAfter, HFEngine):
+    """``HFEngine`` that ignores pushes after the ``good_pushes``-th."""
+
+
+class HFDropsHalf(_DropsHalf, HFEngine):
+    """``HFEngine`` that loads every other pushed tensor."""
+
+
+class HFPartialUpdate(_PartialUpdate, HFEngine):
+    """``HFEngine`` that applies ``fraction`` of each update."""
