@@ -38,7 +38,13 @@ from amir_lightning.models.loading import (
     shard_fsdp2,
 )
 from amir_lightning.models.precision import autocast, check_strategy, dtype_by_name, take_over_precision
-from amir_lightning.models.scoring import completion_logps, sequence_token_logps, varlen_attention
+from amir_lightning.models.scoring import (
+    completion_logps,
+    head_matches_logits,
+    scaled_head_keys,
+    sequence_token_logps,
+    varlen_attention,
+)
 from amir_lightning.models.sources import ModelSource
 from amir_lightning.objectives import (
     AmirGRPOLoss,
@@ -132,6 +138,7 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         self.logprob_chunk_size, self.log_entropy, self.export_dir = logprob_chunk_size, log_entropy, export_dir
         self.fused_logprobs, self.packing, self.attn_implementation = fused_logprobs, packing, attn_implementation
         self._packed = False  # decided in configure_model, from packing and the policy's attention
+        self._fused = fused_logprobs  # decided in configure_model: whether the policy's head allows it
         errors: list[str] = []
         check_number(errors, "model.max_grad_norm", max_grad_norm, gt=0, optional=True)
         check_number(errors, "model.temperature", temperature, gt=0)
@@ -193,7 +200,10 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         self.policy = load_policy(
             self.model_dir, frozen, self.trainable_dtype, self.gradient_checkpointing, self.lora, trust, attention
         )
-        self._packed = self.packing == "on" or (self.packing == "auto" and varlen_attention(self.policy))
+        self._fused = self.fused_logprobs and self._check_fused_head()
+        self._packed = self._fused and (
+            self.packing == "on" or (self.packing == "auto" and varlen_attention(self.policy))
+        )
         self.policy.train()  # dropout is disabled at load time, so train mode changes nothing but intent
         mesh = getattr(self, "device_mesh", None)  # set by ModelParallelStrategy: shard with FSDP2
         self._fsdp2 = mesh is not None
@@ -201,6 +211,24 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
             shard_fsdp2(self.policy, mesh.device_type, self.compute_dtype)
         if self.loss.needs_reference and not is_peft(self.policy):
             self._reference = (load_reference(self.model_dir, frozen, trust, attention),)
+
+    def _check_fused_head(self) -> bool:
+        """Whether the fused head computes the policy's own logits (``head_matches_logits``); says why not, once."""
+        matches, difference, _ = head_matches_logits(self.policy)
+        if not matches:
+            keys = scaled_head_keys(getattr(self.policy, "config", None))
+            why = f"its configuration sets {', '.join(keys)}" if keys else f"they differ by {difference:.3g} relative"
+            if self.packing == "on":
+                raise ValueError(
+                    f"model.packing: on needs the fused LM head, and this policy's head is not hidden @ W.T ({why}); "
+                    "set model.packing to auto or off"
+                )
+            log.warning(
+                "the policy's LM head does more than hidden @ W.T (%s): its log-probs are taken from the model's own "
+                "logits (model.fused_logprobs falls back to the materialised path, and nothing is packed)",
+                why,
+            )
+        return matches
 
     def on_fit_start(self) -> None:  # noqa: D102
         for ref in self._reference:
@@ -237,7 +265,7 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
                 temperature,
                 self.logprob_chunk_size,
                 entropy,
-                self.fused_logprobs,
+                self._fused,
                 self._packed,
             )
 

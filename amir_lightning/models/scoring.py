@@ -124,20 +124,42 @@ def varlen_attention(model) -> bool:
     return isinstance(implementation, str) and ("flash" in implementation or implementation == attention.NAME)
 
 
+#: Configuration keys of heads that do more than ``hidden @ W.T``, with the value that leaves the logits as they are:
+#: Gemma 2/3/3n softcapping, Cohere's logit_scale, Granite's and HyperCLOVAX's logits_scaling, FalconH1's
+#: lm_head_multiplier, MiniCPM's dim_model_base (it scales the hidden states before the head).
+SCALED_HEAD_KEYS = {
+    "final_logit_softcapping": None,
+    "logit_scale": 1.0,
+    "logits_scaling": 1.0,
+    "lm_head_multiplier": 1.0,
+    "dim_model_base": None,
+}
+
+
 def fused_head(model):
     """``(decoder, weight)`` when the LM head of ``model`` is a plain linear map of the decoder's output, else None.
 
     ``weight`` is a function giving the head's ``[V, H]`` weight after the forward: whole under FSDP2 too (the root
     keeps its parameters gathered between forward and backward); a sharded head that trains falls back to the
-    materialised path. Heads with a bias, logit soft-capping or scaling are not fused.
+    materialised path. Heads with a bias, or whose configuration (or text configuration) scales or caps the logits
+    (``SCALED_HEAD_KEYS``), are not fused; ``head_matches_logits`` catches the ones no key names.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = _linear_head(model)
+    if head is None or scaled_head_keys(getattr(_base(model), "config", None)):
+        return None
+    return head
+
+
+def _base(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _linear_head(model):
+    """``(decoder, weight)`` of a bias-free linear LM head (not a trainable shard), whatever the configuration says."""
+    base = _base(model)
     get_decoder = getattr(base, "get_decoder", None)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    config = getattr(base, "config", None)
     if get_decoder is None or not isinstance(head, torch.nn.Linear) or head.bias is not None:
-        return None
-    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
         return None
     if type(head.weight).__name__ == "DTensor" and head.weight.requires_grad:
         return None
@@ -147,6 +169,55 @@ def fused_head(model):
         return w.full_tensor() if type(w).__name__ == "DTensor" else w
 
     return get_decoder(), weight
+
+
+def scaled_head_keys(config) -> list[str]:
+    """The ``SCALED_HEAD_KEYS`` that ``config`` (or its text configuration) sets to a value that changes the logits."""
+    if config is None:
+        return []
+    configs = [config]
+    if hasattr(config, "get_text_config"):
+        configs.append(config.get_text_config())
+    return sorted(
+        {
+            key
+            for c in configs
+            for key, neutral in SCALED_HEAD_KEYS.items()
+            if getattr(c, key, None) is not None and getattr(c, key) != neutral
+        }
+    )
+
+
+@torch.no_grad()
+def head_matches_logits(model, tokens: int = 8, rtol: float = 1e-4) -> tuple[bool, float, float]:
+    """Whether the fused head computes ``model``'s own logits.
+
+    One forward of a short sequence; the decoder's output times the head's weight must equal ``model(...).logits``
+    within ``rtol`` of their largest magnitude, and the configuration must name no scaling (``fused_head``). A head
+    that scales, caps or shifts its logits in a way no key names fails here, once, instead of training on another
+    distribution than the engine samples.
+
+    Returns:
+        ``(matches, relative logit difference, largest absolute log-prob difference)``; NaN differences when the
+        head is not a linear map at all.
+    """
+    head = _linear_head(model)
+    if head is None:
+        return False, float("nan"), float("nan")
+    decoder, weight = head
+    device = next(model.parameters()).device
+    vocab = weight().shape[0]
+    ids = (torch.arange(tokens, device=device) * 7919 + 11) % vocab  # a fixed sequence of distinct tokens
+    captured = []
+    hook = decoder.register_forward_hook(lambda _module, _args, out: captured.append(out[0]))
+    try:
+        logits = model(input_ids=ids[None], use_cache=False).logits[0].float()  # [tokens, V]
+    finally:
+        hook.remove()
+    fused = torch.nn.functional.linear(captured[-1][0], weight()).float()  # [tokens, V]
+    relative = float((fused - logits).abs().max() / logits.abs().max().clamp(min=1e-30))
+    logps = float((fused.log_softmax(-1) - logits.log_softmax(-1)).abs().max())
+    return relative <= rtol and fused_head(model) is not None, relative, logps
 
 
 @torch.no_grad()
