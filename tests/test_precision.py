@@ -8,6 +8,7 @@ from helpers.dp_step import FixedRollouts
 
 from amir_lightning.models import HFModel, LoraSettings, build_tiny_model
 from amir_lightning.models.precision import check_strategy, compute_dtype
+from amir_lightning.models.scoring import completion_logps
 from amir_lightning.module import AmirGRPOModule
 from amir_lightning.objectives import GRPOLoss
 
@@ -93,3 +94,30 @@ def test_unsupported_precision_and_strategies_are_refused():
     check_strategy(ModelParallelStrategy())
     with pytest.raises(ValueError, match="FSDPStrategy is not supported: use lightning.pytorch.strategies.ModelPara"):
         check_strategy(FSDPStrategy())
+
+
+def test_the_compute_dtype_is_chosen_once_per_trainer(model_dir):
+    """``validate`` then ``fit`` (``--validate_before_fit``) set the module up twice on one trainer; after the first
+    setup replaced the precision plugin, ``trainer.precision`` reads ``32-true``, and the fit still computes in bf16."""
+    module = AmirGRPOModule(policy=HFModel(str(model_dir)), loss=GRPOLoss(), log_entropy=False)
+    trainer = L.Trainer(accelerator="cpu", precision="bf16-mixed", max_steps=1, logger=False)
+    module.trainer = trainer
+    module.setup("validate")
+    assert module.compute_dtype == torch.bfloat16 and trainer.precision == "32-true"
+    module.compute_dtype = None
+    module.setup("fit")
+    assert module.compute_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_the_reference_copy_scores_as_the_policy_at_step_zero(model_dir, precision):
+    """Full fine-tuning with a KL term: the frozen reference copy and the policy hold the same weights at step 0, so
+    their log-probs are the same (a bf16 copy under a float32 policy's autocast differed: a KL floor at step 0)."""
+    module = AmirGRPOModule(policy=HFModel(str(model_dir)), loss=GRPOLoss(beta=0.04), log_entropy=False)
+    module.compute_dtype = compute_dtype(precision)
+    module.configure_model()
+    ids = torch.randint(3, 20, (4, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), module.compute_context(), module.reference() as reference:
+        policy = completion_logps(module.policy, ids, torch.ones_like(ids), 8)[0]
+        ref = completion_logps(reference, ids, torch.ones_like(ids), 8)[0]
+    torch.testing.assert_close(ref, policy, rtol=0, atol=1e-6)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
+from lightning.pytorch.plugins.precision import Precision
 
 #: ``trainer.precision`` values the module supports, with the compute dtype each one means.
 COMPUTE_DTYPES = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16}
@@ -48,14 +49,28 @@ def take_over_precision(trainer) -> torch.dtype:
     """Replace the trainer's precision plugin by a no-op and return the compute dtype it asked for.
 
     Called from ``LightningModule.setup``, before ``configure_model`` and before the strategy would let the plugin
-    cast the module (``bf16-true``) or the batches' float fields (advantages, log-probs) to bf16.
+    cast the module (``bf16-true``) or the batches' float fields (advantages, log-probs) to bf16. The no-op keeps
+    the dtype, so every later ``setup`` of the same trainer (``validate`` then ``fit``) computes in it too: once the
+    plugin is replaced, ``trainer.precision`` reads ``32-true``.
     """
-    from lightning.pytorch.plugins.precision import Precision
-
+    plugin = trainer.strategy.precision_plugin
+    if isinstance(plugin, ComputeDtype):
+        return plugin.compute_dtype
     dtype = compute_dtype(trainer.precision)
-    if type(trainer.strategy.precision_plugin) is not Precision:
-        trainer.strategy.precision_plugin = Precision()
+    trainer.strategy.precision_plugin = ComputeDtype(dtype)
     return dtype
+
+
+class ComputeDtype(Precision):
+    """Lightning's do-nothing precision plugin, remembering the compute dtype that ``trainer.precision`` chose.
+
+    Args:
+        compute_dtype: The dtype the module computes in (``COMPUTE_DTYPES``).
+    """
+
+    def __init__(self, compute_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.compute_dtype = compute_dtype
 
 
 def autocast(device: torch.device, dtype: torch.dtype, enabled: bool = True) -> AbstractContextManager:
