@@ -104,6 +104,19 @@ def user_message(err: BaseException | str) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
+def link_completion_length(config) -> None:
+    """``dr_grpo``'s constant ``L`` is the completion length limit, ``data.sampling.max_new_tokens``, unless given.
+
+    Dr. GRPO divides every step by the same ``N * L`` (arXiv 2503.20783); without a value the loss would take each
+    step's longest completion, a length dependence of its own.
+    """
+    loss = config["model"].get("loss")
+    init = loss.get("init_args") if loss is not None and hasattr(loss, "get") else None
+    if init is None or init.get("aggregation") != "dr_grpo" or init.get("max_completion_length") is not None:
+        return
+    init["max_completion_length"] = config["data"]["sampling"]["max_new_tokens"]
+
+
 class _Parser(LightningArgumentParser):
     """jsonargparse's parser, reporting a bad argument in one line instead of the usage of every option."""
 
@@ -141,7 +154,7 @@ class AmirCLI(LightningCLI):
             check_checkpoint(self.config[subcommand].get("ckpt_path"))
 
     def before_instantiate_classes(self) -> None:  # noqa: D102
-        config = self.config.get(self.subcommand) if self.subcommand else None
+        config = self.config.get(self.subcommand) if self.subcommand else self.config  # run=False: no subcommand
         if config is None:
             return
         if "weights_only" in config and config["weights_only"] is None:
@@ -151,9 +164,12 @@ class AmirCLI(LightningCLI):
         strategy = config["trainer"]["strategy"]
         check_strategy(strategy if isinstance(strategy, str) else strategy.get("class_path", ""))
         self._keep_given_model_values(config)
+        link_completion_length(config)
 
     def _keep_given_model_values(self, config) -> None:
         """On resume, the values given to this run win over the checkpoint's saved ones (Lightning: the reverse)."""
+        if not self.subcommand:
+            return  # no checkpoint without a subcommand
         given = self.given[self.subcommand]["model"]
         changed = [
             f"model.{key} {given[key]!r} (checkpoint: {config['model'][key]!r})"
@@ -183,6 +199,20 @@ class AmirCLI(LightningCLI):
             self.trainer.validate(self.model, datamodule=self.datamodule)
 
 
+def build_cli(args: ArgsType = None, run: bool = True) -> AmirCLI:
+    """The ``amir`` CLI over ``args``; ``run=False`` parses and builds the module and data module without a subcommand."""
+    return AmirCLI(
+        AmirGRPOModule,
+        RolloutDataModule,
+        trainer_defaults=TRAINER_DEFAULTS,
+        save_config_kwargs={"overwrite": True},
+        auto_configure_optimizers=False,
+        parser_class=_Parser,
+        args=args,
+        run=run,
+    )
+
+
 def main(args: ArgsType = None) -> None:
     """Entry point of the ``amir`` console script (LightningCLI subcommands, plus ``amir compare``)."""
     argv = list(args) if isinstance(args, list | tuple) else (sys.argv[1:] if args is None else None)
@@ -200,15 +230,7 @@ def main(args: ArgsType = None) -> None:
     warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\(", category=PossibleUserWarning)
     try:
         check_config_files(argv or [])
-        AmirCLI(
-            AmirGRPOModule,
-            RolloutDataModule,
-            trainer_defaults=TRAINER_DEFAULTS,
-            save_config_kwargs={"overwrite": True},
-            auto_configure_optimizers=False,
-            parser_class=_Parser,
-            args=args,
-        )
+        build_cli(args)
     except USER_ERRORS as err:
         # Bad input is reported in one line that names the key or file; AMIR_DEBUG=1 shows the traceback.
         if os.environ.get("AMIR_DEBUG"):

@@ -191,6 +191,11 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
     def setup(self, stage: str) -> None:  # noqa: D102
         check_strategy(self.trainer.strategy)
         self.compute_dtype = take_over_precision(self.trainer)
+        if getattr(self.loss, "aggregation", None) == "dr_grpo" and self.loss.max_completion_length is None:
+            raise ValueError(
+                "model.loss.init_args.max_completion_length must be set for aggregation dr_grpo: its constant L, "
+                "normally data.sampling.max_new_tokens (amir fit fills it in from there)"
+            )
 
     def configure_model(self) -> None:  # noqa: D102
         if self.policy is not None:

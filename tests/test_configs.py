@@ -78,3 +78,30 @@ def test_a_config_file_with_an_old_data_key_names_its_new_place(tmp_path, capsys
     with pytest.raises(SystemExit):
         main(["fit", "--config", str(old), "--print_config"])
     assert "data.val_size is now data.evaluation.val_size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("given", "length"),
+    [([], 2), (["--model.loss.init_args.max_completion_length", "5"], 5)],
+)
+def test_dr_grpo_divides_by_the_completion_length_limit(given, length):
+    """Dr. GRPO's L is a constant: ``data.sampling.max_new_tokens`` (2 in tiny.yaml) unless given, never the step's
+    longest completion."""
+    from amir_lightning.cli import build_cli
+
+    tiny = str(Path(__file__).parents[1] / "configs" / "tiny.yaml")
+    cli = build_cli(["--config", tiny, "--model.loss.init_args.aggregation", "dr_grpo", *given], run=False)
+    assert cli.model.loss.max_completion_length == length
+
+
+def test_training_dr_grpo_without_its_length_is_an_error():
+    import lightning as L
+
+    from amir_lightning.models import HFModel
+    from amir_lightning.module import AmirGRPOModule
+    from amir_lightning.objectives import GRPOLoss
+
+    module = AmirGRPOModule(policy=HFModel("unused"), loss=GRPOLoss(aggregation="dr_grpo"))
+    module.trainer = L.Trainer(accelerator="cpu", logger=False)
+    with pytest.raises(ValueError, match="max_completion_length must be set for aggregation dr_grpo"):
+        module.setup("fit")

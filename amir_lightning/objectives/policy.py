@@ -9,7 +9,7 @@ Aggregation of the per-token loss ``c`` over one optimisation step of N completi
     bnpo     sum_i,t c_i,t / sum_i |o_i|                    token mean over this process's step batch, then the
                                                             mean over processes
     dapo     sum_i,t c_i,t / sum_i |o_i|                    token mean over the global step batch (all processes)
-    dr_grpo  sum_i,t c_i,t / (N * L)                        L = max_completion_length (or the step's longest)
+    dr_grpo  sum_i,t c_i,t / (N * L)                        L = max_completion_length, a constant
 
 Micro-batches hold whole groups and share the step's ``StepContext`` (``num_sequences``, ``num_tokens``,
 ``max_length``, over all processes), so summing their losses gives exactly the full-batch loss and gradient. The
@@ -67,7 +67,9 @@ class GRPOLoss(nn.Module):
             (``old_token_logps=None``) both give the same gradient.
         beta: Coefficient of the k3 KL penalty to the reference policy; 0 needs no reference model.
         mask_truncated_completions: Drop completions that hit the length limit from the policy-gradient term.
-        max_completion_length: ``L`` of ``dr_grpo``; ``None`` uses the longest completion of the step.
+        max_completion_length: ``L`` of ``dr_grpo``: a constant, the completion length limit (``amir fit`` sets it
+            to ``data.sampling.max_new_tokens`` unless given; training without it is an error). ``None`` in a
+            direct call: the longest completion of the call.
         sampling_correction: Importance weights for the engine/trainer mismatch (module docstring), or ``none``.
         sampling_cap: Largest importance weight kept (TRL's ``vllm_importance_sampling_clip_max``).
     """
