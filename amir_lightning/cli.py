@@ -200,7 +200,7 @@ class AmirCLI(LightningCLI):
 
 
 def build_cli(args: ArgsType = None, run: bool = True) -> AmirCLI:
-    """The ``amir`` CLI over ``args``; ``run=False`` parses and builds the module and data module without a subcommand."""
+    """The ``amir`` CLI over ``args``; ``run=False`` builds the module and data module without a subcommand."""
     return AmirCLI(
         AmirGRPOModule,
         RolloutDataModule,
