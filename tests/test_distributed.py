@@ -1,6 +1,7 @@
 """Two CPU processes (gloo): the same global batch gives the same update as one process; DDP and FSDP2 fits run,
 and a distributed checkpoint resumes."""
 
+import ast
 import os
 import subprocess
 import sys
@@ -81,6 +82,12 @@ def test_processes_with_unequal_micro_batches_agree_and_make_the_same_update(mod
     extra = ["--uneven", "--micro-batch-tokens", "1", "--packing", packing]
     double = one_step(model_dir, tmp_path / "two.pt", 2, strategy, "grpo", "amir", extra=extra, stdout=printed)
     assert "rank 0: micro-batches per step [3]" in printed[0] and "rank 1: micro-batches per step [3]" in printed[0]
+    # one log-prob path per run, whatever FSDP2's shard state (the fused head, packed when asked), on every rank
+    for rank in (0, 1):
+        line = next(x for x in printed[0].splitlines() if x.startswith(f"rank {rank}: log-prob forwards"))
+        counts = ast.literal_eval(line.split("forwards ", 1)[1])  # a dict printed by dp_step.py
+        used = {path for path, n in counts.items() if n}
+        assert used == ({"packed"} if packing == "on" else {"fused"}), line
     start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     largest = max((single[k] - start[k]).abs().max().item() for k in single)
     for key in single:

@@ -139,10 +139,11 @@ SCALED_HEAD_KEYS = {
 def fused_head(model):
     """``(decoder, weight)`` when the LM head of ``model`` is a plain linear map of the decoder's output, else None.
 
-    ``weight`` is a function giving the head's ``[V, H]`` weight after the forward: whole under FSDP2 too (the root
-    keeps its parameters gathered between forward and backward); a sharded head that trains falls back to the
-    materialised path. Heads with a bias, or whose configuration (or text configuration) scales or caps the logits
-    (``SCALED_HEAD_KEYS``), are not fused; ``head_matches_logits`` catches the ones no key names.
+    ``weight`` is a function giving the head's ``[V, H]`` weight after the forward: whole under FSDP2 too, whatever
+    the shard state before the forward (the root module, which holds the head, keeps its parameters gathered
+    between forward and backward), so a run takes one path throughout. Heads with a bias, or whose configuration
+    (or text configuration) scales or caps the logits (``SCALED_HEAD_KEYS``), are not fused; ``head_matches_logits``
+    catches the ones no key names.
     """
     head = _linear_head(model)
     if head is None or scaled_head_keys(getattr(_base(model), "config", None)):
@@ -155,18 +156,20 @@ def _base(model):
 
 
 def _linear_head(model):
-    """``(decoder, weight)`` of a bias-free linear LM head (not a trainable shard), whatever the configuration says."""
+    """``(decoder, weight)`` of a bias-free linear LM head, whatever the configuration says."""
     base = _base(model)
     get_decoder = getattr(base, "get_decoder", None)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if get_decoder is None or not isinstance(head, torch.nn.Linear) or head.bias is not None:
         return None
-    if type(head.weight).__name__ == "DTensor" and head.weight.requires_grad:
-        return None
 
     def weight() -> torch.Tensor:
         w = head.weight
-        return w.full_tensor() if type(w).__name__ == "DTensor" else w
+        if type(w).__name__ != "DTensor":
+            return w
+        if w.requires_grad:  # FSDP2 gathers a trainable head for the forward; a shard here would lose its gradient
+            raise RuntimeError("the LM head is still sharded after the forward: the fused head cannot train it")
+        return w.full_tensor()
 
     return get_decoder(), weight
 

@@ -62,6 +62,33 @@ class FixedRollouts(L.LightningDataModule):
         return DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
 
 
+def count_logprob_paths() -> dict[str, int]:
+    """Counts the policy forwards by log-prob path (packed, fused or materialised) from here on."""
+    from amir_lightning.models import scoring
+
+    counts = {"packed": 0, "fused": 0, "materialised": 0}
+    original, packed = scoring.completion_logps, scoring._packed_completion_logps
+
+    def counting(model, input_ids, attention_mask, width, temperature=1.0, chunk=512, entropy=False, fused=True,
+                 packing=False):  # fmt: skip
+        head = scoring.fused_head(model) if fused else None
+        if head is None:
+            counts["materialised"] += 1
+        elif not packing:
+            counts["fused"] += 1
+        return original(model, input_ids, attention_mask, width, temperature, chunk, entropy, fused, packing)
+
+    def counting_packed(*args, **kwargs):
+        counts["packed"] += 1
+        return packed(*args, **kwargs)
+
+    import amir_lightning.module as module_file
+
+    module_file.completion_logps = counting
+    scoring._packed_completion_logps = counting_packed
+    return counts
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("model_dir")
@@ -108,8 +135,10 @@ def main():
         reload_dataloaders_every_n_epochs=1,
     )
     data = FixedRollouts(args.uneven, args.micro_batch_tokens)
+    paths = count_logprob_paths()
     trainer.fit(module, data)
     print(f"rank {trainer.global_rank}: micro-batches per step {data.micro_batches}")
+    print(f"rank {trainer.global_rank}: log-prob forwards {dict(sorted(paths.items()))}")
     from amir_lightning.models.loading import full_state_dict
 
     state = {k: v.detach().cpu().clone() for k, v in full_state_dict(module.policy).items()}
