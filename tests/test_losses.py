@@ -173,3 +173,25 @@ def test_grpo_rejects_bad_arguments(kwargs):
 def test_amir_rejects_bad_arguments(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         AmirGRPOLoss(**kwargs)
+
+
+@pytest.mark.parametrize("aggregation", ["bnpo", "dapo", "grpo"])
+def test_a_process_without_tokens_does_not_scale_the_others_gradient(aggregation):
+    """Two processes, the second with all of its groups dropped (``drop_zero_std_groups``): the first process's
+    per-token weight, after data parallelism averages (x W / W), is what one process alone with that data gets.
+    bnpo counted the empty process in its mean over processes, halving the gradient."""
+    from amir_lightning.objectives.aggregation import global_normalizers, row_weights, summed_counts
+
+    data = {"num_sequences": 8.0, "num_tokens": 40.0, "max_length": 9.0, "num_pairs": 5.0}
+    empty = {"num_sequences": 0.0, "num_tokens": 0.0, "max_length": 1.0, "num_pairs": 0.0}
+
+    def all_reduce(values, op):  # over the two processes
+        if op == "max":
+            return torch.tensor([max(data["max_length"], empty["max_length"])], dtype=torch.float64)
+        return summed_counts(data) + summed_counts(empty)
+
+    lengths = torch.tensor([5.0] * 8)
+    alone = row_weights(aggregation, lengths, data)
+    world = global_normalizers(data, 2, all_reduce, aggregation)
+    scaled = row_weights(aggregation, lengths, world) * 2  # the module scales its loss by W = 2...
+    torch.testing.assert_close(scaled / 2, alone)  # ...and data parallelism averages the gradients over W

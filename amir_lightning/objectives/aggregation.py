@@ -40,8 +40,10 @@ def global_normalizers(
 
     Counts are summed and ``max_length`` maximised over processes, so every process's micro-batch losses are shares
     of one global loss; data-parallel training averages gradients over processes, so the caller scales its loss by
-    ``world_size``. ``bnpo`` keeps a per-process token mean (TRL's semantics): its token count is the local one
-    times ``world_size``, which the scaling cancels.
+    ``world_size``. ``bnpo`` keeps a per-process token mean (TRL's semantics) averaged over the processes that have
+    tokens this step: its token count is the local one times their number, which the scaling turns into that
+    average (a process whose groups were all dropped, ``drop_zero_std_groups``, adds nothing and counts for
+    nothing).
 
     Args:
         local: This process's normalisers.
@@ -52,12 +54,18 @@ def global_normalizers(
     if world_size == 1:
         return dict(local)
     keys = sorted(k for k in local if k != "max_length")
-    summed = all_reduce(torch.tensor([local[k] for k in keys], dtype=torch.float64), "sum")
-    out = {k: float(v) for k, v in zip(keys, summed.tolist())}
+    summed = all_reduce(summed_counts(local), "sum").tolist()
+    out = {k: float(v) for k, v in zip(keys, summed)}
     out["max_length"] = float(all_reduce(torch.tensor([local["max_length"]], dtype=torch.float64), "max")[0])
     if aggregation == "bnpo":
-        out["num_tokens"] = local["num_tokens"] * world_size
+        out["num_tokens"] = local["num_tokens"] * max(summed[-1], 1.0)
     return out
+
+
+def summed_counts(local: dict[str, float]) -> torch.Tensor:
+    """What a process adds to the step's sums: its counts (sorted by name), then 1 if it has tokens."""
+    keys = sorted(k for k in local if k != "max_length")
+    return torch.tensor([local[k] for k in keys] + [float(local["num_tokens"] > 0)], dtype=torch.float64)
 
 
 def row_weights(aggregation: str, lengths: torch.Tensor, norms: dict[str, float]) -> torch.Tensor:
