@@ -79,6 +79,16 @@ class RolloutDataModule(LightningDataModule):
         errors: list[str] = []
         check_number(errors, "data.max_prompt_tokens", max_prompt_tokens, ge=1)
         raise_errors(errors)
+        if sampling.top_p < 1 or sampling.top_k > 0:
+            log.warning(
+                "data.sampling truncates the distribution (top_p %g, top_k %d): the engine's log-probs are those of "
+                "the truncated, renormalised distribution it samples from, the trainer's those of the full softmax "
+                "(as in TRL). Their ratio is the kept probability mass, below 1: the mismatch weights "
+                "(model.loss.init_args.sampling_correction) scale every token down by it and rollout/engine_trainer_kl "
+                "counts it. Keep top_p 1 and top_k 0 for training rollouts, or set sampling_correction: none.",
+                sampling.top_p,
+                sampling.top_k,
+            )
         self.prompts, self.engine = prompts, engine
         self.rewards = [r if isinstance(r, Reward) else FunctionReward(r) for r in rewards or [MathAnswerReward()]]
         self.settings, self.sampling = rollout, sampling

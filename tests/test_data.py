@@ -200,3 +200,16 @@ def test_a_short_reference_is_preferred_to_a_worked_solution(tmp_path):
     path.write_text(json.dumps({"question": "2+2?", "solution": ["Two and two make 4."], "final_answer": ["4"]}) + "\n")
     (prompt,) = JsonlPrompts(str(path)).items
     assert prompt.answer == "4" and prompt.columns["solution"] == ["Two and two make 4."]
+
+
+@pytest.mark.parametrize(("top_p", "top_k", "warned"), [(0.9, 0, True), (1.0, 20, True), (1.0, 0, False)])
+def test_truncated_training_sampling_says_what_it_does_to_the_log_probs(top_p, top_k, warned, caplog):
+    """vLLM's sampling log-probs come from the truncated distribution, the trainer's from the full softmax."""
+    from amir_lightning.data import ArithmeticPrompts
+    from amir_lightning.datamodule import RolloutDataModule
+    from amir_lightning.rollout import HFEngine, SamplingConfig
+
+    sampling = SamplingConfig(top_p=top_p, top_k=top_k)
+    RolloutDataModule(prompts=ArithmeticPrompts(), engine=HFEngine(progress=False), sampling=sampling)
+    said = [r.getMessage() for r in caplog.records if "truncates the distribution" in r.getMessage()]
+    assert len(said) == int(warned) and all("sampling_correction: none" in m for m in said)
