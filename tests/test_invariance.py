@@ -147,7 +147,7 @@ def reference_loss(step, aggregation, sequence_is, beta, eps_low, eps_high, lam,
             clipped = ratios[t].clamp(1 - eps_low, 1 + eps_high)
             c = -torch.minimum(ratios[t] * adv[i], clipped * adv[i])
             d = ref[i, t] - logps[i, t]
-            terms.append(token_w[t] * (c + beta * (torch.exp(d) - d - 1)))
+            terms.append(token_w[t] * c + beta * (torch.exp(d) - d - 1))  # the KL term is not reweighted
         seq_terms.append(sum(terms) / length)
         token_total = token_total + sum(terms)
         token_count += length

@@ -112,3 +112,20 @@ def test_on_a_real_runs_statistics_lambda_moves_inside_its_bounds():
         assert sum(0.005 < lam < 0.05 for lam in trace) == len(trace)  # never pinned at a bound
         assert len(set(trace)) >= 2 and trace[-1] != start  # it moves
     assert max(trace) >= start * 1.25**3 - 1e-12  # from 0.01 it rises three steps toward the band
+
+
+def test_on_resume_a_fixed_lambda_is_this_runs_and_an_adaptive_one_continues():
+    """A fixed lambda is configuration: the value given to the resumed run wins over the checkpoint's. An adaptive
+    lambda is the controller's state: it continues from the checkpoint (lambda_ was only its starting value)."""
+    fixed = AmirGRPOLoss(lambda_=0.3, lambda_schedule="fixed", lambda_max=1.0)
+    resumed = AmirGRPOLoss(lambda_=0.1, lambda_schedule="fixed", lambda_max=1.0)
+    resumed.load_state_dict(fixed.state_dict())
+    assert resumed.lambda_now == 0.1
+    adaptive = AmirGRPOLoss(lambda_=0.02)
+    adaptive.end_step({"amir/num_pairs": torch.tensor(3.0), "amir/pair_grad": torch.tensor(0.2),
+                       "train/pg_scale": torch.tensor(1.0)})  # fmt: skip
+    moved = adaptive.lambda_now
+    assert moved != 0.02
+    again = AmirGRPOLoss(lambda_=0.02)
+    again.load_state_dict(adaptive.state_dict())
+    assert again.lambda_now == moved

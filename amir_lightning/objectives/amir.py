@@ -55,7 +55,8 @@ Schedule = Literal["fixed", "adaptive"]
 class LambdaSchedule(nn.Module):
     """The weight lambda of the pair term: fixed, or the adaptive band on its gradient share (module docstring).
 
-    Its state is two buffers, saved in and restored from checkpoints with the module.
+    Its state is two buffers, saved in and restored from checkpoints with the module. An adaptive lambda resumes
+    where the controller left it (``lambda_`` is only its starting value); a fixed one is this run's ``lambda_``.
     """
 
     def __init__(
@@ -78,6 +79,13 @@ class LambdaSchedule(nn.Module):
         self.scale_ema = scale_ema
         self.register_buffer("lambda_value", torch.tensor(float(lambda_), dtype=torch.float64))
         self.register_buffer("pg_scale_ema", torch.tensor(-1.0, dtype=torch.float64))  # < 0: not yet seen
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        """A fixed lambda is configuration, not state: on resume this run's value wins over the checkpoint's."""
+        given = float(self.lambda_value)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.schedule == "fixed":
+            self.lambda_value.fill_(given)
 
     @torch.no_grad()
     def update(self, pair_grad: float, pg_scale: float) -> None:

@@ -20,8 +20,9 @@ kernels and dtype, so its distribution q differs slightly from the trainer's p_o
 of the sampled tokens, each token's loss is weighted by w = p_old / q, truncated at ``sampling_cap`` (``*_truncate``)
 or zeroed above it (``*_mask``), per token or with one ratio per sequence (the product of its token ratios).
 p_old is ``old_token_logps`` off-policy and the forward's own detached log-probs on-policy (no extra forward).
-The k3 estimate of KL(q || p_old) per token is logged whether or not the correction is on. The AMIR pair term is
-not reweighted: it is a sequence-level regulariser, not an expectation under the sampling policy.
+The k3 estimate of KL(q || p_old) per token is logged whether or not the correction is on. The weights apply to
+the policy-gradient term only, as in TRL and verl: the KL penalty to the reference and the AMIR pair term are
+regularisers of the current policy, not expectations under the sampling policy.
 
 Deliberate deviations from TRL:
 - ``bnpo`` normalises by the tokens of the process's whole step batch, not of each micro-batch: TRL's choice makes
@@ -256,7 +257,7 @@ class GRPOLoss(nn.Module):
             stats["train/pg_scale"] = (weights * token_loss.sum(-1) * -adv.squeeze(1).sign()).sum()
         if self.beta != 0.0:
             delta = ref_token_logps.to(token_logps.dtype) - token_logps  # [N, T]
-            kl = (weights * ((delta.exp() - delta - 1.0) * token_weights).sum(-1)).sum()  # k3
+            kl = (weights * ((delta.exp() - delta - 1.0) * mask).sum(-1)).sum()  # k3, not importance-weighted
             loss = loss + self.beta * kl
             stats["train/kl"] = kl.detach()
         stats["train/loss"] = loss.detach()
