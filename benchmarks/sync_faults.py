@@ -1,0 +1,113 @@
+"""The exact weight-sync check against engines that take pushes wrong, a correct bf16 engine over a long run, and
+what the check costs.
+
+    python benchmarks/sync_faults.py [--syncs 12] [--long 1000] [--smollm2]
+
+Engines are the real ``VLLMEngine`` and ``HFEngine`` (tests/helpers/engines.py breaks their ``load_weights``); the
+"trainer" is a float32 copy of a tiny random Qwen2 moved by a random step (0.01 per weight) before every sync.
+
+1. Faulty engines, each dtype: the sync at which ``SyncCheck`` stopped, against the first sync whose pushed weights
+   the engine does not hold (ignoring pushes after the third: the fourth; a 55 % update: the second, the first push
+   being the engine's initial weights; every other tensor dropped: the second for HFEngine, the first for vLLM, whose
+   reload rebuilds a layer fed part of its tensors).
+2. Correct bf16 engines over ``--long`` syncs at a 0.003 step: stops (none expected) and the probe gap at the first
+   and last sync, which grows with the drift (what the statistical check of earlier versions stopped on).
+3. ``--smollm2``: seconds per sync of the bundled SmolLM2-135M into a float32 vLLM engine, with and without the
+   weight check (``data.sync.verify_weights``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+
+import torch  # noqa: E402
+from test_sync import FAULTS, Trainer, make_engine, syncs_until_stopped  # noqa: E402
+
+from amir_lightning.models import build_tiny_model  # noqa: E402
+from amir_lightning.rollout import HFEngine, VLLMEngine  # noqa: E402
+from amir_lightning.rollout.sync import SyncCheck, SyncSettings  # noqa: E402
+
+
+def faults(model_dir: Path, syncs: int) -> None:
+    print("| engine | fault | dtype | first wrong sync | stopped at sync |")
+    print("|---|---|---|---|---|")
+    for engine_cls, first_wrong in FAULTS:
+        for dtype in ("float32", "bfloat16"):
+            engine = make_engine(engine_cls, dtype)
+            engine.start(model_dir, seed=0)
+            stopped = syncs_until_stopped(engine, Trainer(model_dir), syncs)
+            engine.close()
+            base = engine_cls.__mro__[2].__name__
+            fault = engine_cls.__name__.removeprefix(base.removesuffix("Engine"))
+            print(f"| {base} | {fault} | {dtype} | {first_wrong} | {stopped or f'not in {syncs}'} |")
+
+
+def long_run(model_dir: Path, syncs: int) -> None:
+    print(f"\n| correct engine, bf16 | syncs | stopped | probe gap at sync 1 | probe gap at sync {syncs} | "
+          "largest probe gap | seconds per sync |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for engine_cls in (VLLMEngine, HFEngine):
+        trainer, engine = Trainer(model_dir), make_engine(engine_cls, "bfloat16")
+        engine.start(model_dir, seed=0)
+        check = SyncCheck()
+        check.set_probe(trainer.tokenizer, trainer.tokenizer("3+4=")["input_ids"], "7")
+        gaps, start = [], time.perf_counter()
+        for sync in range(syncs):
+            gaps.append(check.push_and_verify(trainer, engine).gap)
+            torch.manual_seed(sync)
+            with torch.no_grad():
+                for p in trainer.policy.parameters():
+                    p.add_(0.003 * torch.randn_like(p))
+        seconds = (time.perf_counter() - start) / syncs
+        engine.close()
+        print(f"| {engine_cls.__name__} | {syncs} | no | {gaps[0]:.2g} | {gaps[-1]:.2g} | {max(gaps):.2g} | "
+              f"{seconds:.3f} |")  # fmt: skip
+
+
+def smollm2_cost(repeats: int = 3) -> None:
+    from amir_lightning.models.bundled import materialize_smollm2
+
+    model_dir = materialize_smollm2()
+    trainer = Trainer(model_dir)
+    engine = VLLMEngine(dtype="float32", max_model_len=256, kv_cache_memory_bytes=256 * 1024**2, progress=False)
+    engine.start(model_dir, seed=0)
+    print(f"\n| SmolLM2-135M, float32 vLLM, {torch.get_num_threads()} thread(s) | seconds per sync |")
+    print("|---|---|")
+    for verify in (False, True):
+        check = SyncCheck(SyncSettings(verify_weights=verify))
+        check.set_probe(trainer.tokenizer, trainer.tokenizer("What is 3 + 4?")["input_ids"], "7")
+        check.push_and_verify(trainer, engine)  # the first sync also reads the engine's layout
+        start = time.perf_counter()
+        for _ in range(repeats):
+            check.push_and_verify(trainer, engine)
+        label = "push, probe and exact weight check" if verify else "push and probe (verify_weights: false)"
+        print(f"| {label} | {(time.perf_counter() - start) / repeats:.2f} |")
+    engine.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--syncs", type=int, default=12, help="syncs per faulty engine")
+    parser.add_argument("--long", type=int, default=1000, help="syncs of the correct bf16 engines")
+    parser.add_argument("--smollm2", action="store_true", help="also time a sync of the bundled SmolLM2")
+    args = parser.parse_args()
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_tiny_model(Path(tmp) / "model", seed=2)
+        faults(model_dir, args.syncs)
+        long_run(model_dir, args.long)
+    if args.smollm2:
+        smollm2_cost()
+
+
+if __name__ == "__main__":
+    main()
