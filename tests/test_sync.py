@@ -198,3 +198,35 @@ def test_an_engine_that_cannot_read_its_weights_back_is_checked_by_the_probe_and
     said = [r.getMessage() for r in caplog.records if "not compared with the pushed ones" in r.getMessage()]
     assert said == ["weight sync: the weights _BlindEngine holds are not compared with the pushed ones (it cannot "
                     "read them back); only the probe log-probs are measured"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_amir_fit_stops_an_engine_that_applies_part_of_each_update_at_its_second_sync(tmp_path):
+    """End to end on configs/tiny.yaml: the engine takes 55 % of each update; the run trains on its first rollout
+    (the first push is the initial weights, which the engine holds), then stops at the second sync with one line
+    and exit status 2."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import read_scalars
+
+    root = Path(__file__).parents[1]
+    args = ["fit", "--config", str(root / "configs" / "tiny.yaml"), "--trainer.max_epochs", "4"]
+    args += ["--data.engine", "engines.VLLMPartialUpdate", "--data.engine.init_args.fraction", "0.55"]
+    args += ["--data.engine.init_args.max_model_len", "64", "--data.engine.init_args.progress", "false"]
+    args += ["--data.engine.init_args.kv_cache_memory_bytes", "33554432"]
+    helpers = str(Path(__file__).parent / "helpers")
+    env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"), PYTHONPATH=helpers + os.pathsep + os.environ.get(
+        "PYTHONPATH", ""))  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "amir_lightning", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("amir: error:")]
+    assert len(errors) == 1 and "rollout engine is stale: after weight sync 2" in errors[0]
+    assert "Traceback" not in result.stderr
+    scalars = read_scalars(tmp_path / "runs" / "tiny" / "version_0")
+    assert len(scalars["train/loss"]) == 1 and scalars["rollout/sync_verified_tensors"] == [16.0]
