@@ -5,7 +5,8 @@
 Both engines run through amir-lightning's engine API on the same chat-templated arithmetic prompts with the same
 sampling (temperature 0.7, top_p 1.0, EOS stops a completion); tokens/s counts the tokens actually generated.
 Reports each engine's throughput, their ratio (target vLLM >= 3x HF), and one verified weight sync (all weights
-pushed into vLLM, then the probe scored by engine and policy) as a share of a rollout epoch (target < 5 %).
+pushed into vLLM, every tensor read back from the engine and compared exactly, then the probe scored by engine and
+policy: ``rollout/sync.py``) as a share of a rollout epoch (target < 5 %).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from contextlib import contextmanager
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -22,12 +24,27 @@ from _common import machine  # noqa: E402
 from amir_lightning.data import ArithmeticPrompts, render_prompt  # noqa: E402
 from amir_lightning.models import BundledSmolLM2  # noqa: E402
 from amir_lightning.rollout import HFEngine, SamplingConfig, VLLMEngine  # noqa: E402
+from amir_lightning.rollout.sync import SyncCheck  # noqa: E402
 
 
 def timed_generate(engine, prompts, samples, sampling) -> tuple[float, int]:
     start = time.perf_counter()
     groups = engine.generate(prompts, samples, sampling)
     return time.perf_counter() - start, sum(len(c.token_ids) for g in groups for c in g)
+
+
+class _Trainer:
+    """The trainer's side of a sync, played by the HF engine's copy of the policy."""
+
+    def __init__(self, engine: HFEngine) -> None:
+        self.engine = engine
+
+    @contextmanager
+    def export_weights(self):
+        yield list(self.engine.model.state_dict().items())
+
+    def score_tokens(self, prompt: list[int], completion: list[int]) -> list[float]:
+        return self.engine.score(prompt, completion)
 
 
 def main() -> None:
@@ -55,12 +72,12 @@ def main() -> None:
     with torch.no_grad():
         hf_s, hf_tokens = timed_generate(hf, prompts, args.samples, sampling)
 
-    state = list(hf.model.state_dict().items())  # the "trained" weights: a full push, as after every step
-    completion = tokenizer("42", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    trainer = _Trainer(hf)  # the "trained" weights: a full push, as after every step
+    check = SyncCheck()
+    check.set_probe(tokenizer, prompts[0], "42")
+    check.push_and_verify(trainer, vllm)  # the first sync also reads the engine's weight layout
     start = time.perf_counter()
-    vllm.load_weights(state)
-    vllm.score(prompts[0], completion)
-    hf.score(prompts[0], completion)
+    check.push_and_verify(trainer, vllm)
     sync_s = time.perf_counter() - start
 
     print(
