@@ -198,7 +198,7 @@ class SyncCheck:
         self.syncs += 1
         if any_wrong:
             self._stop(wrong, verified)
-        return SyncReport(gap, self._probe_level(gap), verified)
+        return SyncReport(gap, self._probe_level(gap, verified > 0), verified)
 
     def _push(self, module, engine: RolloutEngine) -> PushedDigests | None:
         """Stream the module's weights into the engine, digesting them on the way (unless the check is off)."""
@@ -220,11 +220,11 @@ class SyncCheck:
         raise StaleEngineError(
             f"rollout engine is stale: after weight sync {self.syncs} {where} holds other weights than the trainer "
             f"pushed ({len(wrong) or 'some'} of {verified or 'its'} tensors differ, read back from the engine{first}). "
-            "It did not take the whole update, so training would continue on rollouts from another policy. Check "
+            "It did not take the update as pushed, so training would continue on rollouts from another policy. Check "
             "that the engine loads every pushed tensor (parameter names, dtypes, a custom load_weights)."
         )
 
-    def _probe_level(self, gap: float) -> float:
+    def _probe_level(self, gap: float, verified: bool) -> float:
         """The probe gap's warning level; the first sync measures the noise floor (and refuses another model)."""
         s = self.settings
         if self.noise_floor is None:
@@ -239,12 +239,14 @@ class SyncCheck:
         level = s.tolerance if s.tolerance is not None else max(s.min_tolerance, s.noise_factor * self.noise_floor)
         if gap > level and gap >= 2 * self._warned_at:
             self._warned_at = gap
+            weights = "the weights themselves match" if verified else "the weights themselves are not compared"
             log.warning(
                 "weight sync %d: the engine's probe log-probs differ from the trainer's by %.3g nat (warning level "
-                "%.3g): their numerics drift apart (the weights themselves were verified: data.sync.verify_weights)",
+                "%.3g, data.sync.tolerance): their numerics drift apart; %s",
                 self.syncs,
                 gap,
                 level,
+                weights,
             )
         return level
 
