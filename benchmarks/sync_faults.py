@@ -12,8 +12,8 @@ Engines are the real ``VLLMEngine`` and ``HFEngine`` (tests/helpers/engines.py b
    reload rebuilds a layer fed part of its tensors).
 2. Correct bf16 engines over ``--long`` syncs at a 0.003 step: stops (none expected) and the probe gap at the first
    and last sync, which grows with the drift (what the statistical check of earlier versions stopped on).
-3. ``--smollm2``: seconds per sync of the bundled SmolLM2-135M into a float32 vLLM engine, with and without the
-   weight check (``data.sync.verify_weights``).
+3. ``--smollm2``: seconds per sync of the bundled SmolLM2-135M into a float32 vLLM engine, without the weight check
+   (``data.sync.verify_weights``), with it (the CPU kernels read on 64 columns a sync), and reading every column.
 """
 
 from __future__ import annotations
@@ -81,14 +81,20 @@ def smollm2_cost(repeats: int = 3) -> None:
     engine.start(model_dir, seed=0)
     print(f"\n| SmolLM2-135M, float32 vLLM, {torch.get_num_threads()} thread(s) | seconds per sync |")
     print("|---|---|")
-    for verify in (False, True):
-        check = SyncCheck(SyncSettings(verify_weights=verify))
+    settings = {
+        "push and probe (verify_weights: false)": SyncSettings(verify_weights=False),
+        "push, probe and weight check (default: kernels read on 64 columns)": SyncSettings(),
+        "push, probe and weight check, kernels read on every column (kernel_columns: null)": SyncSettings(
+            kernel_columns=None
+        ),
+    }
+    for label, setting in settings.items():
+        check = SyncCheck(setting)
         check.set_probe(trainer.tokenizer, trainer.tokenizer("What is 3 + 4?")["input_ids"], "7")
         check.push_and_verify(trainer, engine)  # the first sync also reads the engine's layout
         start = time.perf_counter()
         for _ in range(repeats):
             check.push_and_verify(trainer, engine)
-        label = "push, probe and exact weight check" if verify else "push and probe (verify_weights: false)"
         print(f"| {label} | {(time.perf_counter() - start) / repeats:.2f} |")
     engine.close()
 

@@ -22,7 +22,7 @@ from helpers.engines import (
 
 from amir_lightning.models import build_tiny_model
 from amir_lightning.rollout import HFEngine, VLLMEngine
-from amir_lightning.rollout.digest import Digest, WeightSlot, tensor_digest
+from amir_lightning.rollout.digest import ColumnSample, Digest, WeightSlot, tensor_digest
 from amir_lightning.rollout.engine import RolloutEngine
 from amir_lightning.rollout.sync import StaleEngineError, SyncCheck, SyncSettings
 
@@ -56,7 +56,17 @@ def test_a_slot_digests_in_the_engines_dtype_and_through_a_narrower_load_dtype()
     assert WeightSlot("w", "", torch.bfloat16).digests(x) == (tensor_digest(x.to(torch.bfloat16)),)
     direct, through = WeightSlot("b", "", torch.float32, torch.bfloat16).digests(x)
     assert direct == tensor_digest(x) and through == tensor_digest(x.to(torch.bfloat16).float()) != direct
-    assert Digest(2**64 - 1, 1) + Digest(1, 1) == Digest(0, 2)  # sums wrap at 64 bits
+    assert Digest(2**32 - 1, 1) + Digest(1, 1) == Digest(0, 2)  # sums wrap at 32 bits
+
+
+def test_kernel_columns_are_a_fresh_reproducible_choice_at_every_sync():
+    first, again, next_sync = ColumnSample(3, 8).pick(576), ColumnSample(3, 8).pick(576), ColumnSample(4, 8).pick(576)
+    assert torch.equal(first, again) and not torch.equal(first, next_sync)
+    assert len(first) == 8 and torch.equal(first, first.sort().values) and int(first.max()) < 576
+    assert torch.equal(ColumnSample(3, None).pick(10), torch.arange(10))
+    x = torch.randn(4, 576)
+    slot = WeightSlot("w", "", torch.float32, kernel=True)
+    assert slot.digests(x, ColumnSample(3, 8)) == (tensor_digest(x[:, first]),)
 
 
 # ---------------------------------------------------------------------------------------------------- engines
@@ -126,6 +136,18 @@ def test_a_faulty_engine_is_stopped_at_its_first_wrong_sync(tiny_dir, engine_cls
     engine.start(tiny_dir, seed=0)
     try:
         assert syncs_until_stopped(engine, Trainer(tiny_dir), syncs=6) == first_wrong
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_two_kernel_columns_a_sync_still_stop_a_partial_update_at_once(tiny_dir):
+    """On CPU vLLM keeps linear weights only packed, read back on sampled columns; a partial update moves every
+    column, so two of them suffice."""
+    engine = make_engine(VLLMPartialUpdate, "float32")
+    engine.start(tiny_dir, seed=0)
+    try:
+        assert syncs_until_stopped(engine, Trainer(tiny_dir), 4, SyncSettings(kernel_columns=2)) == 2
     finally:
         engine.close()
 

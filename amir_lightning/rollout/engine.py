@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from amir_lightning.rollout.digest import Digest, WeightSlot
+from amir_lightning.rollout.digest import ColumnSample, Reading, WeightSlot
 from amir_lightning.validation import check_number, raise_errors
 
 
@@ -95,12 +95,14 @@ class RolloutEngine(ABC):
         """
         return None
 
-    def held_weights(self) -> dict[str, list[Digest]] | None:
+    def held_weights(self, columns: ColumnSample) -> dict[str, list[Reading]] | None:
         """Digests of the weights the engine holds now, read back from the engine itself, by ``WeightSlot.key``.
 
-        A key may have several readings (a parameter and a kernel's packed copy of it); each must equal the
-        digest of what was pushed. ``None`` (the default): the engine cannot read its weights back.
+        A key may have several readings (a parameter and a kernel's packed copy of it, which is read on
+        ``columns``); each must equal the digest of what was pushed. ``None`` (the default): the engine cannot read
+        its weights back.
         """
+        del columns
         return None
 
     def close(self) -> None:  # noqa: B027 (optional hook)

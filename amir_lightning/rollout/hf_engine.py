@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from amir_lightning.models.scoring import sequence_token_logps
-from amir_lightning.rollout.digest import Digest, WeightSlot, tensor_digest
+from amir_lightning.rollout.digest import ColumnSample, Reading, WeightSlot, tensor_digest
 from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig, WeightLayout
 from amir_lightning.validation import check_number, raise_errors
 
@@ -123,8 +123,9 @@ class HFEngine(RolloutEngine):
         return _NamedLayout({name: t.dtype for name, t in self.model.state_dict().items()})
 
     @torch.no_grad()
-    def held_weights(self) -> dict[str, list[Digest]]:  # noqa: D102
-        return {name: [tensor_digest(t)] for name, t in self.model.state_dict().items()}
+    def held_weights(self, columns: ColumnSample) -> dict[str, list[Reading]]:  # noqa: D102
+        del columns  # every tensor is read whole
+        return {name: [Reading(tensor_digest(t))] for name, t in self.model.state_dict().items()}
 
     @torch.no_grad()
     def score(self, prompt: list[int], completion: list[int]) -> list[float]:  # noqa: D102

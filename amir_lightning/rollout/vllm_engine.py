@@ -6,11 +6,13 @@ is reset. A reload can "succeed" and leave stale weights (an empty iterator does
 without its ``lm_head.weight`` alias on CPU, where vLLM then restores the old values), which is why the rollout data
 module checks every sync against what the engine reads back from its own workers (``held_weights``):
 
-- parameters as they are where they hold the weights (GPU);
+- parameters as they are where they hold the weights (GPU), whole;
 - on CPU, vLLM repacks every linear weight into its GEMM kernel's own layout and empties the parameter, so those
-  weights are read back through the kernel itself: the product of an identity matrix with the packed weight is the
-  weight, exactly (one nonzero term per output). The embedding, whose parameter stays and whose packed copy
-  computes the logits, is read both ways.
+  weights are read back through the kernel itself: the product of rows of an identity matrix with the packed
+  weight is those columns of the weight, exactly (one nonzero term per output). A product per column costs about
+  1 s per 100M weights on one thread, so each sync reads a fresh random choice of columns (``ColumnSample``,
+  ``data.sync.kernel_columns``; every row of them). The embedding, whose parameter stays whole and whose packed
+  copy computes the logits, is read both ways.
 
 ``weight_layout`` maps the trainer's Hugging Face names to these tensors with the model's own weight mapper
 (``q_proj`` -> the ``q`` part of ``qkv_proj``) and its tied aliases.
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 
 from amir_lightning.distributed import world_size
-from amir_lightning.rollout.digest import Digest, WeightSlot, tensor_digest
+from amir_lightning.rollout.digest import ColumnSample, Digest, Reading, WeightSlot, tensor_digest
 from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig, WeightLayout
 from amir_lightning.validation import check_number, raise_errors
 
@@ -168,19 +170,19 @@ class VLLMEngine(RolloutEngine):
     def weight_layout(self) -> WeightLayout:  # noqa: D102
         return _VLLMLayout(*self.llm.collective_rpc(_layout)[0])
 
-    def held_weights(self) -> dict[str, list[Digest]]:  # noqa: D102
-        per_worker = self.llm.collective_rpc(_read_back)
+    def held_weights(self, columns: ColumnSample) -> dict[str, list[Reading]]:  # noqa: D102
+        per_worker = self.llm.collective_rpc(_read_back, args=(columns,))
         if len(per_worker) == 1:
             return per_worker[0][0]
-        # Tensor parallelism: a sharded tensor's digest is the sum of its shards'; a replicated one is read on every
-        # worker, and every copy must agree.
-        held: dict[str, list[Digest]] = {}
+        # Tensor parallelism (GPU: parameters, whole): a sharded tensor's digest is the sum of its shards'; a
+        # replicated one is read on every worker, and every copy must agree.
+        held: dict[str, list[Reading]] = {}
         for readings, sharded in per_worker:
-            for key, digests in readings.items():
+            for key, found in readings.items():
                 if key in sharded and key in held:
-                    held[key] = [a + b for a, b in zip(held[key], digests)]
+                    held[key] = [Reading(a.digest + b.digest, a.sampled) for a, b in zip(held[key], found)]
                 else:
-                    held.setdefault(key, []).extend(digests)
+                    held.setdefault(key, []).extend(found)
         return held
 
     def score(self, prompt: list[int], completion: list[int]) -> list[float]:  # noqa: D102
@@ -212,6 +214,7 @@ def _layout(worker) -> tuple:
     first, every = _named_parameters(model)
     model_dtype = worker.model_runner.model_config.dtype
     loaded = _load_dtypes(model)
+    kernels = {first[id(w)] for w in _kernels(model).values()}
     aliases, dtypes, load_dtypes = {}, {}, {}
     for name, param in every.items():
         key = first[id(param)]
@@ -222,7 +225,7 @@ def _layout(worker) -> tuple:
             load_dtypes[key] = load  # loaded narrow, kept wide (vLLM's CPU kernels keep biases in float32)
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     packed = dict(getattr(model, "packed_modules_mapping", None) or {})
-    return mapper, packed, aliases, dtypes, load_dtypes
+    return mapper, packed, aliases, dtypes, load_dtypes, kernels
 
 
 def _load_dtypes(model) -> dict[str, torch.dtype]:
@@ -239,44 +242,52 @@ def _load_dtypes(model) -> dict[str, torch.dtype]:
     return out
 
 
+def _kernels(model) -> dict[torch.nn.Module, torch.nn.Parameter]:
+    """The modules whose weight vLLM's CPU backend packed into a GEMM kernel (``cpu_linear``), with that weight."""
+    found = {}
+    for module in model.modules():
+        kernel, weight = getattr(module, "cpu_linear", None), getattr(module, "weight", None)
+        if kernel is not None and isinstance(weight, torch.nn.Parameter):
+            found[module] = weight
+    return found
+
+
 @torch.no_grad()
-def _read_back(worker) -> tuple[dict[str, list[Digest]], set[str]]:
+def _read_back(worker, columns: ColumnSample) -> tuple[dict[str, list[Reading]], set[str]]:
     """Digests of the weights this worker computes with, and the keys it holds a shard of."""
     model = worker.model_runner.get_model()
     first, _ = _named_parameters(model)
-    held: dict[str, list[Digest]] = {}
+    held: dict[str, list[Reading]] = {}
     sharded = set()
     for name, param in model.named_parameters():
         if getattr(param, "output_dim", None) is not None or getattr(param, "input_dim", None) is not None:
             sharded.add(name)
         if param.numel():
-            held.setdefault(name, []).append(tensor_digest(param))
-    for module in model.modules():
-        kernel, weight = getattr(module, "cpu_linear", None), getattr(module, "weight", None)
-        if kernel is not None and isinstance(weight, torch.nn.Parameter) and id(weight) in first:
-            held.setdefault(first[id(weight)], []).append(_kernel_digest(module, kernel, weight))
+            held.setdefault(name, []).append(Reading(tensor_digest(param)))
+    for module, weight in _kernels(model).items():
+        if id(weight) in first:
+            held.setdefault(first[id(weight)], []).append(Reading(_kernel_digest(module, weight, columns), True))
     return held, sharded
 
 
-def _kernel_digest(module, kernel, weight: torch.nn.Parameter, rows: int = 512) -> Digest:
-    """The digest of the weight a CPU GEMM kernel holds: ``kernel(I) = I @ W.T``, one identity block at a time."""
+def _kernel_digest(module, weight: torch.nn.Parameter, columns: ColumnSample, rows: int = 512) -> Digest:
+    """The digest of ``columns`` of the weight a CPU GEMM kernel holds: ``kernel(I[cols]) = W[:, cols].T``."""
     width = getattr(module, "input_size_per_partition", None) or getattr(module, "embedding_dim", None)
     width = width or weight.shape[-1]
     total = Digest()
-    for start in range(0, width, rows):
-        block = min(rows, width - start)
-        eye = torch.zeros(block, width, dtype=weight.dtype, device=weight.device)
-        eye[torch.arange(block), torch.arange(start, start + block)] = 1
-        total = total + tensor_digest(kernel(eye, weight, None))  # [block, N]: columns start.. of W
+    for block in columns.pick(width).split(rows):
+        eye = torch.zeros(len(block), width, dtype=weight.dtype, device=weight.device)
+        eye[torch.arange(len(block)), block.to(eye.device)] = 1
+        total = total + tensor_digest(module.cpu_linear(eye, weight, None))  # [block, N]: columns of W
     return total
 
 
 class _VLLMLayout(WeightLayout):
     """Hugging Face names -> vLLM's tensors: the model's ``hf_to_vllm_mapper``, else its packed modules."""
 
-    def __init__(self, mapper, packed: dict, aliases: dict, dtypes: dict, load_dtypes: dict) -> None:
+    def __init__(self, mapper, packed: dict, aliases: dict, dtypes: dict, load_dtypes: dict, kernels: set) -> None:
         self.mapper, self.packed, self.aliases = mapper, packed, aliases
-        self.dtypes, self.load_dtypes = dtypes, load_dtypes
+        self.dtypes, self.load_dtypes, self.kernels = dtypes, load_dtypes, kernels
 
     def slot(self, name: str) -> WeightSlot | None:  # noqa: D102
         target = self.mapper.map_name(name) if self.mapper is not None else name
@@ -290,4 +301,4 @@ class _VLLMLayout(WeightLayout):
         key = self.aliases.get(target)
         if key is None:
             return None
-        return WeightSlot(key, part, self.dtypes[key], self.load_dtypes.get(key))
+        return WeightSlot(key, part, self.dtypes[key], self.load_dtypes.get(key), key in self.kernels)

@@ -33,8 +33,8 @@ class SkipsPushes:
     def weight_layout(self):
         return self.engine.weight_layout()
 
-    def held_weights(self):
-        return self.engine.held_weights()
+    def held_weights(self, columns):
+        return self.engine.held_weights(columns)
 
 
 class _IgnoresPushesAfter:
