@@ -160,7 +160,7 @@ def main() -> None:
             groups = random_groups(module, args.groups, args.group_size, 64, tuple(args.lengths))
         else:
             groups = make_groups(module, args.groups, args.group_size)
-    module.fused_logprobs, module._packed = not args.materialised, args.packing
+    module._fused, module._packed = not args.materialised, args.packing
     optimizer = torch.optim.AdamW([p for p in module.policy.parameters() if p.requires_grad], lr=1e-12)
     (rollout_step,) = build_steps(plan_steps(groups, 1, args.micro_batch_groups), module.pad_token_id)
     rollout_step = module.transfer_batch_to_device(rollout_step, module.device, 0)
