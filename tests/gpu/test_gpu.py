@@ -24,8 +24,8 @@ def hf_engine(batch_size: int) -> str:
 
 
 def test_qwen_setting_at_the_paper_size(tmp_path):
-    """qwen.yaml (FSDP2, bf16 compute with float32 LoRA adapters, gradient checkpointing, calibrated sync check) on a
-    random model of Qwen2.5-3B's shape: 3 rollouts of 4 prompts x 8, every sync within tolerance, the export loads."""
+    """qwen.yaml (FSDP2, bf16 compute with float32 LoRA adapters, gradient checkpointing, exact sync check) on a
+    random model of Qwen2.5-3B's shape: 3 rollouts of 4 prompts x 8, every sync verified, the export loads."""
     policy = tiny_policy(**QWEN25_3B_SHAPE, dtype="bfloat16")
     extra = ["--data.engine", hf_engine(32), "--data.sampling.max_new_tokens", "128"]
     run_amir(qwen_setting_args(policy, "gpu", 1, rollouts=3, extra=extra), tmp_path, timeout=420)
