@@ -114,7 +114,9 @@ class RolloutDataModule(LightningDataModule):
         self.tokenizer = policy.tokenizer
         self.pad_token_id = policy.pad_token_id
         if not self.engine.started:
-            self.engine.start(policy.model_dir, seed=self.seed + self.trainer.global_rank)
+            trainer = self.trainer
+            seed, device = self.seed + trainer.global_rank, trainer.strategy.root_device
+            self.engine.start(policy.model_dir, seed=seed, device=device, local_rank=trainer.local_rank)
 
     def state_dict(self) -> dict:  # noqa: D102
         return {"cursor": self.stream.position, "sync": self.sync_check.state_dict()}

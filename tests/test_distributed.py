@@ -150,3 +150,35 @@ def test_qwen_yaml_setting_on_two_processes(tmp_path):
     extra = ["--model.gradient_checkpointing", "true"]
     run_amir(qwen_setting_args(tiny_policy(), "cpu", 2, extra=extra), tmp_path, timeout=900)
     check_qwen_run(tmp_path / "runs" / "qwen" / "version_0", rollouts=3)
+
+
+def test_two_slurm_nodes_give_each_engine_its_own_local_rank(tmp_path):
+    """Two "nodes" of one process each, launched as srun does: SLURM's variables (SLURM_LOCALID, no LOCAL_RANK),
+    which Lightning's SLURMEnvironment reads. Each vLLM engine must get its process's local rank (0 on both nodes),
+    not its global rank (on 8-GPU nodes, the second node's ranks 8-15 asked vLLM for cuda:8..15)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.max_epochs", "1"]
+    args += ["--trainer.devices", "1", "--trainer.num_nodes", "2", "--trainer.strategy", "ddp"]
+    args += ["--trainer.check_val_every_n_epoch", "5", "--data.engine", "engines.RecordsLocalRank"]
+    args += ["--data.engine.init_args.max_model_len", "64", "--data.engine.init_args.progress", "false"]
+    args += ["--data.engine.init_args.kv_cache_memory_bytes", "33554432"]
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
+    env.update(MASTER_PORT=str(port), AMIR_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    env.update(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="1", SLURM_JOB_NAME="amir", SLURM_JOB_ID="4242")
+    env.update(SLURM_NODELIST="127.0.0.1", SLURM_LOCALID="0")
+    env["PYTHONPATH"] = str(Path(__file__).parent / "helpers") + os.pathsep + env.get("PYTHONPATH", "")
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "amir_lightning", *args], cwd=tmp_path,
+            env=dict(env, SLURM_PROCID=str(rank), SLURM_NODEID=str(rank)),
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
+    errors = [node.communicate(timeout=600)[1] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], errors[1][-3000:]
+    assert [(tmp_path / f"vllm_local_rank.{rank}").read_text() for rank in (0, 1)] == ["0", "0"]

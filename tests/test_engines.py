@@ -126,3 +126,15 @@ def test_sync_calibration_refuses_a_different_model(tiny_dir):
 def test_empty_weight_sync_is_refused(vllm_engine):
     with pytest.raises(ValueError, match="no tensors"):
         vllm_engine.load_weights([])
+
+
+def test_tensor_parallel_engines_under_several_training_processes_are_refused(tiny_dir, monkeypatch):
+    """Each training process generates for its own prompts; a tensor-parallel vLLM group would need the same prompts
+    on every member, so the combination is refused in one line before the engine starts."""
+    from amir_lightning.rollout import vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "world_size", lambda: 2)
+    engine = VLLMEngine(tensor_parallel_size=2, max_model_len=64, progress=False)
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 with several training processes is not supported"):
+        engine.start(tiny_dir, seed=0)
+    assert not engine.started

@@ -198,8 +198,8 @@ class _BlindEngine(RolloutEngine):
     def __init__(self, engine):
         self.engine = engine
 
-    def start(self, model_dir, seed):
-        self.engine.start(model_dir, seed)
+    def start(self, model_dir, seed, device=None, local_rank=0):
+        self.engine.start(model_dir, seed, device, local_rank)
 
     def generate(self, prompts, n, sampling):
         return self.engine.generate(prompts, n, sampling)

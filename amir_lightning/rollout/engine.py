@@ -73,8 +73,13 @@ class RolloutEngine(ABC):
     """Generates completions for the trainer and follows its weights."""
 
     @abstractmethod
-    def start(self, model_dir: Path, seed: int) -> None:
-        """Load the policy from ``model_dir`` (a Hugging Face directory); called once before generating."""
+    def start(self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0) -> None:
+        """Load the policy from ``model_dir`` (a Hugging Face directory); called once before generating.
+
+        ``device`` is the training process's own (Lightning's ``strategy.root_device``) and ``local_rank`` its rank
+        on its node (``trainer.local_rank``, whatever the launcher: torchrun's ``LOCAL_RANK``, SLURM's
+        ``SLURM_LOCALID``); an engine inside the process uses them instead of guessing from the environment.
+        """
 
     @abstractmethod
     def generate(self, prompts: Sequence[list[int]], n: int, sampling: SamplingConfig) -> list[list[Completion]]:

@@ -26,7 +26,8 @@ class HFEngine(RolloutEngine):
     Args:
         batch_size: Sequences generated together (prompts x samples).
         dtype: Dtype of the engine's copy (``float32``, ``bfloat16``).
-        device: Where the copy lives; ``None`` picks CUDA when available.
+        device: Where the copy lives; ``None``: the training process's device (CUDA when available outside a
+            trainer).
         progress: Show a progress bar over generation batches.
     """
 
@@ -37,11 +38,15 @@ class HFEngine(RolloutEngine):
         check_number(errors, "data.engine.init_args.batch_size", batch_size, ge=1)
         raise_errors(errors)
         self.batch_size, self.dtype, self.progress = batch_size, dtype, progress
+        self.given_device = device
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = None
 
-    def start(self, model_dir: Path, seed: int) -> None:  # noqa: D102
+    def start(self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0) -> None:  # noqa: D102
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        if self.given_device is None and device is not None:
+            self.device = torch.device(device)  # the training process's own device
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, self.dtype))

@@ -88,7 +88,7 @@ class VLLMEngine(RolloutEngine):
         self.enable_prefix_caching, self.max_num_seqs, self.progress = enable_prefix_caching, max_num_seqs, progress
         self.llm = None
 
-    def start(self, model_dir: Path, seed: int) -> None:  # noqa: D102
+    def start(self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0) -> None:  # noqa: D102
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         vllm = _import_vllm()
         on_gpu = torch.cuda.is_available()
@@ -104,14 +104,22 @@ class VLLMEngine(RolloutEngine):
             logprobs_mode="processed_logprobs",  # log-probs of the sampling distribution (after temperature)
         )
         if world_size() > 1:
-            # One engine per process, each on its own prompt shard: vLLM joins the launched processes
-            # instead of spawning workers, and needs the rank variables Lightning's launcher does not set.
+            # One engine per process, each on its own prompt shard: vLLM joins the launched processes instead of
+            # spawning workers, and needs the rank variables Lightning's launcher does not set. Its device is
+            # cuda:LOCAL_RANK: the training process's own device (srun sets SLURM_LOCALID, not LOCAL_RANK).
             import torch.distributed as dist
 
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    "data.engine.init_args.tensor_parallel_size > 1 with several training processes is not supported: "
+                    "each process generates for its own prompts, and a tensor-parallel vLLM group needs the same "
+                    "prompts on every member. Use tensor_parallel_size 1 (one engine per process)"
+                )
+            index = device.index if device is not None and device.type == "cuda" and device.index is not None else None
             os.environ.update(
                 RANK=str(dist.get_rank()),
                 WORLD_SIZE=str(dist.get_world_size()),
-                LOCAL_RANK=os.environ.get("LOCAL_RANK", str(dist.get_rank())),
+                LOCAL_RANK=str(local_rank if index is None else index),
             )
             kwargs["distributed_executor_backend"] = "external_launcher"
         if on_gpu:

@@ -97,3 +97,19 @@ class HFDropsHalf(_DropsHalf, HFEngine):
 
 class HFPartialUpdate(_PartialUpdate, HFEngine):
     """``HFEngine`` that applies ``fraction`` of each update."""
+
+
+class RecordsLocalRank(VLLMEngine):
+    """``VLLMEngine`` that writes the local rank its vLLM worker got to ``vllm_local_rank.<global rank>``."""
+
+    def start(self, model_dir, seed, device=None, local_rank=0):  # noqa: D102
+        super().start(model_dir, seed, device, local_rank)
+        import torch.distributed as dist
+        from pathlib import Path
+
+        got = self.llm.collective_rpc(_local_rank)[0]
+        Path(f"vllm_local_rank.{dist.get_rank()}").write_text(str(got))
+
+
+def _local_rank(worker):
+    return worker.local_rank
