@@ -173,9 +173,12 @@ def test_two_slurm_nodes_give_each_engine_its_own_local_rank(tmp_path):
     env["PYTHONPATH"] = str(Path(__file__).parent / "helpers") + os.pathsep + env.get("PYTHONPATH", "")
     nodes = [
         subprocess.Popen(
-            [sys.executable, "-m", "amir_lightning", *args], cwd=tmp_path,
+            [sys.executable, "-m", "amir_lightning", *args],
+            cwd=tmp_path,
             env=dict(env, SLURM_PROCID=str(rank), SLURM_NODEID=str(rank)),
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
         )  # fmt: skip
         for rank in (0, 1)
     ]

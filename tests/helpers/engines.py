@@ -104,8 +104,9 @@ class RecordsLocalRank(VLLMEngine):
 
     def start(self, model_dir, seed, device=None, local_rank=0):  # noqa: D102
         super().start(model_dir, seed, device, local_rank)
-        import torch.distributed as dist
         from pathlib import Path
+
+        import torch.distributed as dist
 
         got = self.llm.collective_rpc(_local_rank)[0]
         Path(f"vllm_local_rank.{dist.get_rank()}").write_text(str(got))
