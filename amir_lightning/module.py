@@ -460,10 +460,24 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         optimizer = self.optimizer_factory([g for g in groups if g["params"]])
         if self.scheduler_factory is None:
             return optimizer
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"},
-        }
+        scheduler = self.scheduler_factory(optimizer)
+        if getattr(scheduler, "total_steps", 0) is None:  # WarmupCosineLR follows the run's length
+            scheduler.set_total_steps(self.planned_steps())
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def planned_steps(self) -> int:
+        """Optimisation steps of this run: ``trainer.max_steps``, else ``trainer.max_epochs`` times a rollout's."""
+        trainer = self.trainer
+        if trainer.max_steps and trainer.max_steps > 0:
+            return trainer.max_steps
+        if not trainer.max_epochs or trainer.max_epochs < 0:
+            raise ValueError(
+                "model.lr_scheduler.init_args.total_steps must be given when the run has no length "
+                "(trainer.max_epochs and trainer.max_steps unset)"
+            )
+        settings = getattr(trainer.datamodule, "settings", None)  # RolloutDataModule: steps x passes per rollout
+        per_epoch = settings.steps_per_rollout * settings.mu if settings is not None else 1
+        return trainer.max_epochs * per_epoch
 
     def on_train_epoch_end(self) -> None:  # noqa: D102
         every, done = self.export_every_n_epochs, self.current_epoch + 1

@@ -4,6 +4,7 @@ import json
 import random
 from pathlib import Path
 
+import pytest
 import torch
 
 from amir_lightning.objectives import AmirGRPOLoss
@@ -129,3 +130,38 @@ def test_on_resume_a_fixed_lambda_is_this_runs_and_an_adaptive_one_continues():
     again = AmirGRPOLoss(lambda_=0.02)
     again.load_state_dict(adaptive.state_dict())
     assert again.lambda_now == moved
+
+
+def test_the_lr_schedule_follows_the_runs_length_and_a_resumed_run_stretches_it():
+    """``WarmupCosineLR`` without ``total_steps`` takes the run's: ``max_steps``, else ``max_epochs`` x a rollout's
+    steps x passes. A resumed run that was given more epochs keeps its position on the longer schedule."""
+    from types import SimpleNamespace
+
+    from amir_lightning.models import HFModel
+    from amir_lightning.module import AmirGRPOModule
+    from amir_lightning.rollout.collect import RolloutSettings
+    from amir_lightning.schedules import WarmupCosineLR
+
+    module = AmirGRPOModule(policy=HFModel("unused"))
+    settings = RolloutSettings(prompts_per_epoch=4, steps_per_rollout=2, mu=3)
+    module._trainer = SimpleNamespace(max_steps=-1, max_epochs=50, datamodule=SimpleNamespace(settings=settings))
+    assert module.planned_steps() == 300
+    module._trainer.max_steps = 40
+    assert module.planned_steps() == 40
+
+    def schedule(total):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        scheduler = WarmupCosineLR(optimizer, warmup_ratio=0.1)
+        scheduler.set_total_steps(total)
+        return optimizer, scheduler
+
+    optimizer, scheduler = schedule(100)
+    for _ in range(60):
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(scheduler.factor(60))
+    longer, resumed = schedule(200)
+    resumed.load_state_dict(scheduler.state_dict())
+    assert resumed.total_steps == 200 and resumed.last_epoch == 60
+    assert longer.param_groups[0]["lr"] == pytest.approx(resumed.factor(60))
+    assert resumed.factor(60) > scheduler.factor(60)  # earlier on the longer cosine
