@@ -2,7 +2,8 @@
 
 Lightning's ``self.log`` steps by batches under manual optimisation, while rollouts happen per epoch; everything
 here (rollout, loss, monitors, evaluation) is written at ``trainer.global_step`` instead, after the values have been
-reduced over processes, from the global-zero process.
+reduced over processes, from the global-zero process. Scalars also land in ``trainer.callback_metrics`` on every
+process, so Lightning's ``ModelCheckpoint(monitor=...)`` and ``EarlyStopping`` can watch ``rollout/reward_mean``.
 
 - Scalars go to every logger of ``trainer.loggers`` (TensorBoard, CSV, W&B, MLflow, ...).
 - Histograms go to loggers that draw them: TensorBoard (``add_histogram``) and W&B (``wandb.Histogram``).
@@ -27,10 +28,17 @@ def _is_wandb(logger) -> bool:
 
 
 def log_metrics(trainer, metrics: Mapping[str, float | torch.Tensor]) -> None:
-    """Write scalar ``metrics`` to every logger at ``trainer.global_step``."""
+    """Write scalar ``metrics`` to every logger at ``trainer.global_step``, and into ``trainer.callback_metrics``.
+
+    ``callback_metrics`` is what ``ModelCheckpoint(monitor=...)`` and ``EarlyStopping`` read; every process gets the
+    values there (they are reduced over processes already), so all of them agree on saving and stopping.
+    """
     if not metrics:
         return
     values = {k: float(v) for k, v in metrics.items()}
+    monitored = getattr(trainer, "callback_metrics", None)
+    if isinstance(monitored, dict):
+        monitored.update({k: torch.tensor(v) for k, v in values.items()})
     for logger in _loggers(trainer):
         logger.log_metrics(values, step=trainer.global_step)
 

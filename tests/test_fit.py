@@ -246,3 +246,27 @@ def test_wandb_gets_scalars_histograms_and_the_sample_table(tmp_path, monkeypatc
         saved["columns"][:3] == ["question", "reference", "completion"]
         and len(saved["data"]) == table["rollout/samples/nrows"]
     )
+
+
+def test_checkpointing_and_early_stopping_watch_the_rollout_reward(tmp_path):
+    """``ModelCheckpoint(monitor="rollout/reward_mean", mode="max")`` keeps the best rollout's checkpoint, and
+    ``EarlyStopping`` on the reward stops the run: both read ``trainer.callback_metrics``, which the rollout metrics
+    reach (before, they went to the loggers only, and both callbacks failed on a missing metric)."""
+    common = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.check_val_every_n_epoch", "50"]
+    monitor = ["--checkpoint.monitor", "rollout/reward_mean", "--checkpoint.mode", "max"]
+    monitor += ["--checkpoint.save_top_k", "1"]
+    run_amir([*common, "--trainer.max_epochs", "6", *monitor], tmp_path)
+    run_dir = tmp_path / "runs" / "tiny" / "version_0"
+    rewards = read_scalars(run_dir)["rollout/reward_mean"]
+    best = [p for p in (run_dir / "checkpoints").glob("*.ckpt") if p.name != "last.ckpt"]
+    assert len(best) == 1 and f"epoch={rewards.index(max(rewards))}-" in best[0].name, (best, rewards)
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    (saved,) = [v for k, v in state["callbacks"].items() if k.startswith("ModelCheckpoint")]
+    assert float(saved["best_model_score"]) == pytest.approx(max(rewards), abs=1e-6)
+
+    stop = ["--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping"]
+    stop += ["--trainer.callbacks.monitor", "rollout/reward_mean", "--trainer.callbacks.mode", "max"]
+    stop += ["--trainer.callbacks.stopping_threshold", "-1.0", "--trainer.callbacks.check_on_train_epoch_end", "true"]
+    stop += ["--trainer.logger.init_args.name", "stopped"]
+    run_amir([*common, "--trainer.max_epochs", "6", *stop], tmp_path)
+    assert len(read_scalars(tmp_path / "runs" / "stopped" / "version_0")["rollout/reward_mean"]) == 1
