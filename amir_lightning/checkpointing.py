@@ -1,16 +1,22 @@
-"""Checkpoints: what they hold (what trains), atomic writes, and the random state restored on resume.
+"""Checkpoints: what they hold (what trains), atomic writes, which one a run resumes from, and the random state.
 
 With LoRA a checkpoint holds the adapters, the loss's state, the optimizer and loop state, and the identity of the
 frozen base model, which a resume checks before anything loads (``TrainableCheckpoint``).
 
 Rollouts are seeded by their place in the run (``RolloutDataModule.generate``), so a resumed run already draws the
 same rollouts; the global random states are saved too, for user code (rewards, callbacks) that draws from them.
+
+``--ckpt_path last`` finds the newest ``last.ckpt`` of the run's name (``resolve_resume``) and logs into the same
+version folder, so a restarted job (preemption, a SLURM requeue) continues its run and its curves; ``auto`` does the
+same, or starts fresh when there is none. Lightning alone looks for ``last`` only in the new run's own folder.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +26,8 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from amir_lightning.models.loading import base_identity, is_peft
 from amir_lightning.preflight import check_base_model, check_compatible
+
+log = logging.getLogger(__name__)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -138,3 +146,62 @@ class TrainableCheckpoint:
         if "amir" in checkpoint:
             restore_random_states(checkpoint["amir"]["random_states"])
             self._skipped_steps = checkpoint["amir"]["skipped_steps"]
+
+
+def resolve_resume(config) -> None:
+    """Turn ``ckpt_path`` ``last`` / ``auto`` into this run name's newest ``last.ckpt``, and log beside it.
+
+    Looks in ``checkpoint.dirpath`` when set, else in every ``version_N/checkpoints`` of the first logger's
+    ``save_dir/name`` (TensorBoard, CSV). Found: ``ckpt_path`` becomes that file and the logger's ``version`` that
+    folder's, so the curves continue. Not found: ``auto`` starts fresh; ``last`` is an error naming where it looked.
+    """
+    wanted = config.get("ckpt_path")
+    if wanted not in ("last", "auto"):
+        return
+    found, version, where = _newest_last_checkpoint(config)
+    if found is None:
+        if wanted == "last":
+            raise FileNotFoundError(
+                f"--ckpt_path last: no last.ckpt in {where}; --ckpt_path auto starts fresh when there is none"
+            )
+        log.warning("--ckpt_path auto: no last.ckpt in %s, starting a new run", where)
+        config["ckpt_path"] = None
+        return
+    config["ckpt_path"] = str(found)
+    if version is not None:
+        _first_logger(config)["init_args"]["version"] = version
+    log.warning("--ckpt_path %s: resuming from %s", wanted, found)
+
+
+def _first_logger(config):
+    logger = config["trainer"].get("logger")
+    logger = logger[0] if isinstance(logger, list) and logger else logger
+    init = logger.get("init_args") if hasattr(logger, "get") else None
+    return logger if init is not None and init.get("save_dir") is not None else None
+
+
+def _newest_last_checkpoint(config) -> tuple[Path | None, int | None, str]:
+    """``(last.ckpt, its logger version, where it was looked for)``; ``None`` for what is not there."""
+    dirpath = config.get("checkpoint", {}).get("dirpath") if hasattr(config, "get") else None
+    if dirpath:
+        last = Path(dirpath) / "last.ckpt"
+        return (last if last.exists() else None), None, str(dirpath)
+    logger = _first_logger(config)
+    if logger is None:
+        return None, None, "the run (set checkpoint.dirpath: the first logger has no save_dir/name folders)"
+    init = logger["init_args"]
+    root = Path(init["save_dir"]) / (init.get("name") or "")
+    given = init.get("version")
+    if given is not None:
+        folder = root / (given if isinstance(given, str) else f"version_{given}")
+        last = folder / "checkpoints" / "last.ckpt"
+        return (last if last.exists() else None), None, str(folder / "checkpoints")
+    versions = sorted(
+        (int(m.group(1)) for p in root.glob("version_*") if (m := re.fullmatch(r"version_(\d+)", p.name))),
+        reverse=True,
+    )
+    for version in versions:
+        last = root / f"version_{version}" / "checkpoints" / "last.ckpt"
+        if last.exists():
+            return last, version, str(root / "version_*" / "checkpoints")
+    return None, None, str(root / "version_*" / "checkpoints")

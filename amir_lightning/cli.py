@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from amir_lightning.checkpointing import install_atomic_checkpoints
+from amir_lightning.checkpointing import install_atomic_checkpoints, resolve_resume
 from amir_lightning.datamodule import RolloutDataModule
 from amir_lightning.models.precision import check_strategy
 from amir_lightning.module import AmirGRPOModule
@@ -151,12 +151,17 @@ class AmirCLI(LightningCLI):
         self.given = copy.deepcopy(self.config)  # before --ckpt_path's saved hyperparameters are laid over it
         subcommand = self.config.get("subcommand")
         if subcommand:  # Lightning reads the checkpoint next: a text file there would raise from torch
+            resolve_resume(self.config[subcommand])
             check_checkpoint(self.config[subcommand].get("ckpt_path"))
 
     def before_instantiate_classes(self) -> None:  # noqa: D102
         config = self.config.get(self.subcommand) if self.subcommand else self.config  # run=False: no subcommand
         if config is None:
             return
+        checkpoint = config.get("checkpoint")
+        if checkpoint is not None and checkpoint.get("monitor") is None and checkpoint.get("save_top_k") == 1:
+            # Without a monitor the "best" checkpoint is the newest, a second full copy of last.ckpt every rollout.
+            checkpoint["save_top_k"] = 0
         if "weights_only" in config and config["weights_only"] is None:
             config["weights_only"] = True  # checkpoints are loaded as data, never as code
         # Before Lightning builds the trainer or reads the checkpoint, so the message is ours and comes first.

@@ -224,3 +224,31 @@ def test_lora_checkpoints_hold_the_adapters_and_resume_exactly(tmp_path):
     assert result.returncode == 2  # bad input: one line, as every other
     assert "holds LoRA adapters trained on the base model" in result.stderr and "weights differ" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_restarting_the_same_command_with_ckpt_path_last_continues_the_run_and_its_curves(tmp_path):
+    """A job stopped after 3 rollouts and started again with ``--ckpt_path last`` (what a preempted or requeued job
+    does) continues at rollout 4 in the same version folder, so every curve is one; the checkpoint folder holds one
+    file, written once per rollout. ``last`` with nothing to resume is one line; ``auto`` then starts fresh."""
+    import subprocess
+    import sys
+
+    common = ["fit", "--config", CONFIG, "--trainer.check_val_every_n_epoch", "50"]
+    run_amir([*common, "--trainer.max_epochs", "3"], tmp_path)
+    result = run_amir([*common, "--trainer.max_epochs", "6", "--ckpt_path", "last"], tmp_path)
+    runs = tmp_path / "runs" / "tiny"
+    assert sorted(p.name for p in runs.iterdir()) == ["version_0"]
+    assert "resuming from runs/tiny/version_0/checkpoints/last.ckpt" in result.stderr
+    scalars = read_scalars(runs / "version_0")
+    assert len(scalars["rollout/reward_mean"]) == 6 and len(scalars["train/loss"]) == 6
+    assert sorted(p.name for p in (runs / "version_0" / "checkpoints").iterdir()) == ["last.ckpt"]
+    assert torch.load(runs / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
+
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    cmd = [sys.executable, "-m", "amir_lightning", *common, "--trainer.max_epochs", "1", "--ckpt_path", "last"]
+    failed = subprocess.run(cmd, cwd=fresh, capture_output=True, text=True, timeout=300)
+    assert failed.returncode == 2
+    assert "amir: error: --ckpt_path last: no last.ckpt in runs/tiny/version_*/checkpoints" in failed.stderr
+    run_amir([*common, "--trainer.max_epochs", "1", "--ckpt_path", "auto"], fresh)
+    assert len(read_scalars(fresh / "runs" / "tiny" / "version_0")["rollout/reward_mean"]) == 1
