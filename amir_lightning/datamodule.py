@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Literal
 
 import torch
 from lightning import LightningDataModule
@@ -18,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from amir_lightning.data.base import Prompt, PromptSource
 from amir_lightning.data.stream import PromptStream
-from amir_lightning.data.templates import render_prompts
+from amir_lightning.data.templates import render_prompt, render_prompts
 from amir_lightning.distributed import all_reduce
 from amir_lightning.evaluation.evaluator import EvaluationSettings, Evaluator
 from amir_lightning.rewards.base import FunctionReward, Reward
@@ -50,7 +51,12 @@ class RolloutDataModule(LightningDataModule):
         system_prompt: System message prepended to every prompt (e.g. ``THINK_ANSWER_SYSTEM_PROMPT``).
         shuffle: Shuffle a finite prompt source once per pass over it; start a random one (``is_random``, e.g.
             ``ArithmeticPrompts``) at a seed-dependent index. Off: every seed trains on the same prompt sequence.
-        max_prompt_tokens: Longest allowed prompt after the chat template.
+        max_prompt_tokens: Longest allowed prompt after the chat template (and at most the engine's
+            ``max_model_len`` minus ``data.sampling.max_new_tokens``).
+        overlong_prompts: What to do with training prompts over that length, found when the data is opened (every
+            prompt of a finite source is rendered once, before the engine starts): ``skip`` them (counted, the first
+            few named, ``data/skipped_prompts``) or stop with an ``error`` naming the first (file and line, or
+            dataset index).
         sync: How the weight sync is verified (``rollout/sync.py``): the engine's weights against the pushed ones,
             exactly, and the probe log-probs.
         val_prompts: Held-out prompts for ``validate`` and validation during ``fit``.
@@ -69,6 +75,7 @@ class RolloutDataModule(LightningDataModule):
         system_prompt: str | None = None,
         shuffle: bool = True,
         max_prompt_tokens: int = 512,
+        overlong_prompts: Literal["skip", "error"] = "skip",
         sync: SyncSettings = SyncSettings(),  # noqa: B008
         val_prompts: PromptSource | None = None,
         benchmarks: list[PromptSource] | None = None,
@@ -78,6 +85,14 @@ class RolloutDataModule(LightningDataModule):
         super().__init__()
         errors: list[str] = []
         check_number(errors, "data.max_prompt_tokens", max_prompt_tokens, ge=1)
+        if overlong_prompts not in ("skip", "error"):
+            errors.append(f"data.overlong_prompts must be skip or error, got {overlong_prompts!r}")
+        room = getattr(engine, "max_model_len", None)
+        if room is not None and room - sampling.max_new_tokens < 1:
+            errors.append(
+                f"data.sampling.max_new_tokens ({sampling.max_new_tokens}) leaves no room for a prompt in "
+                f"data.engine.init_args.max_model_len ({room})"
+            )
         raise_errors(errors)
         if sampling.top_p < 1 or sampling.top_k > 0:
             log.warning(
@@ -93,6 +108,9 @@ class RolloutDataModule(LightningDataModule):
         self.rewards = [r if isinstance(r, Reward) else FunctionReward(r) for r in rewards or [MathAnswerReward()]]
         self.settings, self.sampling = rollout, sampling
         self.system_prompt, self.max_prompt_tokens = system_prompt, max_prompt_tokens
+        # a prompt and its completion must fit the engine's context
+        self.prompt_limit = min(max_prompt_tokens, room - sampling.max_new_tokens) if room else max_prompt_tokens
+        self.overlong_prompts, self.skipped_prompts, self._screened = overlong_prompts, 0, False
         self.sync_check = SyncCheck(sync)
         self.val_prompts, self.benchmarks = val_prompts, list(benchmarks or [])
         self.evaluation = evaluation.with_length_limit(sampling.max_new_tokens)
@@ -113,6 +131,8 @@ class RolloutDataModule(LightningDataModule):
         policy = self.trainer.lightning_module  # the policy's files, and its tokenizer for prompts and padding
         self.tokenizer = policy.tokenizer
         self.pad_token_id = policy.pad_token_id
+        if stage == "fit":
+            self.screen_prompts()
         if not self.engine.started:
             trainer = self.trainer
             seed, device = self.seed + trainer.global_rank, trainer.strategy.root_device
@@ -142,10 +162,44 @@ class RolloutDataModule(LightningDataModule):
         return batch[rank * per_rank : (rank + 1) * per_rank]
 
     def tokenize(self, prompts: list[Prompt]) -> list[list[int]]:
-        """Chat-templated token ids; a prompt over ``max_prompt_tokens`` is an error naming it."""
-        return render_prompts(
-            self.tokenizer, prompts, self.system_prompt, self.max_prompt_tokens, self.prompts.describe()
-        )
+        """Chat-templated token ids; a prompt over the limit (``prompt_limit``) is an error naming it."""
+        return render_prompts(self.tokenizer, prompts, self.system_prompt, self.prompt_limit, self.prompts.describe())
+
+    def screen_prompts(self) -> None:
+        """Render every prompt of a finite source once; leave out (or stop on) the ones over ``prompt_limit``.
+
+        Every process screens the same prompts and leaves out the same ones, so their streams stay in step. A random
+        source (a generator) has no end to screen: its prompts are checked as they are drawn.
+        """
+        source = self.prompts
+        if source.is_random or self._screened:
+            return
+        self._screened = True
+        indices = range(len(source))
+        if len(source) > 2000 and self.trainer.is_global_zero:
+            from tqdm.auto import tqdm
+
+            indices = tqdm(indices, desc="checking prompt lengths", unit="prompt", leave=False)
+        over = {}
+        for index in indices:
+            prompt = source[index]
+            length = len(render_prompt(self.tokenizer, prompt, self.system_prompt))
+            if length > self.prompt_limit:
+                over[index] = f"{prompt.meta.get('source', f'{source.describe()}[{index}]')} ({length} tokens)"
+        if not over:
+            return
+        limit = f"{self.prompt_limit} tokens (data.max_prompt_tokens, or max_model_len minus max_new_tokens)"
+        first = ", ".join(list(over.values())[:3])
+        if self.overlong_prompts == "error" or len(over) == len(source):
+            raise ValueError(
+                f"{len(over)} of {len(source)} training prompts are longer than {limit} after the chat template: "
+                f"{first}; data.overlong_prompts: skip leaves them out"
+            )
+        self.stream.exclude(set(over))
+        self.skipped_prompts = len(over)
+        log_metrics(self.trainer, {"data/skipped_prompts": len(over)})
+        if self.trainer.is_global_zero:
+            log.warning("skipping %d of %d training prompts longer than %s: %s", len(over), len(source), limit, first)
 
     # ------------------------------------------------------------------ the engine
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingConfig, purpose: int):

@@ -213,3 +213,17 @@ def test_truncated_training_sampling_says_what_it_does_to_the_log_probs(top_p, t
     RolloutDataModule(prompts=ArithmeticPrompts(), engine=HFEngine(progress=False), sampling=sampling)
     said = [r.getMessage() for r in caplog.records if "truncates the distribution" in r.getMessage()]
     assert len(said) == int(warned) and all("sampling_correction: none" in m for m in said)
+
+
+def test_a_stream_leaves_out_excluded_prompts_and_keeps_the_others_order():
+    from amir_lightning.data import ArithmeticPrompts
+
+    source = ArithmeticPrompts(split="all", order="enumerate")
+    plain = PromptStream(source, shuffle=False)
+    kept = PromptStream(source, shuffle=False)
+    kept.exclude({1, 3})
+    expected = [p for i, p in enumerate(plain.take(8)) if i not in (1, 3)]
+    assert kept.take(6) == expected and len(kept) == len(source) - 2
+    shuffled = PromptStream(source, shuffle=True, seed=5)
+    shuffled.exclude({0})
+    assert source[0] not in shuffled.take(len(shuffled))

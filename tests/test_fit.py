@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -270,3 +271,32 @@ def test_checkpointing_and_early_stopping_watch_the_rollout_reward(tmp_path):
     stop += ["--trainer.logger.init_args.name", "stopped"]
     run_amir([*common, "--trainer.max_epochs", "6", *stop], tmp_path)
     assert len(read_scalars(tmp_path / "runs" / "stopped" / "version_0")["rollout/reward_mean"]) == 1
+
+
+@pytest.mark.parametrize("mode", ["skip", "error"])
+def test_an_overlong_prompt_is_found_when_the_data_opens(tmp_path, mode):
+    """A JSONL of 50 prompts, one (line 17) longer than tiny.yaml leaves room for (max_model_len 64 minus 2 new
+    tokens). ``skip``: the run trains, the prompt is left out and counted, named once. ``error``: one line naming the
+    file and line, before the engine starts. (Before, the error came when the stream reached the prompt, mid-run, and
+    again at every resume.)"""
+    rows = [{"question": f"{i % 10}=", "answer": str(i % 10)} for i in range(50)]
+    rows[16] = {"question": "7" * 80 + "=", "answer": "7"}
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.max_epochs", "4"]
+    args += ["--trainer.check_val_every_n_epoch", "50", "--data.prompts", "amir_lightning.data.JsonlPrompts"]
+    args += ["--data.prompts.init_args.path", str(data), "--data.overlong_prompts", mode]
+    if mode == "skip":  # 4 rollouts of 16 prompts: the 49 kept are all drawn once, the 50th would be the long one
+        result = run_amir(args, tmp_path)
+        assert "skipping 1 of 50 training prompts longer than 62 tokens" in result.stderr
+        assert f"{data}:17 (81 tokens)" in result.stderr
+        scalars = read_scalars(tmp_path / "runs" / "tiny" / "version_0")
+        assert scalars["data/skipped_prompts"] == [1.0] and len(scalars["rollout/reward_mean"]) == 4
+        return
+    env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"))
+    failed = subprocess.run([sys.executable, "-m", "amir_lightning", *args], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert failed.returncode == 2
+    errors = [line for line in failed.stderr.splitlines() if line.startswith("amir: error:")]
+    assert len(errors) == 1 and "1 of 50 training prompts are longer than 62 tokens" in errors[0]
+    assert f"{data}:17 (81 tokens)" in errors[0] and "Initializing a V1 LLM engine" not in failed.stdout + failed.stderr

@@ -24,19 +24,32 @@ class PromptStream:
         self.source, self.shuffle, self.seed = source, shuffle, seed
         self.position = 0
         self._order: tuple[int, list[int]] = (-1, [])
+        self._kept: list[int] | None = None  # the source's indices served; None: all of them
+
+    def exclude(self, indices: set[int]) -> None:
+        """Never serve these indices of the source (prompts that cannot be trained on); the rest keep their order."""
+        self._kept = [i for i in range(len(self.source)) if i not in indices] if indices else None
+        self._order = (-1, [])
+
+    def __len__(self) -> int:
+        """Prompts served per pass."""
+        return len(self.source) if self._kept is None else len(self._kept)
+
+    def _source_at(self, index: int) -> Prompt:
+        return self.source[index if self._kept is None else self._kept[index]]
 
     def _at(self, position: int) -> Prompt:
-        size = len(self.source)
+        size = len(self)
         if not self.shuffle:
-            return self.source[position % size]
+            return self._source_at(position % size)
         if self.source.is_random:
-            return self.source[(position + self.seed * _SPREAD) % size]
+            return self._source_at((position + self.seed * _SPREAD) % size)
         data_epoch, offset = divmod(position, size)
         if self._order[0] != data_epoch:  # a fresh permutation per pass
             order = list(range(size))
             random.Random(self.seed * 7919 + data_epoch).shuffle(order)
             self._order = (data_epoch, order)
-        return self.source[self._order[1][offset]]
+        return self._source_at(self._order[1][offset])
 
     def take(self, count: int) -> list[Prompt]:
         """The next ``count`` prompts (advances the position)."""
