@@ -53,6 +53,7 @@ from amir_lightning.objectives import (
     StepContext,
 )
 from amir_lightning.rollout.batch import RolloutBatch, RolloutStep
+from amir_lightning.summary import run_summary
 from amir_lightning.tracking import log_metrics
 from amir_lightning.validation import check_number, raise_errors
 
@@ -252,6 +253,10 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
     def on_fit_start(self) -> None:  # noqa: D102
         for ref in self._reference:
             ref.to(self.device)
+        data = getattr(self.trainer, "datamodule", None)
+        if self.trainer.is_global_zero and hasattr(data, "settings") and hasattr(data, "prompt_limit"):
+            for line in run_summary(self.trainer, self, data):  # the global batch, the length, the memory
+                log.warning(line)
 
     def compute_context(self):
         """Where every forward of the policy runs: ``torch.autocast`` to the compute dtype unless FSDP2 casts."""

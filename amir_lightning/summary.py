@@ -1,0 +1,117 @@
+"""The start-up summary of a run: the global step size, the run's length, and whether a device's memory holds it.
+
+Printed once, by the global-zero process, when ``fit`` starts (``AmirGRPOModule.on_fit_start``). A user on an 8-GPU
+node sees that ``data.rollout.prompts_per_epoch`` counts per process (8 processes: 8x the batch), and a user on an
+80 GB card sees that the longest micro-batch's activations do not fit before the run finds out.
+
+The activation estimate is ``1.08 * (10 H + 4 I)`` values per token and decoder layer in the compute dtype (H the
+hidden size, I the MLP's), calibrated on ``benchmarks/activation_memory.py``'s count at Qwen2.5-3B's shape (0.133 MiB
+per token and layer in bf16); with gradient checkpointing, one layer's worth plus each layer's input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GIB = 2**30
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per device, estimated before the first step.
+
+    Attributes:
+        weights: The policy (frozen and trainable), gradients and AdamW state of the trainable part, and a reference
+            copy, divided over the processes under FSDP2.
+        activations: What the backward keeps for the largest micro-batch.
+        engine: The rollout engine's share (vLLM's ``gpu_memory_utilization`` of the device).
+        device: The device's memory; ``None`` on a CPU.
+    """
+
+    weights: float
+    activations: float
+    engine: float
+    device: float | None
+
+    @property
+    def total(self) -> float:
+        """Everything together."""
+        return self.weights + self.activations + self.engine
+
+
+def activation_bytes(config, tokens: int, dtype: torch.dtype, checkpointing: bool) -> float:
+    """Estimated bytes the backward keeps for ``tokens`` tokens through a decoder of ``config``'s shape."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = getattr(text, "hidden_size", 0)
+    mlp = getattr(text, "intermediate_size", 4 * hidden) or 4 * hidden
+    layers = getattr(text, "num_hidden_layers", 1)
+    per_layer = 1.08 * (10 * hidden + 4 * mlp) * torch.finfo(dtype).bits / 8 * tokens
+    if checkpointing:  # each layer's input stays, one layer's activations are rebuilt at a time
+        return per_layer + layers * hidden * torch.finfo(dtype).bits / 8 * tokens
+    return layers * per_layer
+
+
+def estimate_memory(module, data, processes: int, device_memory: float | None = None) -> MemoryEstimate:
+    """``MemoryEstimate`` of the coming run from the module's policy and the data module's settings.
+
+    ``device_memory``: the device's bytes (default: the CUDA device's; none on a CPU).
+    """
+    settings, sampling = data.settings, data.sampling
+    trainable = sum(p.numel() for p in module.policy.parameters() if p.requires_grad)
+    weights = sum(p.numel() * p.element_size() for p in module.policy.parameters())
+    weights += trainable * 4 * 3  # float32 gradients and the two AdamW moments
+    weights += sum(p.numel() * p.element_size() for ref in module._reference for p in ref.parameters())
+    if module._fsdp2:
+        weights /= processes
+    rows = settings.micro_batch_groups * settings.group_size
+    tokens = settings.micro_batch_tokens or rows * (data.prompt_limit + sampling.max_new_tokens)
+    config = getattr(module.policy, "config", None)
+    activations = activation_bytes(config, tokens, module.compute_dtype, module.gradient_checkpointing) if config else 0
+    device = module.device
+    total = device_memory
+    if total is None and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    share = getattr(data.engine, "gpu_memory_utilization", 0.0) if total else 0.0
+    return MemoryEstimate(float(weights), float(activations), float(share * total if total else 0.0), total)
+
+
+def _size(count: float) -> str:
+    return f"{count / GIB:.1f} GiB" if count >= GIB / 10 else f"{count / 2**20:.1f} MiB"
+
+
+def run_summary(trainer, module, data, device_memory: float | None = None) -> list[str]:
+    """The lines of the start-up summary (``device_memory``: see ``estimate_memory``)."""
+    processes, settings = trainer.world_size, data.settings
+    per_step = settings.prompts_per_epoch // settings.steps_per_rollout
+    steps = module.planned_steps() if trainer.max_epochs and trainer.max_epochs > 0 else None
+    scheduler = getattr(module, "scheduler_factory", None)
+    lines = [
+        f"run: {processes} process{'es' if processes > 1 else ''} ({type(trainer.strategy).__name__}); every "
+        f"optimiser step takes {per_step * processes} prompts x {settings.group_size} completions = "
+        f"{per_step * processes * settings.group_size} completions ({per_step} prompts on each process: "
+        "data.rollout.prompts_per_epoch counts per process); "
+        f"{settings.steps_per_rollout} step(s) x {settings.mu} pass(es) per rollout, "
+        + (f"{trainer.max_epochs} rollouts = {steps} optimiser steps" if steps else "no set length")
+        + ("; the LR schedule spans them" if scheduler is not None and steps else "")
+    ]
+    memory = estimate_memory(module, data, processes, device_memory)
+    checkpointing = "on" if module.gradient_checkpointing else "off"
+    where = f"{module.device}" + (f", {_size(memory.device)}" if memory.device else "")
+    line = (
+        f"memory per device ({where}): weights, gradients and optimiser state ~{_size(memory.weights)}, "
+        f"activations of the largest micro-batch ~{_size(memory.activations)} (gradient checkpointing "
+        f"{checkpointing})"
+    )
+    if memory.device:
+        line += f", the engine's share {_size(memory.engine)}: about {_size(memory.total)} in all"
+    lines.append(line)
+    if memory.device and memory.total > 0.95 * memory.device:
+        advice = (
+            "set model.gradient_checkpointing: true"
+            if not module.gradient_checkpointing
+            else "lower data.rollout.micro_batch_groups or data.engine.init_args.gpu_memory_utilization"
+        )
+        lines.append(f"that is more than this device holds ({_size(memory.device)}): {advice}")
+    return lines
