@@ -138,7 +138,8 @@ class AmirCLI(LightningCLI):
         parser.link_arguments("data.sampling.temperature", "model.temperature")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         # Save after every rollout (epoch), not only after validation epochs: a killed run loses one rollout at most.
-        parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_on_train_epoch_end": True})
+        # last.ckpt links to the rollout's checkpoint: one full write per rollout, not a second copy beside it.
+        parser.set_defaults({"checkpoint.save_last": "link", "checkpoint.save_on_train_epoch_end": True})
         parser.add_argument(
             "--validate_before_fit",
             type=bool,
@@ -159,9 +160,15 @@ class AmirCLI(LightningCLI):
         if config is None:
             return
         checkpoint = config.get("checkpoint")
-        if checkpoint is not None and checkpoint.get("monitor") is None and checkpoint.get("save_top_k") == 1:
-            # Without a monitor the "best" checkpoint is the newest, a second full copy of last.ckpt every rollout.
-            checkpoint["save_top_k"] = 0
+        if checkpoint is not None and checkpoint.get("monitor") is not None:
+            log.warning(
+                "checkpoint.monitor is set: Lightning then writes last.ckpt only when %s improves, so a restarted run "
+                "would go back to that rollout. Keep checkpoint for the newest state and add a second ModelCheckpoint "
+                "for the best: --trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint "
+                "--trainer.callbacks.monitor %s",
+                checkpoint["monitor"],
+                checkpoint["monitor"],
+            )
         if "weights_only" in config and config["weights_only"] is None:
             config["weights_only"] = True  # checkpoints are loaded as data, never as code
         # Before Lightning builds the trainer or reads the checkpoint, so the message is ours and comes first.

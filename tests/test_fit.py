@@ -250,20 +250,23 @@ def test_wandb_gets_scalars_histograms_and_the_sample_table(tmp_path, monkeypatc
 
 
 def test_checkpointing_and_early_stopping_watch_the_rollout_reward(tmp_path):
-    """``ModelCheckpoint(monitor="rollout/reward_mean", mode="max")`` keeps the best rollout's checkpoint, and
-    ``EarlyStopping`` on the reward stops the run: both read ``trainer.callback_metrics``, which the rollout metrics
-    reach (before, they went to the loggers only, and both callbacks failed on a missing metric)."""
+    """A ``ModelCheckpoint(monitor="rollout/reward_mean", mode="max")`` keeps the best rollout's checkpoint while
+    last.ckpt keeps following the newest, and ``EarlyStopping`` on the reward stops the run: both read
+    ``trainer.callback_metrics``, which the rollout metrics reach (before, they went to the loggers only, and both
+    callbacks failed on a missing metric)."""
     common = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.check_val_every_n_epoch", "50"]
-    monitor = ["--checkpoint.monitor", "rollout/reward_mean", "--checkpoint.mode", "max"]
-    monitor += ["--checkpoint.save_top_k", "1"]
-    run_amir([*common, "--trainer.max_epochs", "6", *monitor], tmp_path)
+    best = ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint", "--trainer.callbacks.mode", "max"]
+    best += ["--trainer.callbacks.monitor", "rollout/reward_mean", "--trainer.callbacks.dirpath", str(tmp_path / "b")]
+    best += ["--trainer.callbacks.save_on_train_epoch_end", "true"]  # a rollout ends a training epoch
+    run_amir([*common, "--trainer.max_epochs", "6", *best], tmp_path)
     run_dir = tmp_path / "runs" / "tiny" / "version_0"
     rewards = read_scalars(run_dir)["rollout/reward_mean"]
-    best = [p for p in (run_dir / "checkpoints").glob("*.ckpt") if p.name != "last.ckpt"]
-    assert len(best) == 1 and f"epoch={rewards.index(max(rewards))}-" in best[0].name, (best, rewards)
+    kept = list((tmp_path / "b").glob("*.ckpt"))
+    assert len(kept) == 1 and f"epoch={rewards.index(max(rewards))}-" in kept[0].name, (kept, rewards)
     state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
-    (saved,) = [v for k, v in state["callbacks"].items() if k.startswith("ModelCheckpoint")]
-    assert float(saved["best_model_score"]) == pytest.approx(max(rewards), abs=1e-6)
+    assert state["global_step"] == 6  # the newest state, whatever the reward did
+    saved = [v for k, v in state["callbacks"].items() if k.startswith("ModelCheckpoint") and v["best_model_score"]]
+    assert len(saved) == 1 and float(saved[0]["best_model_score"]) == pytest.approx(max(rewards), abs=1e-6)
 
     stop = ["--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping"]
     stop += ["--trainer.callbacks.monitor", "rollout/reward_mean", "--trainer.callbacks.mode", "max"]

@@ -111,7 +111,7 @@ def test_killed_runs_resume_from_the_last_good_checkpoint(tmp_path):
         assert result.returncode == -9, result.stderr[-3000:]  # killed, as injected
         kills += 1
         torch.load(checkpoint, weights_only=True)  # the last checkpoint is always whole (and safe to load)
-    assert kills == 3 and list(checkpoint.parent.glob(".last.ckpt.tmp-*"))  # the half-written file was left aside
+    assert kills == 3 and list(checkpoint.parent.glob(".*.ckpt.tmp-*"))  # the half-written file was left aside
     run_amir(
         [
             *common,
@@ -228,8 +228,8 @@ def test_lora_checkpoints_hold_the_adapters_and_resume_exactly(tmp_path):
 
 def test_restarting_the_same_command_with_ckpt_path_last_continues_the_run_and_its_curves(tmp_path):
     """A job stopped after 3 rollouts and started again with ``--ckpt_path last`` (what a preempted or requeued job
-    does) continues at rollout 4 in the same version folder, so every curve is one; the checkpoint folder holds one
-    file, written once per rollout. ``last`` with nothing to resume is one line; ``auto`` then starts fresh."""
+    does) continues at rollout 4 in the same version folder, so every curve is one; each rollout writes one
+    checkpoint, which last.ckpt links to. ``last`` with nothing to resume is one line; ``auto`` then starts fresh."""
     import subprocess
     import sys
 
@@ -241,8 +241,10 @@ def test_restarting_the_same_command_with_ckpt_path_last_continues_the_run_and_i
     assert "resuming from runs/tiny/version_0/checkpoints/last.ckpt" in result.stderr
     scalars = read_scalars(runs / "version_0")
     assert len(scalars["rollout/reward_mean"]) == 6 and len(scalars["train/loss"]) == 6
-    assert sorted(p.name for p in (runs / "version_0" / "checkpoints").iterdir()) == ["last.ckpt"]
-    assert torch.load(runs / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
+    checkpoints = runs / "version_0" / "checkpoints"  # one file per rollout; last.ckpt links to it
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch=5-step=6.ckpt", "last.ckpt"]
+    assert (checkpoints / "last.ckpt").readlink().name == "epoch=5-step=6.ckpt"
+    assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 6
 
     fresh = tmp_path / "fresh"
     fresh.mkdir()
