@@ -28,7 +28,7 @@ class HFEngine(RolloutEngine):
         dtype: Dtype of the engine's copy (``float32``, ``bfloat16``).
         device: Where the copy lives; ``None``: the training process's device (CUDA when available outside a
             trainer).
-        progress: Show a progress bar over generation batches.
+        progress: Show a progress bar over generation batches (on the global-zero process only).
     """
 
     def __init__(
@@ -47,6 +47,8 @@ class HFEngine(RolloutEngine):
 
         if self.given_device is None and device is not None:
             self.device = torch.device(device)  # the training process's own device
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.progress = self.progress and torch.distributed.get_rank() == 0  # one bar, not one per process
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, self.dtype))

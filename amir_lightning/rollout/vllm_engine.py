@@ -59,7 +59,7 @@ class VLLMEngine(RolloutEngine):
         tensor_parallel_size: GPUs per engine.
         enable_prefix_caching: Reuse the KV cache of shared prompt prefixes (the G samples of a group).
         max_num_seqs: Sequences decoded together.
-        progress: Show vLLM's progress bar while generating.
+        progress: Show vLLM's progress bar while generating (on the global-zero process only).
     """
 
     def __init__(
@@ -115,6 +115,7 @@ class VLLMEngine(RolloutEngine):
                     "each process generates for its own prompts, and a tensor-parallel vLLM group needs the same "
                     "prompts on every member. Use tensor_parallel_size 1 (one engine per process)"
                 )
+            self.progress = self.progress and dist.get_rank() == 0  # one bar, not one per process
             index = device.index if device is not None and device.type == "cuda" and device.index is not None else None
             os.environ.update(
                 RANK=str(dist.get_rank()),
