@@ -155,7 +155,8 @@ def test_qwen_yaml_setting_on_two_processes(tmp_path):
 def test_two_slurm_nodes_give_each_engine_its_own_local_rank(tmp_path):
     """Two "nodes" of one process each, launched as srun does: SLURM's variables (SLURM_LOCALID, no LOCAL_RANK),
     which Lightning's SLURMEnvironment reads. Each vLLM engine must get its process's local rank (0 on both nodes),
-    not its global rank (on 8-GPU nodes, the second node's ranks 8-15 asked vLLM for cuda:8..15)."""
+    not its global rank (on 8-GPU nodes, the second node's ranks 8-15 asked vLLM for cuda:8..15); only the first
+    process shows the engine's progress bar."""
     import socket
 
     with socket.socket() as s:
@@ -164,7 +165,7 @@ def test_two_slurm_nodes_give_each_engine_its_own_local_rank(tmp_path):
     args = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.max_epochs", "1"]
     args += ["--trainer.devices", "1", "--trainer.num_nodes", "2", "--trainer.strategy", "ddp"]
     args += ["--trainer.check_val_every_n_epoch", "5", "--data.engine", "engines.RecordsLocalRank"]
-    args += ["--data.engine.init_args.max_model_len", "64", "--data.engine.init_args.progress", "false"]
+    args += ["--data.engine.init_args.max_model_len", "64", "--data.engine.init_args.progress", "true"]
     args += ["--data.engine.init_args.kv_cache_memory_bytes", "33554432"]
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
     env.update(MASTER_PORT=str(port), AMIR_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
@@ -185,3 +186,4 @@ def test_two_slurm_nodes_give_each_engine_its_own_local_rank(tmp_path):
     errors = [node.communicate(timeout=600)[1] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], errors[1][-3000:]
     assert [(tmp_path / f"vllm_local_rank.{rank}").read_text() for rank in (0, 1)] == ["0", "0"]
+    assert "Processed prompts" in errors[0] and "Processed prompts" not in errors[1]  # one progress bar, rank 0's
