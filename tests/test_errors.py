@@ -141,7 +141,7 @@ CASES = [
     (
         "prompt longer than the context",
         ["--data.max_prompt_tokens", "1", "--data.engine", "amir_lightning.rollout.HFEngine"],
-        "over data.max_prompt_tokens=1",
+        "over the limit of 1 (data.max_prompt_tokens",
     ),
     ("config file with a syntax error", ["--config", "@bad.yaml@"], "bad.yaml"),
     ("config file missing", ["--config", "/nonexistent.yaml"], "nonexistent.yaml"),

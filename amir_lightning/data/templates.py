@@ -50,7 +50,8 @@ def render_prompts(
         if len(ids) > max_tokens:
             raise ValueError(
                 f"prompt from {prompt.meta.get('source', source)} has {len(ids)} tokens after the chat template, "
-                f"over data.max_prompt_tokens={max_tokens}"
+                f"over the limit of {max_tokens} (data.max_prompt_tokens, or the engine's max_model_len minus "
+                "data.sampling.max_new_tokens)"
             )
         out.append(ids)
     return out
