@@ -184,8 +184,7 @@ def _newest_last_checkpoint(config) -> tuple[Path | None, int | None, str]:
     """``(last.ckpt, its logger version, where it was looked for)``; ``None`` for what is not there."""
     dirpath = config.get("checkpoint", {}).get("dirpath") if hasattr(config, "get") else None
     if dirpath:
-        last = Path(dirpath) / "last.ckpt"
-        return (last if last.exists() else None), None, str(dirpath)
+        return _last_in(Path(dirpath)), None, str(dirpath)
     logger = _first_logger(config)
     if logger is None:
         return None, None, "the run (set checkpoint.dirpath: the first logger has no save_dir/name folders)"
@@ -194,14 +193,28 @@ def _newest_last_checkpoint(config) -> tuple[Path | None, int | None, str]:
     given = init.get("version")
     if given is not None:
         folder = root / (given if isinstance(given, str) else f"version_{given}")
-        last = folder / "checkpoints" / "last.ckpt"
-        return (last if last.exists() else None), None, str(folder / "checkpoints")
+        return _last_in(folder / "checkpoints"), None, str(folder / "checkpoints")
     versions = sorted(
         (int(m.group(1)) for p in root.glob("version_*") if (m := re.fullmatch(r"version_(\d+)", p.name))),
         reverse=True,
     )
     for version in versions:
-        last = root / f"version_{version}" / "checkpoints" / "last.ckpt"
-        if last.exists():
+        last = _last_in(root / f"version_{version}" / "checkpoints")
+        if last is not None:
             return last, version, str(root / "version_*" / "checkpoints")
     return None, None, str(root / "version_*" / "checkpoints")
+
+
+def _last_in(folder: Path) -> Path | None:
+    """``last.ckpt`` in ``folder``, or the newest checkpoint there when it links to one that is gone.
+
+    ``last.ckpt`` links to the rollout's checkpoint; a process killed after writing the next one and removing the
+    old one, but before relinking, leaves the link dangling.
+    """
+    last = folder / "last.ckpt"
+    if last.exists():
+        return last
+    if not folder.is_dir():
+        return None
+    saved = [p for p in folder.glob("*.ckpt") if p.exists() and not p.name.startswith(".")]
+    return max(saved, key=lambda p: p.stat().st_mtime) if saved else None

@@ -254,3 +254,25 @@ def test_restarting_the_same_command_with_ckpt_path_last_continues_the_run_and_i
     assert "amir: error: --ckpt_path last: no last.ckpt in runs/tiny/version_*/checkpoints" in failed.stderr
     run_amir([*common, "--trainer.max_epochs", "1", "--ckpt_path", "auto"], fresh)
     assert len(read_scalars(fresh / "runs" / "tiny" / "version_0")["rollout/reward_mean"]) == 1
+
+
+def test_a_dangling_last_link_resumes_from_the_newest_checkpoint(tmp_path):
+    """Killed after writing rollout 3's checkpoint and removing rollout 2's, before relinking last.ckpt: ``last``
+    and ``auto`` find rollout 3's file instead of starting the run over."""
+    import os
+    import time
+
+    from amir_lightning.checkpointing import resolve_resume
+
+    folder = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints"
+    folder.mkdir(parents=True)
+    (folder / "epoch=1-step=2.ckpt").write_bytes(b"older")
+    time.sleep(0.01)
+    (folder / "epoch=2-step=3.ckpt").write_bytes(b"newest")
+    os.symlink("epoch=0-step=1.ckpt", folder / "last.ckpt")  # removed already
+    logger = {"class_path": "TensorBoardLogger", "init_args": {"save_dir": str(tmp_path / "runs"), "name": "tiny"}}
+    for wanted in ("last", "auto"):
+        config = {"ckpt_path": wanted, "trainer": {"logger": logger}, "checkpoint": {"dirpath": None}}
+        resolve_resume(config)
+        assert config["ckpt_path"] == str(folder / "epoch=2-step=3.ckpt") and logger["init_args"]["version"] == 0
+        del logger["init_args"]["version"]
