@@ -38,6 +38,27 @@ def _identity(batch):
     return batch
 
 
+def time_left(logged_at: list[float], done: int, total: int | None) -> str:
+    """``"; 42 s per rollout, 1 h 10 min left"`` from when the rollouts of this process were logged ("" at first)."""
+    if len(logged_at) < 2:
+        return ""
+    per = (logged_at[-1] - logged_at[0]) / (len(logged_at) - 1)
+    text = f"; {_duration(per)} per rollout"
+    if total and total > 0:
+        text += f", {_duration(per * max(total - done, 0))} left"
+    return text
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    minutes = seconds / 60
+    if minutes < 90:
+        return f"{minutes:.0f} min"
+    hours = minutes / 60
+    return f"{hours:.1f} h" if hours < 48 else f"{hours / 24:.1f} d"
+
+
 class RolloutDataModule(LightningDataModule):
     """On-policy rollouts from a prompt source through a rollout engine, scored by rewards.
 
@@ -111,6 +132,7 @@ class RolloutDataModule(LightningDataModule):
         # a prompt and its completion must fit the engine's context
         self.prompt_limit = min(max_prompt_tokens, room - sampling.max_new_tokens) if room else max_prompt_tokens
         self.overlong_prompts, self.skipped_prompts, self._screened = overlong_prompts, 0, False
+        self._rollout_times: list[float] = []  # when each rollout of this process's run was logged
         self.sync_check = SyncCheck(sync)
         self.val_prompts, self.benchmarks = val_prompts, list(benchmarks or [])
         self.evaluation = evaluation.with_length_limit(sampling.max_new_tokens)
@@ -299,15 +321,19 @@ class RolloutDataModule(LightningDataModule):
         values = all_reduce(torch.tensor([float(metrics[k]) for k in keys]), "mean", self.trainer.strategy.root_device)
         reduced = dict(zip(keys, values.tolist()))
         log_metrics(self.trainer, reduced)
+        now = time.perf_counter()
+        self._rollout_times.append(now)
         if self.trainer.is_global_zero:
             log.info(
-                "epoch %d: reward %.3f +- %.3f, %.0f%% of groups with reward variance, %.0f tokens/s, length %.1f "
-                "(%.0f%% truncated)",
-                self.trainer.current_epoch,
+                "%s: reward %.3f +- %.3f, %.0f%% of groups with reward variance, %.0f tokens/s, length %.1f "
+                "(%.0f%% truncated)%s",
+                f"rollout {self.trainer.current_epoch + 1}"
+                + (f" of {self.trainer.max_epochs}" if self.trainer.max_epochs and self.trainer.max_epochs > 0 else ""),
                 reduced["rollout/reward_mean"],
                 reduced["rollout/reward_std"],
                 100 * (1 - reduced["rollout/zero_std_frac"]),
                 reduced["rollout/tokens_per_s"],
                 reduced["length/mean"],
                 100 * reduced["length/truncated_frac"],
+                time_left(self._rollout_times, self.trainer.current_epoch + 1, self.trainer.max_epochs),
             )

@@ -227,3 +227,12 @@ def test_a_stream_leaves_out_excluded_prompts_and_keeps_the_others_order():
     shuffled = PromptStream(source, shuffle=True, seed=5)
     shuffled.exclude({0})
     assert source[0] not in shuffled.take(len(shuffled))
+
+
+def test_the_rollout_line_says_how_long_the_run_has_left():
+    from amir_lightning.datamodule import time_left
+
+    assert time_left([100.0], 1, 30) == ""  # one rollout: no pace yet
+    assert time_left([100.0, 110.0, 130.0], 3, 30) == "; 15 s per rollout, 7 min left"
+    assert time_left([0.0, 3600.0], 2, 1000) == "; 60 min per rollout, 41.6 d left"
+    assert time_left([0.0, 5.0], 2, -1) == "; 5 s per rollout"  # no set length

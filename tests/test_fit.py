@@ -293,6 +293,7 @@ def test_an_overlong_prompt_is_found_when_the_data_opens(tmp_path, mode):
         result = run_amir(args, tmp_path)
         assert "skipping 1 of 50 training prompts longer than 62 tokens" in result.stderr
         assert f"{data}:17 (81 tokens)" in result.stderr
+        assert "rollout 4 of 4: reward" in result.stderr and "per rollout, 0 s left" in result.stderr
         scalars = read_scalars(tmp_path / "runs" / "tiny" / "version_0")
         assert scalars["data/skipped_prompts"] == [1.0] and len(scalars["rollout/reward_mean"]) == 4
         return
