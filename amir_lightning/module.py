@@ -40,8 +40,7 @@ from amir_lightning.models.loading import (
 from amir_lightning.models.precision import autocast, check_strategy, dtype_by_name, take_over_precision
 from amir_lightning.models.scoring import (
     completion_logps,
-    head_matches_logits,
-    scaled_head_keys,
+    fused_head_allowed,
     sequence_token_logps,
     varlen_attention,
 )
@@ -53,7 +52,7 @@ from amir_lightning.objectives import (
     StepContext,
 )
 from amir_lightning.rollout.batch import RolloutBatch, RolloutStep
-from amir_lightning.summary import run_summary
+from amir_lightning.summary import planned_steps, run_summary
 from amir_lightning.tracking import log_metrics
 from amir_lightning.validation import check_number, raise_errors
 
@@ -207,7 +206,7 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         self.policy = load_policy(
             self.model_dir, frozen, self.trainable_dtype, self.gradient_checkpointing, self.lora, trust, attention
         )
-        self._fused = self.fused_logprobs and self._check_fused_head()
+        self._fused = self.fused_logprobs and fused_head_allowed(self.policy, self.packing == "on")
         self._packed = self._fused and (
             self.packing == "on" or (self.packing == "auto" and varlen_attention(self.policy))
         )
@@ -224,31 +223,12 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
 
         Under autocast a float32 policy keeps its residual stream and norms in float32 while a bf16 copy rounds them
         (up to 0.004 nat per token on a 2-layer tiny model, more with depth: a KL floor and noise in the pair margins
-        at step 0; tests/test_precision.py);
-        FSDP2 casts the policy's parameters to the compute dtype, so there the copy is stored in it. ``model.dtype``
-        set by name wins (half the reference's memory, with that floor).
+        at step 0; tests/test_precision.py). FSDP2 casts the policy's parameters to the compute dtype, so there the
+        copy is stored in it. ``model.dtype`` set by name wins (half the reference's memory, with that floor).
         """
         if self.frozen_dtype is not None:
             return self.frozen_dtype
         return self.compute_dtype if self._fsdp2 else self.trainable_dtype
-
-    def _check_fused_head(self) -> bool:
-        """Whether the fused head computes the policy's own logits (``head_matches_logits``); says why not, once."""
-        matches, difference, _ = head_matches_logits(self.policy)
-        if not matches:
-            keys = scaled_head_keys(getattr(self.policy, "config", None))
-            why = f"its configuration sets {', '.join(keys)}" if keys else f"they differ by {difference:.3g} relative"
-            if self.packing == "on":
-                raise ValueError(
-                    f"model.packing: on needs the fused LM head, and this policy's head is not hidden @ W.T ({why}); "
-                    "set model.packing to auto or off"
-                )
-            log.warning(
-                "the policy's LM head does more than hidden @ W.T (%s): its log-probs are taken from the model's own "
-                "logits (model.fused_logprobs falls back to the materialised path, and nothing is packed)",
-                why,
-            )
-        return matches
 
     def on_fit_start(self) -> None:  # noqa: D102
         for ref in self._reference:
@@ -467,22 +447,8 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
             return optimizer
         scheduler = self.scheduler_factory(optimizer)
         if getattr(scheduler, "total_steps", 0) is None:  # WarmupCosineLR follows the run's length
-            scheduler.set_total_steps(self.planned_steps())
+            scheduler.set_total_steps(planned_steps(self.trainer))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    def planned_steps(self) -> int:
-        """Optimisation steps of this run: ``trainer.max_steps``, else ``trainer.max_epochs`` times a rollout's."""
-        trainer = self.trainer
-        if trainer.max_steps and trainer.max_steps > 0:
-            return trainer.max_steps
-        if not trainer.max_epochs or trainer.max_epochs < 0:
-            raise ValueError(
-                "model.lr_scheduler.init_args.total_steps must be given when the run has no length "
-                "(trainer.max_epochs and trainer.max_steps unset)"
-            )
-        settings = getattr(trainer.datamodule, "settings", None)  # RolloutDataModule: steps x passes per rollout
-        per_epoch = settings.steps_per_rollout * settings.mu if settings is not None else 1
-        return trainer.max_epochs * per_epoch
 
     def on_train_epoch_end(self) -> None:  # noqa: D102
         every, done = self.export_every_n_epochs, self.current_epoch + 1

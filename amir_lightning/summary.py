@@ -1,8 +1,9 @@
-"""The start-up summary of a run: the global step size, the run's length, and whether a device's memory holds it.
+"""The shape of a run: its global step size, its length, whether a device's memory holds it.
 
-Printed once, by the global-zero process, when ``fit`` starts (``AmirGRPOModule.on_fit_start``). A user on an 8-GPU
-node sees that ``data.rollout.prompts_per_epoch`` counts per process (8 processes: 8x the batch), and a user on an
-80 GB card sees that the longest micro-batch's activations do not fit before the run finds out.
+``planned_steps`` is the run's length, which the LR schedule spans. The start-up summary is printed once, by the
+global-zero process, when ``fit`` starts (``AmirGRPOModule.on_fit_start``). A user on an 8-GPU node sees that
+``data.rollout.prompts_per_epoch`` counts per process (8 processes: 8x the batch), and a user on an 80 GB card sees
+that the longest micro-batch's activations do not fit before the run finds out.
 
 The activation estimate is ``1.08 * (10 H + 4 I)`` values per token and decoder layer in the compute dtype (H the
 hidden size, I the MLP's), calibrated on ``benchmarks/activation_memory.py``'s count at Qwen2.5-3B's shape (0.133 MiB
@@ -81,11 +82,25 @@ def _size(count: float) -> str:
     return f"{count / GIB:.1f} GiB" if count >= GIB / 10 else f"{count / 2**20:.1f} MiB"
 
 
+def planned_steps(trainer) -> int:
+    """Optimisation steps of the run: ``trainer.max_steps``, else ``trainer.max_epochs`` times a rollout's."""
+    if trainer.max_steps and trainer.max_steps > 0:
+        return trainer.max_steps
+    if not trainer.max_epochs or trainer.max_epochs < 0:
+        raise ValueError(
+            "model.lr_scheduler.init_args.total_steps must be given when the run has no length "
+            "(trainer.max_epochs and trainer.max_steps unset)"
+        )
+    settings = getattr(trainer.datamodule, "settings", None)  # RolloutDataModule: steps x passes per rollout
+    per_epoch = settings.steps_per_rollout * settings.mu if settings is not None else 1
+    return trainer.max_epochs * per_epoch
+
+
 def run_summary(trainer, module, data, device_memory: float | None = None) -> list[str]:
     """The lines of the start-up summary (``device_memory``: see ``estimate_memory``)."""
     processes, settings = trainer.world_size, data.settings
     per_step = settings.prompts_per_epoch // settings.steps_per_rollout
-    steps = module.planned_steps() if trainer.max_epochs and trainer.max_epochs > 0 else None
+    steps = planned_steps(trainer) if trainer.max_epochs and trainer.max_epochs > 0 else None
     scheduler = getattr(module, "scheduler_factory", None)
     lines = [
         f"run: {processes} process{'es' if processes > 1 else ''} ({type(trainer.strategy).__name__}); every "

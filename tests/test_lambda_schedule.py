@@ -137,17 +137,15 @@ def test_the_lr_schedule_follows_the_runs_length_and_a_resumed_run_stretches_it(
     steps x passes. A resumed run that was given more epochs keeps its position on the longer schedule."""
     from types import SimpleNamespace
 
-    from amir_lightning.models import HFModel
-    from amir_lightning.module import AmirGRPOModule
     from amir_lightning.rollout.collect import RolloutSettings
     from amir_lightning.schedules import WarmupCosineLR
+    from amir_lightning.summary import planned_steps
 
-    module = AmirGRPOModule(policy=HFModel("unused"))
     settings = RolloutSettings(prompts_per_epoch=4, steps_per_rollout=2, mu=3)
-    module._trainer = SimpleNamespace(max_steps=-1, max_epochs=50, datamodule=SimpleNamespace(settings=settings))
-    assert module.planned_steps() == 300
-    module._trainer.max_steps = 40
-    assert module.planned_steps() == 40
+    trainer = SimpleNamespace(max_steps=-1, max_epochs=50, datamodule=SimpleNamespace(settings=settings))
+    assert planned_steps(trainer) == 300
+    trainer.max_steps = 40
+    assert planned_steps(trainer) == 40
 
     def schedule(total):
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)

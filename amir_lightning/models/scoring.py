@@ -6,10 +6,14 @@ the numbers they compare come from the same code.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from amir_lightning.models import attention
 from amir_lightning.objectives.logprobs import chosen_token_logps, selective_log_softmax, token_entropy
+
+log = logging.getLogger(__name__)
 
 
 def completion_logps(
@@ -221,6 +225,28 @@ def head_matches_logits(model, tokens: int = 8, rtol: float = 1e-4) -> tuple[boo
     relative = float((fused - logits).abs().max() / logits.abs().max().clamp(min=1e-30))
     logps = float((fused.log_softmax(-1) - logits.log_softmax(-1)).abs().max())
     return relative <= rtol and fused_head(model) is not None, relative, logps
+
+
+def fused_head_allowed(model, packing_on: bool = False) -> bool:
+    """Whether ``model``'s log-probs may take the fused head (``head_matches_logits``); says why not, once.
+
+    ``packing_on`` (``model.packing: on``, which needs the fused head) turns a refusal into an error.
+    """
+    matches, difference, _ = head_matches_logits(model)
+    if not matches:
+        keys = scaled_head_keys(getattr(model, "config", None))
+        why = f"its configuration sets {', '.join(keys)}" if keys else f"they differ by {difference:.3g} relative"
+        if packing_on:
+            raise ValueError(
+                f"model.packing: on needs the fused LM head, and this policy's head is not hidden @ W.T ({why}); "
+                "set model.packing to auto or off"
+            )
+        log.warning(
+            "the policy's LM head does more than hidden @ W.T (%s): its log-probs are taken from the model's own "
+            "logits (model.fused_logprobs falls back to the materialised path, and nothing is packed)",
+            why,
+        )
+    return matches
 
 
 @torch.no_grad()

@@ -100,6 +100,7 @@ class WeightSlot:
             kernels keep a bf16 model's biases in float32: rounded to bf16 at the first load, not at a reload);
             ``None``: none.
         kernel: The engine also keeps it packed in a kernel, read back on sampled columns.
+        whole: The engine reads the tensor back whole (vLLM on CPU empties the parameters it packs into kernels).
     """
 
     key: str
@@ -107,6 +108,7 @@ class WeightSlot:
     dtype: torch.dtype
     load_dtype: torch.dtype | None = None
     kernel: bool = False
+    whole: bool = True
 
     def digests(self, tensor: torch.Tensor, columns: ColumnSample | None = None) -> tuple[Digest, ...]:
         """The digests ``tensor`` (or its ``columns``) may have in the engine.

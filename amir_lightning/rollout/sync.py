@@ -102,8 +102,9 @@ class PushedDigests:
 
     def __init__(self, layout: WeightLayout, columns: ColumnSample) -> None:
         self.layout, self.columns = layout, columns
-        # engine tensor -> part -> (digests of all of it, of the sampled columns or None), each way it may load
-        self.parts: dict[str, dict[str, tuple[tuple[Digest, ...], tuple[Digest, ...] | None]]] = {}
+        # engine tensor -> part -> (digests of all of it, of the sampled columns; None where not read back), each way
+        # it may load
+        self.parts: dict[str, dict[str, tuple[tuple[Digest, ...] | None, tuple[Digest, ...] | None]]] = {}
         self.sources: dict[str, list[str]] = {}  # engine tensor -> the pushed names that fill it
         self.conflicts: list[str] = []  # tied names pushed with different values
         self.unheld: list[str] = []  # pushed names the engine keeps no copy of
@@ -120,7 +121,11 @@ class PushedDigests:
         if slot is None:
             self.unheld.append(name)
             return
-        digests = (slot.digests(tensor), slot.digests(tensor, self.columns) if slot.kernel else None)
+        # only the copies the engine reads back: on a CPU most weights live in kernels alone
+        digests = (
+            slot.digests(tensor) if slot.whole else None,
+            slot.digests(tensor, self.columns) if slot.kernel else None,
+        )
         parts = self.parts.setdefault(slot.key, {})
         if slot.part in parts and parts[slot.part] != digests:
             self.conflicts.append(f"{name} and {self.sources[slot.key][0]}, which both fill {slot.key}")

@@ -218,12 +218,13 @@ def _named_parameters(model) -> tuple[dict[int, str], dict[str, torch.nn.Paramet
 
 
 def _layout(worker) -> tuple:
-    """Plain data for ``_VLLMLayout``: the weight mapper, packed modules, aliases and dtypes of the worker's model."""
+    """Plain data for ``_VLLMLayout``: the weight mapper, packed modules, aliases, dtypes and readable copies."""
     model = worker.model_runner.get_model()
     first, every = _named_parameters(model)
     model_dtype = worker.model_runner.model_config.dtype
     loaded = _load_dtypes(model)
     kernels = {first[id(w)] for w in _kernels(model).values()}
+    whole = {first[id(p)] for p in every.values() if p.numel()}
     aliases, dtypes, load_dtypes = {}, {}, {}
     for name, param in every.items():
         key = first[id(param)]
@@ -234,7 +235,7 @@ def _layout(worker) -> tuple:
             load_dtypes[key] = load  # loaded narrow, kept wide (vLLM's CPU kernels keep biases in float32)
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     packed = dict(getattr(model, "packed_modules_mapping", None) or {})
-    return mapper, packed, aliases, dtypes, load_dtypes, kernels
+    return mapper, packed, aliases, dtypes, load_dtypes, kernels, whole
 
 
 def _load_dtypes(model) -> dict[str, torch.dtype]:
@@ -294,9 +295,11 @@ def _kernel_digest(module, weight: torch.nn.Parameter, columns: ColumnSample, ro
 class _VLLMLayout(WeightLayout):
     """Hugging Face names -> vLLM's tensors: the model's ``hf_to_vllm_mapper``, else its packed modules."""
 
-    def __init__(self, mapper, packed: dict, aliases: dict, dtypes: dict, load_dtypes: dict, kernels: set) -> None:
+    def __init__(
+        self, mapper, packed: dict, aliases: dict, dtypes: dict, load_dtypes: dict, kernels: set, whole: set
+    ) -> None:
         self.mapper, self.packed, self.aliases = mapper, packed, aliases
-        self.dtypes, self.load_dtypes, self.kernels = dtypes, load_dtypes, kernels
+        self.dtypes, self.load_dtypes, self.kernels, self.whole = dtypes, load_dtypes, kernels, whole
 
     def slot(self, name: str) -> WeightSlot | None:  # noqa: D102
         target = self.mapper.map_name(name) if self.mapper is not None else name
@@ -310,4 +313,11 @@ class _VLLMLayout(WeightLayout):
         key = self.aliases.get(target)
         if key is None:
             return None
-        return WeightSlot(key, part, self.dtypes[key], self.load_dtypes.get(key), key in self.kernels)
+        return WeightSlot(
+            key,
+            part,
+            self.dtypes[key],
+            load_dtype=self.load_dtypes.get(key),
+            kernel=key in self.kernels,
+            whole=key in self.whole,
+        )
