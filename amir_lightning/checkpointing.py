@@ -15,14 +15,19 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
 import random
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from amir_lightning.models.loading import base_identity, is_peft
 from amir_lightning.preflight import check_base_model, check_compatible
@@ -31,30 +36,85 @@ log = logging.getLogger(__name__)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Write each checkpoint to a temporary sibling, flush it to disk, then rename it over the target.
+    """Write each checkpoint to a temporary sibling, then rename it over the target; local or remote (fsspec).
 
     A process killed mid-write leaves the previous checkpoint intact and only a ``.<name>.tmp-<pid>`` file, which
-    nothing loads. ``amir`` installs it in place of Lightning's default checkpoint writer.
+    nothing loads. On a local disk the file is flushed to disk before the rename; a remote path (``s3://``,
+    ``gs://``, any fsspec protocol) is written through fsspec and moved into place. ``amir`` installs it in place of
+    Lightning's default checkpoint writer.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:  # noqa: D102
         if storage_options is not None:
             raise TypeError(f"AtomicCheckpointIO takes no storage_options, got {storage_options!r}")
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        with open(tmp, "wb") as fh:
+        fs, target = url_to_fs(str(path))
+        if isinstance(fs, LocalFileSystem):
+            target = Path(target)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+            with open(tmp, "wb") as fh:
+                torch.save(checkpoint, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, target)
+            return
+        parent = fs._parent(target)
+        fs.makedirs(parent, exist_ok=True)
+        tmp = f"{parent}/.{posixpath.basename(target)}.tmp-{os.getpid()}"
+        with fs.open(tmp, "wb") as fh:
             torch.save(checkpoint, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
+        fs.mv(tmp, target)
+
+
+class AtomicFolderSave:
+    """``ModelParallelStrategy.save_checkpoint`` for distributed checkpoints, made atomic.
+
+    Every process writes its shards into the temporary sibling ``.<name>.tmp``; once all are written (and
+    Lightning's ``meta.pt`` beside them), the first process renames it over the target. Lightning writes into the
+    target folder itself, so a process killed mid-write would leave new shards beside an older ``meta.pt``: a
+    checkpoint that loads, and mixes two steps.
+    """
+
+    def __init__(self, strategy, save) -> None:
+        self.strategy, self.save = strategy, save
+
+    def __call__(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:  # noqa: D102
+        strategy = self.strategy
+        target = Path(strategy.broadcast(str(filepath)))
+        tmp = target.with_name(f".{target.name}.tmp")
+        if strategy.is_global_zero:
+            _remove(tmp)  # the leftover of a process killed while writing
+        strategy.barrier()
+        self.save(checkpoint, tmp, storage_options)
+        strategy.barrier()
+        if strategy.is_global_zero:
+            old = target.with_name(f".{target.name}.old")
+            _remove(old)
+            if target.exists() or target.is_symlink():
+                os.replace(target, old)
+            os.replace(tmp, target)
+            _remove(old)
+        strategy.barrier()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 def install_atomic_checkpoints(trainer) -> None:
-    """Use ``AtomicCheckpointIO`` where the strategy would use Lightning's plain writer (not for sharded saves)."""
+    """Make every checkpoint write atomic.
+
+    ``AtomicCheckpointIO`` where the strategy would use Lightning's plain writer, ``AtomicFolderSave`` where FSDP2
+    (``ModelParallelStrategy``) writes distributed checkpoints.
+    """
     strategy = trainer.strategy
     if type(strategy.checkpoint_io) is TorchCheckpointIO:
         strategy.checkpoint_io = AtomicCheckpointIO()
+    if isinstance(strategy, ModelParallelStrategy) and strategy._save_distributed_checkpoint:
+        strategy.save_checkpoint = AtomicFolderSave(strategy, strategy.save_checkpoint)
 
 
 def random_states() -> dict[str, Any]:
@@ -149,16 +209,23 @@ class TrainableCheckpoint:
 
 
 def resolve_resume(config) -> None:
-    """Turn ``ckpt_path`` ``last`` / ``auto`` into this run name's newest ``last.ckpt``, and log beside it.
+    """Turn ``ckpt_path`` ``last`` / ``auto`` into this run's newest checkpoint, and log beside it.
 
-    Looks in ``checkpoint.dirpath`` when set, else in every ``version_N/checkpoints`` of the first logger's
-    ``save_dir/name`` (TensorBoard, CSV). Found: ``ckpt_path`` becomes that file and the logger's ``version`` that
-    folder's, so the curves continue. Not found: ``auto`` starts fresh; ``last`` is an error naming where it looked.
+    Looks in ``checkpoint.dirpath`` when set (a local or fsspec path), else in every ``version_N/checkpoints`` of
+    the first logger's ``save_dir/name`` (TensorBoard, CSV), and, for a run that SLURM preempted and requeued, at
+    Lightning's ``hpc_ckpt_N.ckpt`` in ``trainer.default_root_dir``, taken when it is newer. Found: ``ckpt_path``
+    becomes that file and the logger's ``version`` that folder's, so the curves continue. Not found: ``auto``
+    starts fresh; ``last`` is an error naming where it looked.
     """
     wanted = config.get("ckpt_path")
     if wanted not in ("last", "auto"):
         return
     found, version, where = _newest_last_checkpoint(config)
+    hpc = _newest_hpc_checkpoint(config["trainer"].get("default_root_dir") or os.getcwd())
+    if hpc is not None and (found is None or _modified(hpc) > _modified(found)):
+        found = hpc
+    if found is not None and version is None:  # checkpoints kept outside the logger's folders
+        version = _newest_version(config)
     if found is None:
         if wanted == "last":
             raise FileNotFoundError(
@@ -167,7 +234,7 @@ def resolve_resume(config) -> None:
         log.warning("--ckpt_path auto: no last.ckpt in %s, starting a new run", where)
         config["ckpt_path"] = None
         return
-    config["ckpt_path"] = str(found)
+    config["ckpt_path"] = found
     if version is not None:
         _first_logger(config)["init_args"]["version"] = version
     log.warning("--ckpt_path %s: resuming from %s", wanted, found)
@@ -180,41 +247,131 @@ def _first_logger(config):
     return logger if init is not None and init.get("save_dir") is not None else None
 
 
-def _newest_last_checkpoint(config) -> tuple[Path | None, int | None, str]:
+def _logger_root(config) -> str | None:
+    """``save_dir/name`` of the first logger, which holds its ``version_N`` folders; ``None`` without one."""
+    logger = _first_logger(config)
+    if logger is None:
+        return None
+    init = logger["init_args"]
+    return posixpath.join(str(init["save_dir"]), init.get("name") or "")
+
+
+def _versions(root: str) -> list[int]:
+    """The numbers of the ``version_N`` folders under ``root``, newest first."""
+    fs, path = url_to_fs(root)
+    names = (posixpath.basename(p.rstrip("/")) for p in fs.glob(posixpath.join(path, "version_*")))
+    return sorted((int(m.group(1)) for name in names if (m := re.fullmatch(r"version_(\d+)", name))), reverse=True)
+
+
+def _newest_version(config) -> int | None:
+    root = _logger_root(config)
+    if root is None or _first_logger(config)["init_args"].get("version") is not None:
+        return None
+    versions = _versions(root)
+    return versions[0] if versions else None
+
+
+def _newest_last_checkpoint(config) -> tuple[str | None, int | None, str]:
     """``(last.ckpt, its logger version, where it was looked for)``; ``None`` for what is not there."""
     dirpath = config.get("checkpoint", {}).get("dirpath") if hasattr(config, "get") else None
     if dirpath:
-        return _last_in(Path(dirpath)), None, str(dirpath)
-    logger = _first_logger(config)
-    if logger is None:
+        return _last_in(str(dirpath)), None, str(dirpath)
+    root = _logger_root(config)
+    if root is None:
         return None, None, "the run (set checkpoint.dirpath: the first logger has no save_dir/name folders)"
-    init = logger["init_args"]
-    root = Path(init["save_dir"]) / (init.get("name") or "")
-    given = init.get("version")
+    given = _first_logger(config)["init_args"].get("version")
     if given is not None:
-        folder = root / (given if isinstance(given, str) else f"version_{given}")
-        return _last_in(folder / "checkpoints"), None, str(folder / "checkpoints")
-    versions = sorted(
-        (int(m.group(1)) for p in root.glob("version_*") if (m := re.fullmatch(r"version_(\d+)", p.name))),
-        reverse=True,
-    )
-    for version in versions:
-        last = _last_in(root / f"version_{version}" / "checkpoints")
+        folder = posixpath.join(root, given if isinstance(given, str) else f"version_{given}", "checkpoints")
+        return _last_in(folder), None, folder
+    for version in _versions(root):
+        last = _last_in(posixpath.join(root, f"version_{version}", "checkpoints"))
         if last is not None:
-            return last, version, str(root / "version_*" / "checkpoints")
-    return None, None, str(root / "version_*" / "checkpoints")
+            return last, version, posixpath.join(root, "version_*", "checkpoints")
+    return None, None, posixpath.join(root, "version_*", "checkpoints")
 
 
-def _last_in(folder: Path) -> Path | None:
-    """``last.ckpt`` in ``folder``, or the newest checkpoint there when it links to one that is gone.
+def _last_in(folder: str) -> str | None:
+    """``last.ckpt`` in ``folder``, or the newest whole checkpoint there when it links to one that is gone.
 
     ``last.ckpt`` links to the rollout's checkpoint; a process killed after writing the next one and removing the
-    old one, but before relinking, leaves the link dangling.
+    old one, but before relinking, leaves the link dangling. Temporary files and folders (``.name.tmp*``) and
+    distributed checkpoints without Lightning's ``meta.pt`` are never whole.
     """
-    last = folder / "last.ckpt"
-    if last.exists():
-        return last
-    if not folder.is_dir():
+    fs, path = url_to_fs(folder)
+    last = posixpath.join(path, "last.ckpt")
+    if fs.exists(last):
+        return _url(fs, folder, last)
+    if not fs.isdir(path):
         return None
-    saved = [p for p in folder.glob("*.ckpt") if p.exists() and not p.name.startswith(".")]
-    return max(saved, key=lambda p: p.stat().st_mtime) if saved else None
+    saved = [
+        p
+        for p in fs.glob(posixpath.join(path, "*.ckpt"))
+        if not posixpath.basename(p).startswith(".")
+        and fs.exists(p)
+        and (not fs.isdir(p) or fs.exists(posixpath.join(p, "meta.pt")))
+    ]
+    return _url(fs, folder, max(saved, key=lambda p: _modified(_url(fs, folder, p)))) if saved else None
+
+
+def _newest_hpc_checkpoint(root: str) -> str | None:
+    """Lightning's SLURM requeue checkpoint with the highest number (``hpc_ckpt_N.ckpt``) in ``root``, if any."""
+    fs, path = url_to_fs(str(root))
+    numbered = [
+        (int(m.group(1)), p)
+        for p in fs.glob(posixpath.join(path, "hpc_ckpt_*.ckpt"))
+        if (m := re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", posixpath.basename(p)))
+    ]
+    return _url(fs, str(root), max(numbered)[1]) if numbered else None
+
+
+def _url(fs, given: str, path: str) -> str:
+    """``path`` as found by ``fs``, written as ``given`` was: with its protocol, or relative when it was."""
+    if isinstance(fs, LocalFileSystem):
+        return path if os.path.isabs(given) else os.path.relpath(path)
+    return fs.unstrip_protocol(path)
+
+
+def _modified(path: str) -> float:
+    """Seconds since the epoch of ``path``'s last write (a link's target's); 0 where the filesystem does not say."""
+    fs, local = url_to_fs(path)
+    if isinstance(fs, LocalFileSystem):
+        return os.path.getmtime(local)
+    try:
+        return fs.modified(local).timestamp()
+    except (NotImplementedError, AttributeError, KeyError):
+        return 0.0
+
+
+def fit_checkpoints_to_storage(config) -> None:
+    """Where checkpoints go decides how ``last.ckpt`` is kept; called on the config before anything is built.
+
+    On a local disk ``last.ckpt`` links to the rollout's checkpoint (``save_last: link``, one write per rollout);
+    a ``file://`` folder becomes its plain path, since Lightning links only those. A remote folder (``s3://``, any
+    fsspec protocol, as ``checkpoint.dirpath`` or the first logger's ``save_dir``) has no links: each rollout
+    writes ``last.ckpt`` in full, and without a monitor nothing else (``save_top_k: 0``), still one write.
+    """
+    checkpoint = config.get("checkpoint")
+    if checkpoint is None or checkpoint.get("save_last") != "link":
+        return
+    dirpath = checkpoint.get("dirpath")
+    where = str(dirpath) if dirpath else _logger_root(config)
+    if where is None:
+        return
+    fs, local = url_to_fs(where)
+    if isinstance(fs, LocalFileSystem):
+        if dirpath and str(dirpath).startswith("file://"):
+            checkpoint["dirpath"] = local
+        return
+    strategy = config["trainer"].get("strategy")
+    name = strategy if isinstance(strategy, str) else str(strategy.get("class_path"))
+    init = {} if isinstance(strategy, str) else (strategy.get("init_args") or {})
+    if name.endswith("ModelParallelStrategy") and init.get("save_distributed_checkpoint", True):
+        raise ValueError(
+            f"checkpoint.dirpath {where}: FSDP2's distributed checkpoints (ModelParallelStrategy) are written to "
+            "local paths only; give a shared local folder, or set "
+            "trainer.strategy.init_args.save_distributed_checkpoint: false to write whole checkpoints there"
+        )
+    checkpoint["save_last"] = True
+    if checkpoint.get("monitor") is None and checkpoint.get("save_top_k") == 1:
+        checkpoint["save_top_k"] = 0
+    log.info("checkpoints go to %s: no links there, so each rollout writes last.ckpt in full", where)

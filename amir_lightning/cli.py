@@ -17,11 +17,12 @@ import warnings
 from jsonargparse import lazy_instance
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.warnings import PossibleUserWarning
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from amir_lightning.checkpointing import install_atomic_checkpoints, resolve_resume
+from amir_lightning.callbacks import RunProgressBar
+from amir_lightning.checkpointing import fit_checkpoints_to_storage, install_atomic_checkpoints, resolve_resume
 from amir_lightning.datamodule import RolloutDataModule
 from amir_lightning.models.precision import check_strategy
 from amir_lightning.module import AmirGRPOModule
@@ -169,6 +170,7 @@ class AmirCLI(LightningCLI):
                 checkpoint["monitor"],
                 checkpoint["monitor"],
             )
+        fit_checkpoints_to_storage(config)
         if "weights_only" in config and config["weights_only"] is None:
             config["weights_only"] = True  # checkpoints are loaded as data, never as code
         # Before Lightning builds the trainer or reads the checkpoint, so the message is ours and comes first.
@@ -204,6 +206,9 @@ class AmirCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):  # noqa: D102
         trainer = super().instantiate_trainer(**kwargs)
         install_atomic_checkpoints(trainer)  # a checkpoint is never half-written, whatever kills the run
+        bar = trainer.progress_bar_callback
+        if type(bar) in (TQDMProgressBar, RichProgressBar):  # Lightning's default: a bar per epoch, here a rollout
+            trainer.callbacks[trainer.callbacks.index(bar)] = RunProgressBar(refresh_rate=bar.refresh_rate)
         return trainer
 
     def before_fit(self) -> None:  # noqa: D102

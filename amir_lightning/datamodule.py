@@ -132,6 +132,7 @@ class RolloutDataModule(LightningDataModule):
         # a prompt and its completion must fit the engine's context
         self.prompt_limit = min(max_prompt_tokens, room - sampling.max_new_tokens) if room else max_prompt_tokens
         self.overlong_prompts, self.skipped_prompts, self._screened = overlong_prompts, 0, False
+        self._drawn: tuple[int, int] | None = None  # see state_dict
         self._rollout_times: list[float] = []  # when each rollout of this process's run was logged
         self.sync_check = SyncCheck(sync)
         self.val_prompts, self.benchmarks = val_prompts, list(benchmarks or [])
@@ -155,13 +156,23 @@ class RolloutDataModule(LightningDataModule):
         self.pad_token_id = policy.pad_token_id
         if stage == "fit":
             self.screen_prompts()
+        self.screen_evaluation_prompts(stage)
         if not self.engine.started:
             trainer = self.trainer
             seed, device = self.seed + trainer.global_rank, trainer.strategy.root_device
             self.engine.start(policy.model_dir, seed=seed, device=device, local_rank=trainer.local_rank)
 
-    def state_dict(self) -> dict:  # noqa: D102
-        return {"cursor": self.stream.position, "sync": self.sync_check.state_dict()}
+    def state_dict(self) -> dict:
+        """The prompt stream's position and the sync check's probe.
+
+        A checkpoint written after this rollout's prompts were drawn but before any of its steps ran (SLURM's
+        requeue checkpoint, saved whenever the signal comes, often mid-generation) holds the position before the
+        draw: its resume, which runs the rollout again, draws the same prompts, as an uninterrupted run does.
+        """
+        cursor = self.stream.position
+        if self._drawn is not None and self._drawn[1] == self.trainer.fit_loop.epoch_loop.batch_progress.total.ready:
+            cursor = self._drawn[0]
+        return {"cursor": cursor, "sync": self.sync_check.state_dict()}
 
     def load_state_dict(self, state_dict: dict) -> None:  # noqa: D102
         self.stream.position = int(state_dict["cursor"])
@@ -180,6 +191,8 @@ class RolloutDataModule(LightningDataModule):
         and the stream position stays in step everywhere.
         """
         ranks, rank, per_rank = self.trainer.world_size, self.trainer.global_rank, self.settings.prompts_per_epoch
+        batches_run = self.trainer.fit_loop.epoch_loop.batch_progress.total.ready
+        self._drawn = (self.stream.position, batches_run)  # (position before the draw, steps run by then)
         batch = self.stream.take(per_rank * ranks)
         return batch[rank * per_rank : (rank + 1) * per_rank]
 
@@ -222,6 +235,20 @@ class RolloutDataModule(LightningDataModule):
         log_metrics(self.trainer, {"data/skipped_prompts": len(over)})
         if self.trainer.is_global_zero:
             log.warning("skipping %d of %d training prompts longer than %s: %s", len(over), len(source), limit, first)
+
+    def screen_evaluation_prompts(self, stage: str) -> None:
+        """Render the prompts evaluation will use before the engine starts; one over ``prompt_limit`` is an error.
+
+        The held-out prompts for fit and validate, the benchmarks (else the held-out prompts) for test. The error
+        names the prompt; leaving it out would change what the evaluation measures.
+        """
+        size = self.evaluation.val_size
+        sources = [(s, len(s)) for s in self.benchmarks] if stage == "test" and self.benchmarks else []
+        if not sources and self.val_prompts is not None and stage in ("fit", "validate", "test"):
+            sources = [(self.val_prompts, min(size, len(self.val_prompts)))]
+        for source, count in sources:
+            prompts = [source[i] for i in range(count)]
+            render_prompts(self.tokenizer, prompts, self.system_prompt, self.prompt_limit, source.describe())
 
     # ------------------------------------------------------------------ the engine
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingConfig, purpose: int):
@@ -297,7 +324,8 @@ class RolloutDataModule(LightningDataModule):
 
     def evaluator(self) -> Evaluator:
         """Evaluation through this module's engine, with its prompt rendering, weight sync and seeding."""
-        return Evaluator(self.evaluation, self.tokenize, self.sync, self.generate, self.grader())
+        progress = self.trainer.is_global_zero and self.trainer.progress_bar_callback is not None
+        return Evaluator(self.evaluation, self.tokenize, self.sync, self.generate, self.grader(), progress)
 
     def grader(self) -> MathAnswerReward:
         """The correctness check of evaluation: the first ``MathAnswerReward`` of the rewards, or a default one."""

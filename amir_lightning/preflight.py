@@ -58,18 +58,23 @@ def check_trainer(trainer) -> None:
 
 
 def check_checkpoint(path: str | None) -> None:
-    """``--ckpt_path`` must be a checkpoint: a torch file (a zip archive, whole) or a distributed checkpoint folder."""
+    """``--ckpt_path`` must be a checkpoint: a torch file (a zip archive, whole) or a distributed checkpoint folder.
+
+    Local or remote (any fsspec path, ``s3://...``): a remote file is checked by its index at the end, not read.
+    """
     if path is None or path in _SPECIAL_CHECKPOINTS:
         return
-    file = Path(path)
-    if not file.exists():
+    from fsspec.core import url_to_fs
+
+    fs, file = url_to_fs(str(path))
+    if not fs.exists(file):
         raise FileNotFoundError(f"--ckpt_path {path} does not exist")
-    if file.is_dir():
-        if not (file / ".metadata").is_file():
+    if fs.isdir(file):
+        if not fs.isfile(f"{file.rstrip('/')}/.metadata"):
             raise ValueError(f"--ckpt_path {path} is not a checkpoint: a folder without a distributed checkpoint")
         return
     try:
-        with zipfile.ZipFile(file) as archive:  # reads the index at the end: a truncated file has none
+        with fs.open(file, "rb") as fh, zipfile.ZipFile(fh) as archive:  # the index at the end: a cut file has none
             if not any(name.endswith("data.pkl") for name in archive.namelist()):
                 raise zipfile.BadZipFile("no data.pkl")
     except (zipfile.BadZipFile, OSError) as err:
@@ -77,10 +82,19 @@ def check_checkpoint(path: str | None) -> None:
 
 
 def saved_checkpoint(path: str | None) -> dict | None:
-    """A whole-file checkpoint, memory-mapped (no weight is read); None for anything else."""
-    import torch
+    """A whole local checkpoint file, memory-mapped (no weight is read); None for anything else.
 
-    if path is None or path in _SPECIAL_CHECKPOINTS or Path(path).is_dir():
+    A remote checkpoint is checked when Lightning loads it (``TrainableCheckpoint.on_load_checkpoint``), rather
+    than downloaded twice.
+    """
+    import torch
+    from fsspec.core import url_to_fs
+    from fsspec.implementations.local import LocalFileSystem
+
+    if path is None or path in _SPECIAL_CHECKPOINTS or not isinstance(url_to_fs(str(path))[0], LocalFileSystem):
+        return None
+    path = url_to_fs(str(path))[1]
+    if Path(path).is_dir():
         return None
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)

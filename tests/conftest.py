@@ -25,17 +25,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-def run_amir(args, tmp_path, timeout=600, console_script=False):
+def run_amir(args, tmp_path, timeout=600, console_script=False, env=None):
     """Run the ``amir`` CLI in a fresh process (each gets its own in-process vLLM engine), offline.
 
     ``console_script`` runs the installed ``amir`` script, as a user does, instead of ``python -m amir_lightning``
-    (which puts the working directory on ``sys.path`` by itself).
+    (which puts the working directory on ``sys.path`` by itself); ``env`` replaces this process's environment.
     """
     import subprocess
     import sys
     from pathlib import Path
 
-    env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+    env = dict(env or os.environ, AMIR_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
     if console_script:
         env.pop("PYTHONPATH", None)
     prefix = [str(Path(sys.executable).parent / "amir")] if console_script else [sys.executable, "-m", "amir_lightning"]

@@ -187,3 +187,32 @@ def test_two_slurm_nodes_give_each_engine_its_own_local_rank(tmp_path):
     assert [node.returncode for node in nodes] == [0, 0], errors[1][-3000:]
     assert [(tmp_path / f"vllm_local_rank.{rank}").read_text() for rank in (0, 1)] == ["0", "0"]
     assert "Processed prompts" in errors[0] and "Processed prompts" not in errors[1]  # one progress bar, rank 0's
+
+
+def test_a_distributed_checkpoint_cut_short_leaves_the_last_whole_one(tmp_path):
+    """FSDP2 on 2 processes with ``save_last: true`` (last.ckpt rewritten each rollout), both killed after writing
+    their shards of rollout 2's last.ckpt, before Lightning's meta.pt: last.ckpt is still rollout 1's, its shards
+    and its meta.pt agree, and the copy cut short lies aside. Written in place, it held rollout 2's weights under
+    rollout 1's step: a checkpoint that loads and mixes two steps."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    args = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.devices", "2", "--trainer.max_epochs"]
+    args += ["3", "--trainer.strategy", "{class_path: lightning.pytorch.strategies.ModelParallelStrategy}"]
+    args += ["--trainer.check_val_every_n_epoch", "50", "--checkpoint.save_last", "true"]
+    args += ["--trainer.callbacks+=faults.KillAfterShards", "--trainer.callbacks.at_save", "4"]
+    env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = str(Path(__file__).parent / "helpers") + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "amir_lightning", *args]
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == -9, result.stderr[-3000:]  # killed, as injected (save 4: rollout 2's last.ckpt)
+    folder = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == [".last.ckpt.tmp", "epoch=1-step=2.ckpt", "last.ckpt"]
+    assert torch.load(folder / "last.ckpt" / "meta.pt", weights_only=True)["global_step"] == 1
+
+    def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+        dcp_to_torch_save(checkpoint, tmp_path / f"{checkpoint.name}.pt")
+        return torch.load(tmp_path / f"{checkpoint.name}.pt", weights_only=True)["state_dict"]
+
+    last, second = weights(folder / "last.ckpt"), weights(folder / "epoch=1-step=2.ckpt")
+    assert last.keys() == second.keys()
+    assert not all(torch.equal(last[k], second[k]) for k in last)  # rollout 1's weights, not rollout 2's

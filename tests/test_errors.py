@@ -158,6 +158,9 @@ def more_files(tmp: Path) -> dict[str, str]:
     (tmp / "object_question.jsonl").write_text(json.dumps({"question": {"text": "2+2"}, "answer": "4"}) + "\n")
     (tmp / "list_question.jsonl").write_text(json.dumps({"question": ["2+2"], "answer": "4"}) + "\n")
     (tmp / "bool_answer.jsonl").write_text(json.dumps({"question": "Is 2 even?", "answer": True}) + "\n")
+    held_out = [{"question": f"{i}=", "answer": str(i)} for i in range(5)]
+    held_out[3]["question"] = "3" * 80 + "="
+    (tmp / "long_heldout.jsonl").write_text("".join(json.dumps(row) + "\n" for row in held_out))
     (tmp / "text.ckpt").write_text("not a checkpoint\n")
     torch.save({"state_dict": {}, "epoch": 0, "global_step": 0}, tmp / "whole.ckpt")
     whole = (tmp / "whole.ckpt").read_bytes()
@@ -167,7 +170,7 @@ def more_files(tmp: Path) -> dict[str, str]:
         {"state_dict": foreign, "epoch": 0, "global_step": 1, "pytorch-lightning_version": "2.6.6"}, tmp / "o.ckpt"
     )
     names = ("latin1.yaml", "latin1.jsonl", "empty.yaml", "object_question.jsonl", "list_question.jsonl")
-    names += ("bool_answer.jsonl", "text.ckpt", "truncated.ckpt", "o.ckpt")
+    names += ("bool_answer.jsonl", "text.ckpt", "truncated.ckpt", "o.ckpt", "long_heldout.jsonl")
     return {name: str(tmp / name) for name in names}
 
 
@@ -238,6 +241,18 @@ MORE_CASES = [
     ("checkpoint truncated", ["--ckpt_path", "@truncated.ckpt@"], "truncated.ckpt is not a checkpoint"),
     ("checkpoint missing", ["--ckpt_path", "/nonexistent/last.ckpt"], "/nonexistent/last.ckpt"),
     ("checkpoint of another model", ["--ckpt_path", "@o.ckpt@"], "o.ckpt was written by another model"),
+    (
+        "held-out prompt longer than the context",
+        ["--data.val_prompts", JSONL, "--data.val_prompts.init_args.path", "@long_heldout.jsonl@"],
+        "long_heldout.jsonl:4 has 81 tokens after the chat template, over the limit of 62",
+    ),
+    ("remote checkpoint missing", ["--ckpt_path", "memory://nowhere/last.ckpt"], "memory://nowhere/last.ckpt"),
+    (
+        "distributed checkpoints to a remote folder",
+        ["--trainer.strategy", "{class_path: lightning.pytorch.strategies.ModelParallelStrategy}"]
+        + ["--checkpoint.dirpath", "memory://bucket/run"],
+        "checkpoint.dirpath memory://bucket/run: FSDP2's distributed checkpoints (ModelParallelStrategy) are written",
+    ),
     ("NaN heldout fraction", ["--data.prompts", ARITH, "--data.prompts.init_args.heldout_fraction", ".nan"], "heldout"),
     ("NaN max bad steps", ["--model.max_bad_steps", ".nan"], "max_bad_steps"),
 ]

@@ -151,8 +151,11 @@ def test_amir_test_reports_pass_at_k_and_compare_writes_the_analyses(tiny_run, t
         ],
         tmp_path,
     )
-    initial = run_amir([*common, "--trainer.logger.init_args.name", "initial"], tmp_path)
+    initial = run_amir(
+        [*common, "--trainer.logger.init_args.name", "initial", "--trainer.enable_progress_bar", "true"], tmp_path
+    )
     assert "sync_dist=True" not in initial.stderr  # pass@k is reduced over processes already: no such advice
+    assert "grading gsm8k:" in initial.stderr and "/80 [" in initial.stderr  # a bar over the 10 x 8 answers
     runs = {name: tmp_path / "runs" / name / "version_0" for name in ("trained", "initial")}
     reports = {name: json.loads((run / "eval" / "gsm8k.json").read_text()) for name, run in runs.items()}
     for name, report in reports.items():
@@ -174,7 +177,8 @@ def test_amir_test_reports_pass_at_k_and_compare_writes_the_analyses(tiny_run, t
 
 
 def test_resume_continues_with_the_next_rollout(tiny_run, tmp_path):
-    """Resuming the 30-epoch run from last.ckpt for one more epoch runs exactly one rollout and one step.
+    """Resuming the 30-epoch run from last.ckpt for one more epoch runs exactly one rollout and one step, and the
+    run's progress bar picks up at rollout 30 of 31.
 
     A model value given with ``--ckpt_path`` wins over the checkpoint's saved one (Lightning alone keeps the saved
     one), and the run says which values differ.
@@ -190,11 +194,16 @@ def test_resume_continues_with_the_next_rollout(tiny_run, tmp_path):
             str(tiny_run / "checkpoints" / "last.ckpt"),
             "--model.max_grad_norm",
             "0.25",
+            "--trainer.enable_progress_bar",
+            "true",
         ],
         tmp_path,
     )
     run = tmp_path / "runs" / "tiny" / "version_0"
     resumed = read_scalars(run)
+    bar = result.stdout.replace("\r", "\n").splitlines()  # one bar for the run, picked up at rollout 30 of 31
+    assert any(line.startswith("rollouts:  97%|") and " 30/31 [" in line for line in bar), result.stdout[-2000:]
+    assert any(line.startswith("rollouts: 100%|") and " 31/31 [" in line and "reward=" in line for line in bar)
     assert len(resumed["rollout/reward_mean"]) == 1 and len(resumed["train/loss"]) == 1
     assert "model.max_grad_norm 0.25 (checkpoint: 1.0)" in result.stderr
     saved = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)

@@ -258,7 +258,7 @@ def test_restarting_the_same_command_with_ckpt_path_last_continues_the_run_and_i
 
 def test_a_dangling_last_link_resumes_from_the_newest_checkpoint(tmp_path):
     """Killed after writing rollout 3's checkpoint and removing rollout 2's, before relinking last.ckpt: ``last``
-    and ``auto`` find rollout 3's file instead of starting the run over."""
+    and ``auto`` find rollout 3's file instead of starting the run over, and never a newer one cut short."""
     import os
     import time
 
@@ -269,6 +269,10 @@ def test_a_dangling_last_link_resumes_from_the_newest_checkpoint(tmp_path):
     (folder / "epoch=1-step=2.ckpt").write_bytes(b"older")
     time.sleep(0.01)
     (folder / "epoch=2-step=3.ckpt").write_bytes(b"newest")
+    time.sleep(0.01)
+    (folder / "epoch=3-step=4.ckpt").mkdir()  # a distributed checkpoint cut short: shards, no meta.pt
+    (folder / "epoch=3-step=4.ckpt" / "__0_0.distcp").write_bytes(b"shard")
+    (folder / ".epoch=3-step=4.ckpt.tmp-42").write_bytes(b"half")
     os.symlink("epoch=0-step=1.ckpt", folder / "last.ckpt")  # removed already
     logger = {"class_path": "TensorBoardLogger", "init_args": {"save_dir": str(tmp_path / "runs"), "name": "tiny"}}
     for wanted in ("last", "auto"):
@@ -276,3 +280,77 @@ def test_a_dangling_last_link_resumes_from_the_newest_checkpoint(tmp_path):
         resolve_resume(config)
         assert config["ckpt_path"] == str(folder / "epoch=2-step=3.ckpt") and logger["init_args"]["version"] == 0
         del logger["init_args"]["version"]
+
+
+def test_checkpoints_on_an_fsspec_filesystem_resume_from_there(tmp_path, monkeypatch):
+    """``checkpoint.dirpath`` on an fsspec filesystem (``memory://``, as ``s3://`` would be; in this process, where
+    that filesystem lives): each rollout writes last.ckpt there, whole and once; ``--ckpt_path last`` finds it and
+    the run continues in the same curves; no local folder named after the protocol appears."""
+    import fsspec
+
+    from amir_lightning.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AMIR_CACHE", str(tmp_path / "cache"))
+    fs = fsspec.filesystem("memory")
+    common = ["fit", "--config", CONFIG, "--trainer.check_val_every_n_epoch", "50"]
+    common += ["--data.engine", "amir_lightning.rollout.HFEngine", "--data.engine.init_args.progress", "false"]
+    common += ["--checkpoint.dirpath", "memory://amir-tests/checkpoints"]
+    try:
+        main([*common, "--trainer.max_epochs", "2"])
+        assert fs.ls("/amir-tests/checkpoints", detail=False) == ["/amir-tests/checkpoints/last.ckpt"]
+        with fs.open("/amir-tests/checkpoints/last.ckpt", "rb") as fh:
+            assert torch.load(fh, weights_only=True)["global_step"] == 2
+        main([*common, "--trainer.max_epochs", "3", "--ckpt_path", "last"])
+        assert fs.ls("/amir-tests/checkpoints", detail=False) == ["/amir-tests/checkpoints/last.ckpt"]
+        with fs.open("/amir-tests/checkpoints/last.ckpt", "rb") as fh:
+            assert torch.load(fh, weights_only=True)["global_step"] == 3
+    finally:
+        fs.rm("/amir-tests", recursive=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "runs"]
+    runs = tmp_path / "runs" / "tiny"
+    assert sorted(p.name for p in runs.iterdir()) == ["version_0"]
+    assert len(read_scalars(runs / "version_0")["rollout/reward_mean"]) == 3
+
+
+def test_a_slurm_requeue_resumes_from_its_checkpoint_with_ckpt_path_auto(tmp_path):
+    """SLURM's warning before it ends a job (``#SBATCH --signal=USR1@90``), here in the middle of rollout 3's
+    generation: Lightning's auto-requeue writes hpc_ckpt_1.ckpt and asks ``scontrol`` to requeue the job, which ends
+    it. The requeued job runs the same command with ``--ckpt_path auto``: it resumes from that checkpoint (newer than
+    last.ckpt), logs into the same version folder, and ends with the weights of an uninterrupted run. ``scontrol`` is
+    a script that records its arguments and ends the job, as SLURM's does (there is no SLURM here)."""
+    import os
+    import subprocess
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # `scontrol requeue` ends the running job and queues it again: the script records the call and ends the job.
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\nkill -KILL $PPID\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    env["PYTHONPATH"] = str(Path(__file__).parent / "helpers") + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(SLURM_NTASKS="1", SLURM_JOB_NAME="amir", SLURM_JOB_ID="4242", SLURM_NODELIST="127.0.0.1")
+    env.update(SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0")
+    args = ["fit", "--config", CONFIG, "--trainer.max_epochs", "6", "--trainer.check_val_every_n_epoch", "50"]
+    args += ["--trainer.deterministic", "true", "--ckpt_path", "auto"]
+    run_amir([*args, "--trainer.logger.init_args.name", "clean"], tmp_path)
+    warned = ["--data.engine", "faults.SignalDuringRollout", "--data.engine.init_args.at_call", "3"]
+    warned += ["--data.engine.init_args.max_model_len", "64", "--data.engine.init_args.progress", "false"]
+    warned += ["--data.engine.init_args.kv_cache_memory_bytes", "33554432"]
+    cmd = [sys.executable, "-m", "amir_lightning", *args, *warned]
+    first = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == -9, first.stderr[-3000:]  # ended by the requeue
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    hpc = tmp_path / "hpc_ckpt_1.ckpt"
+    assert torch.load(hpc, weights_only=True)["global_step"] == 2  # written during rollout 3
+
+    result = run_amir(args, tmp_path, env=env)
+    assert f"--ckpt_path auto: resuming from {hpc}" in result.stderr
+    run = tmp_path / "runs" / "tiny"
+    assert sorted(p.name for p in run.iterdir()) == ["version_0"]
+    assert torch.load(run / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
+    clean = load_file(tmp_path / "runs" / "clean" / "version_0" / "policy" / "model.safetensors")
+    requeued = load_file(run / "version_0" / "policy" / "model.safetensors")
+    for key in clean:
+        assert torch.equal(clean[key], requeued[key]), key

@@ -94,3 +94,27 @@ def test_length_controlled_answer_reward_applies_its_length_rule_to_right_answer
         reward.close()
     with pytest.raises(ValueError, match="threshold_tokens must be >= 1"):
         LengthControlledAnswerReward(threshold_tokens=0)
+
+
+@pytest.mark.parametrize(
+    ("cores", "env", "expected"),
+    [
+        (2, {}, 1),  # this machine: one worker, one core left to the trainer
+        (32, {}, 8),  # capped
+        (32, {"LOCAL_WORLD_SIZE": "8"}, 3),  # torchrun, 8 processes on the node: 4 cores each, less one
+        (96, {"SLURM_NTASKS_PER_NODE": "8(x2)"}, 8),
+        (16, {"SLURM_NTASKS_PER_NODE": "4(x2)"}, 3),
+        (8, {"LOCAL_WORLD_SIZE": "8"}, 1),  # never none
+    ],
+)
+def test_grading_workers_default_to_the_process_share_of_the_cores(cores, env, expected, monkeypatch):
+    from amir_lightning.rewards import sandbox
+
+    monkeypatch.setattr(sandbox.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert sandbox.default_workers() == expected
+    grader = SandboxedGrader()
+    assert grader.num_workers is None  # decided when the first answer is graded, in the launched process

@@ -66,6 +66,7 @@ class Evaluator:
         sync: ``(probe prompt ids, probe answer)``: push the policy's weights into the engine (once per step).
         generate: ``(prompt ids, n, sampling, purpose)``: ``n`` seeded completions per prompt.
         grader: The correctness check (a ``MathAnswerReward``).
+        progress: Show a progress bar while the answers are graded.
     """
 
     def __init__(
@@ -75,8 +76,9 @@ class Evaluator:
         sync: Callable[[list[int], str], float],
         generate: Callable[[list[list[int]], int, SamplingConfig, int], list[list[Completion]]],
         grader: MathAnswerReward,
+        progress: bool = False,
     ) -> None:
-        self.settings = settings
+        self.settings, self.progress = settings, progress
         self.tokenize, self.sync, self.generate, self.grader = tokenize, sync, generate, grader
 
     def evaluate(
@@ -93,7 +95,8 @@ class Evaluator:
         completions = self.generate(prompt_ids, samples, sampling, purpose)
         texts = [c.text for group in completions for c in group]
         answers = [p.answer for p in prompts for _ in range(samples)]
-        correct = torch.tensor(self.grader.correctness(texts, answers)).view(len(prompts), samples)
+        label = f"grading {name}" if self.progress else None
+        correct = torch.tensor(self.grader.correctness(texts, answers, label)).view(len(prompts), samples)
         lengths = torch.tensor([len(c.token_ids) for g in completions for c in g], dtype=torch.float)
         groups = [
             Group(ids, group, correct[i].clone(), torch.zeros(samples), correct[i].clone(), p.answer, p.question)

@@ -22,7 +22,7 @@ class MathAnswerReward(Reward):
         wrong_score: Score of a wrong or missing answer.
         fallback_last_number: Accept the last number of the text when no answer markup is present.
         timeout_s: Wall-clock limit per answer in the sandbox; an answer over it scores ``wrong_score``.
-        num_workers: Grading worker processes.
+        num_workers: Grading worker processes; by default this process's share of the cores, less one, at most 8.
         memory_mb: Memory cap per worker.
         name: Metric name (default ``math_answer``).
     """
@@ -34,7 +34,7 @@ class MathAnswerReward(Reward):
         wrong_score: float = 0.0,
         fallback_last_number: bool = True,
         timeout_s: float = 5.0,
-        num_workers: int = 1,
+        num_workers: int | None = None,
         memory_mb: int | None = 2048,
         name: str | None = None,
     ) -> None:
@@ -44,19 +44,21 @@ class MathAnswerReward(Reward):
         check_number(errors, f"{key}.correct_score", correct_score)
         check_number(errors, f"{key}.wrong_score", wrong_score)
         check_number(errors, f"{key}.timeout_s", timeout_s, gt=0)
-        check_number(errors, f"{key}.num_workers", num_workers, ge=1)
+        check_number(errors, f"{key}.num_workers", num_workers, ge=1, optional=True)
         check_number(errors, f"{key}.memory_mb", memory_mb, ge=64, optional=True)
         raise_errors(errors)
         self.correct_score, self.wrong_score = correct_score, wrong_score
         self.fallback_last_number = fallback_last_number
         self.grader = SandboxedGrader(timeout_s, num_workers, memory_mb, timeout_score=0.0)
 
-    def correctness(self, completions: Sequence[str], answers: Sequence[str]) -> list[float]:
-        """1.0 / 0.0 per completion."""
+    def correctness(
+        self, completions: Sequence[str], answers: Sequence[str], progress: str | None = None
+    ) -> list[float]:
+        """1.0 / 0.0 per completion; ``progress`` labels a progress bar over them (none when ``None``)."""
         if len(completions) != len(answers):
             raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
         args = [(c, a, self.fallback_last_number) for c, a in zip(completions, answers)]
-        return self.grader.map(grade_answer, args)
+        return self.grader.map(grade_answer, args, progress)
 
     def score(self, completions: Sequence[str], answers: Sequence[str], **kwargs) -> list[float | None]:
         """``correct_score`` or ``wrong_score``; ``None`` (does not apply) where the prompt has no reference."""

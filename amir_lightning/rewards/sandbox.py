@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
+
+from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,23 @@ def _worker_main(conn: Connection, memory_mb: int | None) -> None:
         except Exception:  # a grader error on hostile input is a wrong answer, not a crash
             score = float("nan")
         conn.send((index, score))
+
+
+def default_workers(cap: int = 8) -> int:
+    """Grading processes for one training process: its share of the cores it may run on, less one for itself.
+
+    The share divides the cores this process may use (its CPU affinity: SLURM's ``--cpus-per-task`` binds it) by
+    the training processes on the node (``LOCAL_WORLD_SIZE`` from torchrun, ``SLURM_NTASKS_PER_NODE``); at least 1,
+    at most ``cap``.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = 1
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(key, "").split("(")[0].split(",")[0]  # SLURM writes "8" or "8(x2),4"
+        if value.isdigit() and int(value) > 0:
+            local = int(value)
+            break
+    return max(1, min(cap, cores // local - 1))
 
 
 @contextmanager
@@ -92,15 +112,19 @@ class SandboxedGrader:
 
     Args:
         timeout_s: Wall-clock limit per answer; an answer over it scores ``timeout_score``.
-        num_workers: Worker processes.
+        num_workers: Worker processes; ``None``: this process's share of the cores, less one (``default_workers``).
         memory_mb: Address-space cap per worker (``RLIMIT_AS``); ``None`` for no cap.
         timeout_score: Score of an answer whose grading timed out or crashed.
     """
 
     def __init__(
-        self, timeout_s: float = 5.0, num_workers: int = 1, memory_mb: int | None = 2048, timeout_score: float = 0.0
+        self,
+        timeout_s: float = 5.0,
+        num_workers: int | None = None,
+        memory_mb: int | None = 2048,
+        timeout_score: float = 0.0,
     ) -> None:
-        if timeout_s <= 0 or num_workers < 1:
+        if timeout_s <= 0 or (num_workers is not None and num_workers < 1):
             raise ValueError(f"need timeout_s > 0 and num_workers >= 1, got {timeout_s} and {num_workers}")
         self.timeout_s, self.num_workers, self.memory_mb = timeout_s, num_workers, memory_mb
         self.timeout_score = timeout_score
@@ -110,13 +134,20 @@ class SandboxedGrader:
         self._workers: list[_Worker] = []
 
     def _ensure_workers(self) -> None:
+        if self.num_workers is None:  # decided in the training process, once it is launched
+            self.num_workers = default_workers()
+            log.info("grading with %d worker process%s", self.num_workers, "es" if self.num_workers > 1 else "")
         self._workers = [w for w in self._workers if w.process.is_alive()]
         while len(self._workers) < self.num_workers:
             self._workers.append(_Worker(self._ctx, self.memory_mb))
 
-    def map(self, fn: Callable[..., float], arguments: Sequence[tuple]) -> list[float]:
-        """``[fn(*args) for args in arguments]``, each in a worker under the deadline (``fn`` must be importable)."""
+    def map(self, fn: Callable[..., float], arguments: Sequence[tuple], progress: str | None = None) -> list[float]:
+        """``[fn(*args) for args in arguments]``, each in a worker under the deadline (``fn`` must be importable).
+
+        ``progress``: the label of a progress bar over the answers (none when ``None``).
+        """
         self._ensure_workers()
+        bar = tqdm(total=len(arguments), desc=progress, unit="answer", leave=False, disable=progress is None)
         results = [self.timeout_score] * len(arguments)
         started = [0.0] * len(arguments)
         self.latencies = [0.0] * len(arguments)  # seconds from hand-over to answer (or kill), per argument
@@ -144,6 +175,7 @@ class SandboxedGrader:
                 results[index] = self.timeout_score if score != score else score
                 self.latencies[index] = time.monotonic() - started[index]
                 worker.job = None
+                bar.update()
             now = time.monotonic()
             for conn, worker in list(busy.items()):
                 if worker.job[1] <= now:
@@ -152,6 +184,8 @@ class SandboxedGrader:
                     self.latencies[worker.job[0]] = now - started[worker.job[0]]
                     busy.pop(conn)
                     self._replace(worker)
+                    bar.update()
+        bar.close()
         return results
 
     def _replace(self, worker: _Worker) -> None:

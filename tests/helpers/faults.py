@@ -32,6 +32,22 @@ class KillDuringRollout(VLLMEngine):
         return super().generate(prompts, n, sampling)
 
 
+class SignalDuringRollout(VLLMEngine):
+    """A vLLM engine that sends its own process ``signal`` (SLURM's USR1 warning) in the middle of the
+    ``at_call``-th generation (1-based), then carries on."""
+
+    def __init__(self, at_call: int, signal_name: str = "SIGUSR1", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.at_call, self.calls, self.signal = at_call, 0, getattr(signal, signal_name)
+
+    def generate(self, prompts, n, sampling):  # noqa: D102
+        self.calls += 1
+        if self.calls == self.at_call:
+            super().generate(prompts[:1], n, sampling)
+            os.kill(os.getpid(), self.signal)
+        return super().generate(prompts, n, sampling)
+
+
 class KillBeforeOptimizerStep(Callback):
     """Kills the process when the optimiser is about to apply step ``at_step`` (its gradient is ready)."""
 
@@ -89,3 +105,24 @@ class CtrlCDuringGrading(MathAnswerReward):
             big = list(completions) * 50  # long enough that the interrupt lands while the workers grade
             super().score(big, list(answers) * 50)
         return super().score(completions, answers)
+
+
+class KillAfterShards(Callback):
+    """Kills every process once it has written its shards of the ``at_save``-th distributed checkpoint (FSDP2),
+    before Lightning writes the checkpoint's ``meta.pt`` beside them."""
+
+    def __init__(self, at_save: int) -> None:
+        self.at_save, self.saves = at_save, 0
+
+    def setup(self, trainer, pl_module, stage) -> None:  # noqa: D102
+        import lightning.pytorch.strategies.model_parallel as model_parallel
+
+        write_shards = model_parallel._distributed_checkpoint_save
+
+        def save(state, path) -> None:
+            write_shards(state, path)
+            self.saves += 1
+            if self.saves == self.at_save:
+                _die()
+
+        model_parallel._distributed_checkpoint_save = save

@@ -1,0 +1,47 @@
+"""One progress bar for the whole run: rollouts done of the run's, the time left, the last reward and loss."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+
+class RunProgressBar(TQDMProgressBar):
+    """Lightning's tqdm bar, counting rollouts over the whole run instead of optimisation steps in one epoch.
+
+    A rollout is generated and graded before Lightning starts its epoch (in ``train_dataloader``), so an epoch's
+    bar of optimisation steps misses most of a rollout's time and knows nothing of the run's length. This bar
+    advances once per rollout, so its rate and time left count generation, grading and training; a resumed run
+    starts it where the checkpoint left off. The postfix holds the last rollout's mean reward and the last loss.
+    Validation keeps Lightning's own bar below it. ``amir fit`` puts it in place of Lightning's default bar.
+    """
+
+    def on_train_start(self, trainer, pl_module) -> None:  # noqa: D102
+        super().on_train_start(trainer, pl_module)
+        bar = self.train_progress_bar
+        total = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None
+        bar.reset(total=total)
+        bar.initial = bar.n = bar.last_print_n = trainer.current_epoch
+        bar.set_description("rollouts")
+        bar.refresh()
+
+    def on_train_epoch_start(self, trainer, *_: Any) -> None:  # noqa: D102
+        pass  # the bar spans the run: nothing resets per rollout
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:  # noqa: D102
+        if not self.train_progress_bar.disable and (batch_idx + 1) % max(self.refresh_rate, 1) == 0:
+            self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:  # noqa: D102
+        if not self.train_progress_bar.disable:
+            self.train_progress_bar.update(1)
+            self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
+
+    def get_metrics(self, trainer, pl_module) -> dict[str, int | str | float | dict[str, float]]:
+        """The last rollout's mean reward and the last loss, then what the module logs to the bar (no ``v_num``)."""
+        items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)
+        metrics = trainer.callback_metrics
+        names = {"reward": "rollout/reward_mean", "loss": "train/loss"}
+        return {short: f"{float(metrics[key]):.3g}" for short, key in names.items() if key in metrics} | items
