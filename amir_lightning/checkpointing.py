@@ -50,13 +50,20 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         fs, target = url_to_fs(str(path))
         if isinstance(fs, LocalFileSystem):
             target = Path(target)
-            target.parent.mkdir(parents=True, exist_ok=True)
             tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-            with open(tmp, "wb") as fh:
-                torch.save(checkpoint, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, target)
+            recorded = _KeepsWriteErrors(None)
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with open(tmp, "wb") as fh:
+                    recorded.fh = fh
+                    torch.save(checkpoint, recorded)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                os.replace(tmp, target)
+            except (OSError, RuntimeError) as err:  # torch reports a failed write as a RuntimeError of its own
+                written = tmp.stat().st_size if tmp.exists() else 0
+                tmp.unlink(missing_ok=True)
+                raise CheckpointWriteError(_write_failure(target, recorded.error or err, written)) from None
             return
         parent = fs._parent(target)
         fs.makedirs(parent, exist_ok=True)
@@ -64,6 +71,62 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         with fs.open(tmp, "wb") as fh:
             torch.save(checkpoint, fh)
         fs.mv(tmp, target)
+
+    def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None):  # noqa: D102
+        try:
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        except (RuntimeError, EOFError, OSError) as err:  # cut short or changed since the start-up check
+            if isinstance(err, FileNotFoundError | PermissionError):
+                raise
+            raise ValueError(
+                f"--ckpt_path {path} could not be loaded ({type(err).__name__}: {str(err).splitlines()[0][:120]}); "
+                "it may have been cut short: resume from an older checkpoint"
+            ) from None
+
+
+class _KeepsWriteErrors:
+    """A binary file that keeps the error of a failed write.
+
+    torch's archive writer reports its own instead ("unexpected pos ..."), which names neither the disk nor the cause.
+    """
+
+    def __init__(self, fh) -> None:
+        self.fh, self.error = fh, None
+
+    def write(self, data) -> int:
+        try:
+            return self.fh.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written; the message names the path, the cause and the space it needs."""
+
+
+def _write_failure(target: Path, err: BaseException, written: int) -> str:
+    """One line: which checkpoint, why, how much it needs against how much is free, and what was kept."""
+    cause = getattr(err, "strerror", None) or str(err).splitlines()[0]
+    others = [p for p in target.parent.glob("*.ckpt") if p.is_file() and p.resolve() != target.resolve()]
+    need = f"the last one took {_size(max(p.stat().st_size for p in others))}" if others else f"{_size(written)}+"
+    try:
+        free = f"{_size(shutil.disk_usage(target.parent).free)} free there"
+    except OSError:
+        free = "the folder is gone"
+    kept = "the previous checkpoint is intact" if others else "no earlier checkpoint"
+    return f"could not write the checkpoint {target}: {cause} ({need}, {free}); the partial file was removed, {kept}"
+
+
+def _size(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if count < 1024 or unit == "GB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TB"
 
 
 class AtomicFolderSave:

@@ -8,10 +8,12 @@ amir fit --config configs/qwen.yaml --model.loss amir_lightning.objectives.GRPOL
 from __future__ import annotations
 
 import copy
+import io
 import logging
 import os
 import re
 import sys
+import traceback
 import warnings
 
 from jsonargparse import lazy_instance
@@ -20,9 +22,15 @@ from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from amir_lightning.callbacks import RunProgressBar
-from amir_lightning.checkpointing import fit_checkpoints_to_storage, install_atomic_checkpoints, resolve_resume
+from amir_lightning.checkpointing import (
+    CheckpointWriteError,
+    fit_checkpoints_to_storage,
+    install_atomic_checkpoints,
+    resolve_resume,
+)
 from amir_lightning.datamodule import RolloutDataModule
 from amir_lightning.models.precision import check_strategy
 from amir_lightning.module import AmirGRPOModule
@@ -34,6 +42,7 @@ from amir_lightning.preflight import (
     check_trainer,
     saved_checkpoint,
 )
+from amir_lightning.rewards.base import RewardError
 from amir_lightning.rollout.sync import StaleEngineError
 
 log = logging.getLogger(__name__)
@@ -55,6 +64,7 @@ USER_ERRORS = (
     PermissionError,
     ModuleNotFoundError,
     StaleEngineError,
+    CheckpointWriteError,  # the disk, named with the path and the space needed
     MisconfigurationException,  # Lightning's word for a bad trainer argument
 )
 
@@ -239,6 +249,8 @@ def main(args: ArgsType = None) -> None:
         return compare_main(argv[1:])
     if os.getcwd() not in sys.path:  # `class_path: my_rewards.X` and reward functions from where amir runs
         sys.path.insert(0, os.getcwd())
+    if not isinstance(sys.stdout, PipeSafeStdout) and sys.stdout is not None:
+        sys.stdout = PipeSafeStdout(sys.stdout)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: fast start, no disk sync
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -255,9 +267,64 @@ def main(args: ArgsType = None) -> None:
         prefix = "trainer: " if isinstance(err, MisconfigurationException) else ""
         sys.stderr.write(f"amir: error: {prefix}{user_message(err)}\n(set AMIR_DEBUG=1 for the traceback)\n")
         raise SystemExit(2) from None
+    except RewardError as err:  # the user's code: its own traceback, then one line naming the reward
+        if os.environ.get("AMIR_DEBUG"):
+            raise
+        sys.stderr.write(user_traceback(err.__cause__) + f"amir: error: {err}\n")
+        raise SystemExit(1) from None
+    except SIGTERMException as err:  # preemption: a non-zero exit, so schedulers and `amir fit && ...` see it
+        sys.stderr.write(f"amir: stopped by SIGTERM{getattr(err, 'amir_where', '')}\n")
+        raise SystemExit(143) from None
     except KeyboardInterrupt:  # before or after the trainer runs (Lightning handles Ctrl-C while it does)
         sys.stderr.write("amir: interrupted\n")
         raise SystemExit(130) from None
+
+
+class PipeSafeStdout(io.TextIOBase):
+    """``sys.stdout`` that outlives its reader.
+
+    Once the pipe closes (``amir fit ... | head``), output goes to ``/dev/null`` and the run goes on. Python would
+    raise ``BrokenPipeError`` from the next print (a progress bar's, for one) and end the run.
+    """
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:  # noqa: D102
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self._drop()
+            return len(text)
+
+    def flush(self) -> None:  # noqa: D102
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self._drop()
+
+    def isatty(self) -> bool:  # noqa: D102
+        return self.stream.isatty()
+
+    def fileno(self) -> int:  # noqa: D102
+        return self.stream.fileno()
+
+    def _drop(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)  # what is left in the old stream's buffer, and child processes, write nowhere
+        os.close(devnull)
+        self.stream = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+
+
+def user_traceback(err: BaseException | None) -> str:
+    """The traceback of ``err`` from its first frame outside this package: the user's code, as Python prints it."""
+    if err is None:
+        return ""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    tb = err.__traceback__
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(package):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(err), err, tb or err.__traceback__))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from typing import Literal
 
 import torch
 from lightning import LightningDataModule
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
 
 from amir_lightning.data.base import Prompt, PromptSource
@@ -74,10 +75,11 @@ class RolloutDataModule(LightningDataModule):
             ``ArithmeticPrompts``) at a seed-dependent index. Off: every seed trains on the same prompt sequence.
         max_prompt_tokens: Longest allowed prompt after the chat template (and at most the engine's
             ``max_model_len`` minus ``data.sampling.max_new_tokens``).
-        overlong_prompts: What to do with training prompts over that length, found when the data is opened (every
-            prompt of a finite source is rendered once, before the engine starts): ``skip`` them (counted, the first
-            few named, ``data/skipped_prompts``) or stop with an ``error`` naming the first (file and line, or
-            dataset index).
+        bad_prompts: What to do with training prompts that cannot be used, found when the data is opened (every
+            prompt of a finite source is rendered once, before the engine starts): over that length, not encodable
+            by the tokenizer (a lone surrogate from a JSON escape), or with an empty user message. ``skip`` them
+            (counted, the first few named, ``data/skipped_prompts``) or stop with an ``error`` naming the first
+            (file and line, or dataset index).
         sync: How the weight sync is verified (``rollout/sync.py``): the engine's weights against the pushed ones,
             exactly, and the probe log-probs.
         val_prompts: Held-out prompts for ``validate`` and validation during ``fit``.
@@ -96,7 +98,7 @@ class RolloutDataModule(LightningDataModule):
         system_prompt: str | None = None,
         shuffle: bool = True,
         max_prompt_tokens: int = 512,
-        overlong_prompts: Literal["skip", "error"] = "skip",
+        bad_prompts: Literal["skip", "error"] = "skip",
         sync: SyncSettings = SyncSettings(),  # noqa: B008
         val_prompts: PromptSource | None = None,
         benchmarks: list[PromptSource] | None = None,
@@ -106,8 +108,8 @@ class RolloutDataModule(LightningDataModule):
         super().__init__()
         errors: list[str] = []
         check_number(errors, "data.max_prompt_tokens", max_prompt_tokens, ge=1)
-        if overlong_prompts not in ("skip", "error"):
-            errors.append(f"data.overlong_prompts must be skip or error, got {overlong_prompts!r}")
+        if bad_prompts not in ("skip", "error"):
+            errors.append(f"data.bad_prompts must be skip or error, got {bad_prompts!r}")
         room = getattr(engine, "max_model_len", None)
         if room is not None and room - sampling.max_new_tokens < 1:
             errors.append(
@@ -131,7 +133,7 @@ class RolloutDataModule(LightningDataModule):
         self.system_prompt, self.max_prompt_tokens = system_prompt, max_prompt_tokens
         # a prompt and its completion must fit the engine's context
         self.prompt_limit = min(max_prompt_tokens, room - sampling.max_new_tokens) if room else max_prompt_tokens
-        self.overlong_prompts, self.skipped_prompts, self._screened = overlong_prompts, 0, False
+        self.bad_prompts, self.skipped_prompts, self._screened = bad_prompts, 0, False
         self._drawn: tuple[int, int] | None = None  # see state_dict
         self._rollout_times: list[float] = []  # when each rollout of this process's run was logged
         self.sync_check = SyncCheck(sync)
@@ -178,6 +180,21 @@ class RolloutDataModule(LightningDataModule):
         self.stream.position = int(state_dict["cursor"])
         self.sync_check.load_state_dict(state_dict.get("sync", {}))
 
+    def on_exception(self, exception: BaseException) -> None:
+        """Say where a SIGTERM stopped the run and where it resumes from (``amir`` prints it as it exits)."""
+        if not isinstance(exception, SIGTERMException):
+            return
+        trainer = self.trainer
+        done = trainer.fit_loop.epoch_progress.current.completed
+        total = f" of {trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
+        last = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else ""
+        resume = (
+            f"; the last checkpoint is {last}: resume with the same command and --ckpt_path last"
+            if last
+            else "; no checkpoint was written yet"
+        )
+        exception.amir_where = f" with {done}{total} rollouts done{resume}"  # type: ignore[attr-defined]
+
     def teardown(self, stage: str) -> None:  # noqa: D102
         for reward in [*self.rewards, self._eval_grader]:
             if reward is not None:
@@ -201,10 +218,14 @@ class RolloutDataModule(LightningDataModule):
         return render_prompts(self.tokenizer, prompts, self.system_prompt, self.prompt_limit, self.prompts.describe())
 
     def screen_prompts(self) -> None:
-        """Render every prompt of a finite source once; leave out (or stop on) the ones over ``prompt_limit``.
+        """Render every prompt of a finite source once; leave out (or stop on) the ones that cannot be used.
 
-        Every process screens the same prompts and leaves out the same ones, so their streams stay in step. A random
-        source (a generator) has no end to screen: its prompts are checked as they are drawn.
+        A prompt cannot be used when it is longer than ``prompt_limit`` after the chat template, when the tokenizer
+        cannot encode it, or when its user message is empty. Every process screens the same prompts and leaves out
+        the same ones, so their streams stay in step. A random source (a generator) has no end to screen: its
+        prompts are checked as they are drawn. On the way: characters the tokenizer maps to its unknown token are
+        reported once, with an example, and a reward that grades against reference answers is refused on a source
+        that has none, naming the columns it has.
         """
         source = self.prompts
         if source.is_random or self._screened:
@@ -214,27 +235,73 @@ class RolloutDataModule(LightningDataModule):
         if len(source) > 2000 and self.trainer.is_global_zero:
             from tqdm.auto import tqdm
 
-            indices = tqdm(indices, desc="checking prompt lengths", unit="prompt", leave=False)
-        over = {}
+            indices = tqdm(indices, desc="checking prompts", unit="prompt", leave=False)
+        bad, unknown, answered = {}, [], 0
         for index in indices:
             prompt = source[index]
-            length = len(render_prompt(self.tokenizer, prompt, self.system_prompt))
-            if length > self.prompt_limit:
-                over[index] = f"{prompt.meta.get('source', f'{source.describe()}[{index}]')} ({length} tokens)"
-        if not over:
-            return
-        limit = f"{self.prompt_limit} tokens (data.max_prompt_tokens, or max_model_len minus max_new_tokens)"
-        first = ", ".join(list(over.values())[:3])
-        if self.overlong_prompts == "error" or len(over) == len(source):
-            raise ValueError(
-                f"{len(over)} of {len(source)} training prompts are longer than {limit} after the chat template: "
-                f"{first}; data.overlong_prompts: skip leaves them out"
+            answered += bool(prompt.answer.strip())
+            reason, ids = self._unusable(prompt)
+            where = prompt.meta.get("source", f"{source.describe()}[{index}]")
+            if reason is not None:
+                bad[index] = f"{where} ({reason})"
+            elif self.unknown_token_id is not None and self.unknown_token_id in ids:
+                unknown.append(where)
+        self._check_references(source, answered)
+        if unknown and self.trainer.is_global_zero:
+            log.warning(
+                "%d of %d training prompts have characters the tokenizer does not know (encoded as its unknown "
+                "token), the first at %s",
+                len(unknown),
+                len(source),
+                unknown[0],
             )
-        self.stream.exclude(set(over))
-        self.skipped_prompts = len(over)
-        log_metrics(self.trainer, {"data/skipped_prompts": len(over)})
+        if not bad:
+            return
+        first = ", ".join(list(bad.values())[:3])
+        limit = (
+            f"the limit is {self.prompt_limit} tokens (data.max_prompt_tokens, or max_model_len minus max_new_tokens)"
+        )
+        if self.bad_prompts == "error" or len(bad) == len(source):
+            raise ValueError(
+                f"{len(bad)} of {len(source)} training prompts cannot be used: {first}; {limit}; "
+                "data.bad_prompts: skip leaves them out"
+            )
+        self.stream.exclude(set(bad))
+        self.skipped_prompts = len(bad)
+        log_metrics(self.trainer, {"data/skipped_prompts": len(bad)})
         if self.trainer.is_global_zero:
-            log.warning("skipping %d of %d training prompts longer than %s: %s", len(over), len(source), limit, first)
+            log.warning("skipping %d of %d training prompts that cannot be used: %s; %s", len(bad), len(source),
+                        first, limit)  # fmt: skip
+
+    @property
+    def unknown_token_id(self) -> int | None:
+        """The tokenizer's unknown token, when it has one distinct from its padding."""
+        unk = getattr(self.tokenizer, "unk_token_id", None)
+        return unk if unk is not None and unk != self.pad_token_id else None
+
+    def _unusable(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """Why ``prompt`` cannot be trained on (``None``: it can), and its token ids."""
+        if prompt.messages is not None and any(
+            m["role"] == "user" and not m["content"].strip() for m in prompt.messages
+        ):
+            return "an empty user message", []
+        try:
+            ids = render_prompt(self.tokenizer, prompt, self.system_prompt)
+        except Exception as err:  # noqa: BLE001 - any failure to encode is this row's, named with its cause
+            return f"the tokenizer cannot encode it: {type(err).__name__}: {str(err)[:80]}", []
+        return (f"{len(ids)} tokens" if len(ids) > self.prompt_limit else None), ids
+
+    def _check_references(self, source: PromptSource, answered: int) -> None:
+        """A reward that grades against reference answers needs a source with some."""
+        needs = next((r for r in self.rewards if r.needs_reference), None)
+        if needs is None or answered or not len(source):
+            return
+        columns = ", ".join(sorted(source[0].row)) or "none"
+        raise ValueError(
+            f"data.rewards: {type(needs).__name__} grades against reference answers, but no training prompt of "
+            f"{source.describe()} has one (its rows have the columns: {columns}); name the answer column with "
+            "data.prompts.init_args.answer_key"
+        )
 
     def screen_evaluation_prompts(self, stage: str) -> None:
         """Render the prompts evaluation will use before the engine starts; one over ``prompt_limit`` is an error.

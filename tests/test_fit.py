@@ -297,11 +297,12 @@ def test_an_overlong_prompt_is_found_when_the_data_opens(tmp_path, mode):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.max_epochs", "4"]
     args += ["--trainer.check_val_every_n_epoch", "50", "--data.prompts", "amir_lightning.data.JsonlPrompts"]
-    args += ["--data.prompts.init_args.path", str(data), "--data.overlong_prompts", mode]
+    args += ["--data.prompts.init_args.path", str(data), "--data.bad_prompts", mode]
     if mode == "skip":  # 4 rollouts of 16 prompts: the 49 kept are all drawn once, the 50th would be the long one
         result = run_amir(args, tmp_path)
-        assert "skipping 1 of 50 training prompts longer than 62 tokens" in result.stderr
-        assert f"{data}:17 (81 tokens)" in result.stderr
+        assert f"skipping 1 of 50 training prompts that cannot be used: {data}:17 (81 tokens); the limit is 62" in (
+            result.stderr
+        )
         assert "rollout 4 of 4: reward" in result.stderr and "per rollout, 0 s left" in result.stderr
         scalars = read_scalars(tmp_path / "runs" / "tiny" / "version_0")
         assert scalars["data/skipped_prompts"] == [1.0] and len(scalars["rollout/reward_mean"]) == 4
@@ -311,5 +312,8 @@ def test_an_overlong_prompt_is_found_when_the_data_opens(tmp_path, mode):
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert failed.returncode == 2
     errors = [line for line in failed.stderr.splitlines() if line.startswith("amir: error:")]
-    assert len(errors) == 1 and "1 of 50 training prompts are longer than 62 tokens" in errors[0]
-    assert f"{data}:17 (81 tokens)" in errors[0] and "Initializing a V1 LLM engine" not in failed.stdout + failed.stderr
+    assert (
+        len(errors) == 1
+        and f"1 of 50 training prompts cannot be used: {data}:17 (81 tokens); the limit is 62" in (errors[0])
+    )
+    assert "Initializing a V1 LLM engine" not in failed.stdout + failed.stderr

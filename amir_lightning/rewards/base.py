@@ -8,19 +8,32 @@ Every reward sees the same inputs, TRL's reward-function keyword arguments: ``pr
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
+import logging
 import os
+import threading
+import time
+import traceback
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.validation import check_number, raise_errors
 
+log = logging.getLogger(__name__)
+
 #: Dataset columns TRL does not pass to reward functions (the prompt comes as ``prompts``).
 NOT_PASSED = ("prompt", "completion")
+
+#: Seconds a reward may run before the run says so (and again every as many seconds while it runs).
+REWARD_WARN_S = 60.0
 
 
 @dataclass
@@ -54,6 +67,15 @@ class RewardInputs:
             for text, p in zip(self.completions, self.prompts)
         ]
 
+    def copy(self) -> RewardInputs:
+        """A deep copy: what a reward edits in place never reaches the rollout the trainer trains on."""
+        return RewardInputs(
+            list(self.completions),
+            copy.deepcopy(self.prompts),
+            [list(ids) for ids in self.completion_ids],
+            list(self.finish_reasons),
+        )
+
     def kwargs(self) -> dict[str, list]:
         """TRL's keyword arguments of a reward function.
 
@@ -79,6 +101,9 @@ class Reward(ABC):
         weight: Multiplier of this reward in the total.
         name: Metric name; defaults to the class name without the ``Reward`` suffix, in snake case.
     """
+
+    #: Whether the reward grades against the reference answer (a training set without one is refused at start).
+    needs_reference: bool = False
 
     def __init__(self, weight: float = 1.0, name: str | None = None) -> None:
         errors: list[str] = []
@@ -119,21 +144,143 @@ class FunctionReward(Reward):
         function: ``module.function`` (or ``module:function``); the directory ``amir`` runs from is importable.
         weight: Multiplier in the total reward.
         name: Metric name (default: the function's name).
+        timeout_s: Stop the run when one call takes longer, naming the function. The function then runs in a
+            thread of its own, where ``signal``-based timeouts inside it (``signal.alarm``) do not work.
     """
 
-    def __init__(self, function: str, weight: float = 1.0, name: str | None = None) -> None:
+    def __init__(
+        self, function: str, weight: float = 1.0, name: str | None = None, timeout_s: float | None = None
+    ) -> None:
         self.function = import_function(function)
         super().__init__(weight, name or self.function.__name__)
+        errors: list[str] = []
+        check_number(errors, f"data.rewards: {self.name}.timeout_s", timeout_s, gt=0, optional=True)
+        raise_errors(errors)
+        self.timeout_s = timeout_s
 
-    def score(self, completions: Sequence, answers: Sequence[str], **kwargs) -> list[float | None]:  # noqa: D102
-        return list(self.function(completions, **kwargs))
+    def score(self, completions: Sequence, answers: Sequence, **kwargs) -> list[float | None]:  # noqa: D102
+        return self.function(completions, **kwargs)
 
     def __call__(self, inputs: RewardInputs) -> list[float | None]:  # noqa: D102
-        try:
+        def call():
             return self.score(inputs.trl_completions(), inputs.answers, **inputs.kwargs())
-        except Exception as err:
-            err.add_note(f"raised by the reward function {self.name} (data.rewards)")
-            raise
+
+        return call() if self.timeout_s is None else _with_timeout(call, self.timeout_s, self.name)
+
+
+class RewardError(RuntimeError):
+    """A reward raised or ran over its time.
+
+    The message names the reward and, for an exception, the line of its code that raised; ``__cause__`` holds the
+    exception.
+    """
+
+
+def call_reward(reward: Reward, inputs: RewardInputs) -> list:
+    """``reward(inputs)``, isolated from the trainer's state.
+
+    The reward gets a copy of the inputs (one that edits them in place changes nothing the trainer trains on); the
+    process state it could change (working directory, grad mode, default dtype, threads) is restored after the call
+    and the change reported once; an exception becomes a ``RewardError`` naming the reward and its file and line;
+    a call longer than ``REWARD_WARN_S`` is reported while it runs.
+    """
+    state = _process_state()
+    try:
+        with _heartbeat(reward.name):
+            return reward(inputs.copy())
+    except RewardError:
+        raise
+    except Exception as err:
+        raise RewardError(f"reward {reward.name} ({_raised_at(err)}) raised {type(err).__name__}: {err}") from err
+    finally:
+        _restore(state, reward.name)
+
+
+_REPORTED: set[tuple[str, str]] = set()
+
+
+def _process_state() -> dict[str, Any]:
+    return {
+        "working directory": os.getcwd(),
+        "grad mode": torch.is_grad_enabled(),
+        "default dtype": torch.get_default_dtype(),
+        "thread count": torch.get_num_threads(),
+    }
+
+
+def _restore(before: dict[str, Any], name: str) -> None:
+    """Put back what a reward changed of ``_process_state``, and say so once per reward and kind of change."""
+    after = _process_state()
+    for what, value in before.items():
+        if after[what] == value:
+            continue
+        {
+            "working directory": os.chdir,
+            "grad mode": torch.set_grad_enabled,
+            "default dtype": torch.set_default_dtype,
+            "thread count": torch.set_num_threads,
+        }[what](value)
+        if (name, what) not in _REPORTED:
+            _REPORTED.add((name, what))
+            log.warning(
+                "reward %s changed the %s (%r -> %r) and it was put back: a reward must leave the process as it "
+                "found it",
+                name,
+                what,
+                value,
+                after[what],
+            )
+
+
+@contextmanager
+def _heartbeat(name: str) -> Iterator[None]:
+    """Warn every ``REWARD_WARN_S`` while the reward ``name`` runs (a reward that hangs is not silent)."""
+    done = threading.Event()
+    started = time.monotonic()
+
+    def watch() -> None:
+        while not done.wait(REWARD_WARN_S):
+            log.warning("reward %s has been running for %.0f s", name, time.monotonic() - started)
+
+    watcher = threading.Thread(target=watch, name=f"reward-{name}-heartbeat", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def _with_timeout(call: Callable[[], Any], timeout_s: float, name: str) -> Any:
+    """``call()`` in a daemon thread; a ``RewardError`` when it runs longer than ``timeout_s``."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = call()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+            result["error"] = err
+
+    worker = threading.Thread(target=run, name=f"reward-{name}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise RewardError(f"reward {name} ran longer than its timeout_s ({timeout_s:g} s) (data.rewards)")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def _raised_at(err: BaseException) -> str:
+    """``file:line`` of the innermost frame outside this package (the reward's own code), else the innermost."""
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return "?"
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    outside = [f for f in frames if not os.path.abspath(f.filename).startswith(package + os.sep)]
+    frame = (outside or frames)[-1]
+    path = os.path.abspath(frame.filename)
+    shown = os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else path
+    return f"{shown}:{frame.lineno}"
 
 
 def import_function(path: str) -> Callable:

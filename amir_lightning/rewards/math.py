@@ -27,6 +27,8 @@ class MathAnswerReward(Reward):
         name: Metric name (default ``math_answer``).
     """
 
+    needs_reference = True
+
     def __init__(
         self,
         weight: float = 1.0,

@@ -17,7 +17,7 @@ import torch
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.objectives.advantages import batch_std, group_advantages
-from amir_lightning.rewards.base import Reward, RewardInputs
+from amir_lightning.rewards.base import Reward, RewardInputs, call_reward
 from amir_lightning.rewards.math import MathAnswerReward
 from amir_lightning.rollout.batch import Group, make_groups
 from amir_lightning.rollout.engine import Completion
@@ -129,6 +129,11 @@ class RewardGuard:
 
 def _values(reward: Reward, raw: list, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A reward's output as ``[N]`` values (NaN where it does not apply) and ``[N]`` applies flags."""
+    if isinstance(raw, str | bytes | dict) or not hasattr(raw, "__iter__"):
+        raise ValueError(
+            f"reward {reward.name} returned {raw!r:.60}: expected a list of {count} scores, one per completion "
+            "(a number, or None where it does not apply) (data.rewards)"
+        )
     raw = list(raw)
     if len(raw) != count:
         raise ValueError(f"reward {reward.name} returned {len(raw)} scores for {count} completions (data.rewards)")
@@ -175,7 +180,7 @@ def score_completions(
     metrics: dict[str, float] = {}
     found_grader = False
     for reward in rewards:
-        values, applies = _values(reward, reward(inputs), count)
+        values, applies = _values(reward, call_reward(reward, inputs), count)
         bad = applies & ~torch.isfinite(values)
         if bad.any():
             metrics[f"rollout/nonfinite/{reward.name}"] = float(bad.sum())

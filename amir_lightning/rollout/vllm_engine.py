@@ -134,10 +134,26 @@ class VLLMEngine(RolloutEngine):
         set_num_threads = torch.set_num_threads
         try:
             self.llm = vllm.LLM(**kwargs)
+        except ValueError as err:
+            if "cache" not in str(err):
+                raise
+            raise ValueError(self._memory_message(err, on_gpu)) from None
         finally:
             torch.set_num_threads = set_num_threads
         self._vllm = vllm
         self._started = True
+
+    def _memory_message(self, err: ValueError, on_gpu: bool) -> str:
+        """The KV-cache error of vLLM in this package's keys (vLLM names its own ``gpu_memory_utilization``)."""
+        key = "data.engine.init_args"
+        if on_gpu and not self.kv_cache_memory_bytes:
+            given = f"{key}.gpu_memory_utilization {self.gpu_memory_utilization}"
+        else:
+            given = f"{key}.kv_cache_memory_bytes {self.kv_cache_memory_bytes or 256 * 1024**2}"
+        return (
+            f"the engine's KV cache does not fit: {given} leaves too little for {key}.max_model_len "
+            f"{self.max_model_len} (raise the first or lower the second; vLLM said: {str(err).split('. ')[0]})"
+        )
 
     def _params(self, n: int, sampling: SamplingConfig, **extra):
         return self._vllm.SamplingParams(

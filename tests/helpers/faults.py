@@ -33,8 +33,9 @@ class KillDuringRollout(VLLMEngine):
 
 
 class SignalDuringRollout(VLLMEngine):
-    """A vLLM engine that sends its own process ``signal`` (SLURM's USR1 warning) in the middle of the
-    ``at_call``-th generation (1-based), then carries on."""
+    """A vLLM engine that sends its own process ``signal`` (SLURM's USR1 warning, SIGTERM) as the ``at_call``-th
+    generation (1-based) starts, then generates: the rollout is underway when the signal comes. (Generating part of
+    it first would draw from the engine's random stream and change the rollout.)"""
 
     def __init__(self, at_call: int, signal_name: str = "SIGUSR1", **kwargs) -> None:
         super().__init__(**kwargs)
@@ -43,7 +44,6 @@ class SignalDuringRollout(VLLMEngine):
     def generate(self, prompts, n, sampling):  # noqa: D102
         self.calls += 1
         if self.calls == self.at_call:
-            super().generate(prompts[:1], n, sampling)
             os.kill(os.getpid(), self.signal)
         return super().generate(prompts, n, sampling)
 
@@ -126,3 +126,18 @@ class KillAfterShards(Callback):
                 _die()
 
         model_parallel._distributed_checkpoint_save = save
+
+
+class FileSizeLimitFrom(Callback):
+    """From rollout ``at_epoch`` (0-based) on, files this process writes may not grow past ``limit_bytes`` (the
+    kernel's RLIMIT_FSIZE): a write over it fails with "File too large", as a full disk fails with "No space left"."""
+
+    def __init__(self, at_epoch: int, limit_bytes: int) -> None:
+        self.at_epoch, self.limit_bytes = at_epoch, limit_bytes
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:  # noqa: D102
+        if trainer.current_epoch == self.at_epoch:
+            import resource
+
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of the process being killed
+            resource.setrlimit(resource.RLIMIT_FSIZE, (self.limit_bytes, resource.RLIM_INFINITY))

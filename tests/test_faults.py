@@ -1,0 +1,256 @@
+"""Faults at run time, with the behaviour each must have: user code cannot change training, preemption is a clear
+non-zero exit, bad rows are found when the data opens, and every message names its cause.
+
+Most cases run ``amir fit`` in this process on ``configs/tiny.yaml`` with the HF engine (2 rollouts, a few seconds);
+those that need a process of their own (SIGTERM, a file-size limit, a closed stdout) run one. The reward functions
+are in ``tests/helpers/bad_rewards.py``.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_amir
+from safetensors.torch import load_file
+
+from amir_lightning.cli import main
+
+ROOT = Path(__file__).parents[1]
+HELPERS = Path(__file__).parent / "helpers"
+TINY = str(ROOT / "configs" / "tiny.yaml")
+HF = ["--data.engine", "amir_lightning.rollout.HFEngine", "--data.engine.init_args.progress", "false"]
+BASE = ["fit", "--config", TINY, "--trainer.max_epochs", "2", "--trainer.check_val_every_n_epoch", "50"]
+BASE += ["--trainer.deterministic", "true", *HF]
+_CLEAN: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def fit_here(tmp_path, monkeypatch, capsys, extra, name="run") -> tuple[int, str]:
+    """``amir fit`` in this process; (exit status, stderr)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AMIR_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("AMIR_DEBUG", raising=False)
+    monkeypatch.syspath_prepend(str(HELPERS))
+    monkeypatch.setattr(sys, "argv", ["amir"])
+    try:
+        main([*BASE, "--trainer.logger.init_args.name", name, *extra])
+        code = 0
+    except SystemExit as exit_info:
+        code = exit_info.code
+    return code, capsys.readouterr().err
+
+
+def policy(tmp_path, name="run") -> dict[str, torch.Tensor]:
+    return load_file(tmp_path / "runs" / name / "version_0" / "policy" / "model.safetensors")
+
+
+def clean_weights(tmp_path_factory, monkeypatch, capsys) -> dict[str, torch.Tensor]:
+    """The policy after 2 rollouts with ``bad_rewards.pure``, the reward every faulty one scores like."""
+    if "pure" not in _CLEAN:
+        folder = tmp_path_factory.mktemp("clean")
+        code, err = fit_here(folder, monkeypatch, capsys, ["--data.rewards", "[bad_rewards.pure]"])
+        assert code == 0, err[-2000:]
+        _CLEAN["pure"] = policy(folder)
+    return _CLEAN["pure"]
+
+
+# (case, reward function, the warning it must get or None): the run must train exactly as with `pure`.
+UNCHANGED = [
+    ("reward drops the EOS token from completion_ids in place", "strips_eos_in_place", None),
+    ("reward clears or rewrites every input it is given", "edits_every_input", None),
+    ("reward changes the working directory", "changes_directory", "changed the working directory"),
+    ("reward turns autograd off", "turns_grad_off", "changed the grad mode"),
+    ("reward sets float64 as the default dtype", "sets_float64", "changed the default dtype"),
+    ("reward changes torch's thread count", "takes_the_threads", "changed the thread count"),
+]
+
+
+@pytest.mark.parametrize(("case", "reward", "warning"), UNCHANGED, ids=[c[0] for c in UNCHANGED])
+def test_user_code_cannot_change_training(case, reward, warning, tmp_path, tmp_path_factory, monkeypatch, capsys,
+                                          caplog):  # fmt: skip
+    clean = clean_weights(tmp_path_factory, monkeypatch, capsys)
+    code, err = fit_here(tmp_path, monkeypatch, capsys, ["--data.rewards", f"[bad_rewards.{reward}]"])
+    assert code == 0, err[-2000:]
+    assert os.getcwd() == str(tmp_path) and torch.is_grad_enabled() and torch.get_default_dtype() == torch.float32
+    weights = policy(tmp_path)
+    for key in clean:
+        assert torch.equal(clean[key], weights[key]), key
+    if warning:
+        assert sum(f"reward {reward} {warning}" in r.getMessage() for r in caplog.records) == 1  # once, not per call
+
+
+TIMEOUT = (
+    "[{class_path: amir_lightning.rewards.FunctionReward, init_args: {function: bad_rewards.sleeps, timeout_s: 0.2}}]"
+)
+# (case, data.rewards, exit status, fragments of stderr)
+STOPS = [
+    (
+        "reward raises ValueError (int() of a completion)",
+        "[bad_rewards.parses_digits]",
+        1,
+        ["amir: error: reward parses_digits (", "bad_rewards.py:", "raised ValueError: invalid literal for int()"],
+    ),
+    (
+        "reward returns one number",
+        "[bad_rewards.one_number]",
+        2,
+        ["reward one_number returned 0.5: expected a list of 128 scores, one per completion"],
+    ),
+    ("reward returns text", "[bad_rewards.text]", 2, ["reward text returned '1.0': expected a list of 128 scores"]),
+    ("reward returns a dict", "[bad_rewards.a_dict]", 2, ["reward a_dict returned {'score': ["]),
+    ("reward runs over its timeout_s", TIMEOUT, 1, ["reward sleeps ran longer than its timeout_s (0.2 s)"]),
+]
+
+
+@pytest.mark.parametrize(("case", "rewards", "status", "expected"), STOPS, ids=[c[0] for c in STOPS])
+def test_a_failing_reward_stops_the_run_naming_it(case, rewards, status, expected, tmp_path, monkeypatch, capsys):
+    code, err = fit_here(tmp_path, monkeypatch, capsys, ["--data.rewards", rewards])
+    assert code == status, err[-2000:]
+    for fragment in expected:
+        assert fragment in err, err[-2000:]
+    if status == 1 and "ValueError" in err:  # the user's own traceback, and none of ours
+        assert 'bad_rewards.py", line' in err and "in parses_digits" in err
+        assert "amir_lightning" not in err.split("amir: error:")[0]
+    else:
+        assert "Traceback" not in err
+
+
+def test_a_slow_reward_is_reported_while_it_runs(tmp_path, monkeypatch, capsys, caplog):
+    from amir_lightning.rewards import base
+
+    monkeypatch.setattr(base, "REWARD_WARN_S", 0.1)
+    monkeypatch.setenv("AMIR_TEST_REWARD_SLEEP", "0.35")
+    extra = ["--data.rewards", "[bad_rewards.sleeps]", "--trainer.max_epochs", "1"]
+    code, err = fit_here(tmp_path, monkeypatch, capsys, extra)
+    assert code == 0, err[-2000:]
+    beats = [r.getMessage() for r in caplog.records if "reward sleeps has been running for" in r.getMessage()]
+    assert len(beats) >= 2, beats  # every 0.1 s while it sleeps 0.35 s
+
+
+def rows_file(tmp_path, rows) -> str:
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def digits(count=20):
+    return [{"question": f"{i % 10}=", "answer": str(i % 10)} for i in range(count)]
+
+
+def test_a_reference_column_of_another_name_is_refused_naming_the_columns(tmp_path, monkeypatch, capsys):
+    """Before, every rollout had "no reward that applies" and the run exited 0 with a policy trained on nothing."""
+    rows = [{"question": r["question"], "label": r["answer"]} for r in digits()]
+    data = ["--data.prompts", "amir_lightning.data.JsonlPrompts", "--data.prompts.init_args.path"]
+    code, err = fit_here(tmp_path, monkeypatch, capsys, [*data, rows_file(tmp_path, rows)])
+    assert code == 2, err[-2000:]
+    assert "MathAnswerReward grades against reference answers, but no training prompt of" in err
+    assert "(its rows have the columns: label, question); name the answer column with" in err
+    code, err = fit_here(tmp_path, monkeypatch, capsys, [*data, str(tmp_path / "rows.jsonl"),
+                                                         "--data.prompts.init_args.answer_key", "label"])  # fmt: skip
+    assert code == 0, err[-2000:]
+
+
+BAD_ROWS = [
+    ("empty user message", {"prompt": [{"role": "user", "content": "  "}], "answer": "3"}, "(an empty user message)"),
+    ("lone surrogate", {"question": "7\ud8007=", "answer": "7"}, "(the tokenizer cannot encode it: TypeError"),
+]
+
+
+@pytest.mark.parametrize(("case", "row", "reason"), BAD_ROWS, ids=[c[0] for c in BAD_ROWS])
+@pytest.mark.parametrize("mode", ["error", "skip"])
+def test_rows_that_cannot_be_used_are_found_when_the_data_opens(case, row, reason, mode, tmp_path, monkeypatch,
+                                                                capsys, caplog):  # fmt: skip
+    """Before, the row passed the loader and broke the engine or the tokenizer when the stream reached it."""
+    rows = digits()
+    if "prompt" in row:  # a file of chat messages
+        rows = [{"prompt": [{"role": "user", "content": r["question"]}], "answer": r["answer"]} for r in rows]
+    rows[2] = row
+    path = rows_file(tmp_path, rows)
+    extra = ["--data.prompts", "amir_lightning.data.JsonlPrompts", "--data.prompts.init_args.path", path]
+    code, err = fit_here(tmp_path, monkeypatch, capsys, [*extra, "--data.bad_prompts", mode])
+    where = f"{path}:3 {reason}"
+    if mode == "error":
+        assert code == 2 and f"1 of 20 training prompts cannot be used: {where}" in err, err[-2000:]
+        return
+    assert code == 0, err[-2000:]
+    assert any(f"skipping 1 of 20 training prompts that cannot be used: {where}" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+
+
+def test_a_kv_cache_too_small_names_this_package_keys(tmp_path, monkeypatch, capsys):
+    extra = ["--data.engine", "amir_lightning.rollout.VLLMEngine", "--data.engine.init_args.max_model_len", "64"]
+    extra += ["--data.engine.init_args.kv_cache_memory_bytes", "1024"]
+    code, err = fit_here(tmp_path, monkeypatch, capsys, extra)
+    assert code == 2
+    assert "the engine's KV cache does not fit: data.engine.init_args.kv_cache_memory_bytes 1024 leaves too" in err
+    assert "gpu_memory_utilization" not in err.split("vLLM said")[0]
+
+
+def test_a_checkpoint_cut_short_after_the_start_up_check_is_one_line(tmp_path):
+    from amir_lightning.checkpointing import AtomicCheckpointIO
+
+    path = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(1000)}, "global_step": 3}, path)
+    path.write_bytes(path.read_bytes()[:2000])
+    with pytest.raises(ValueError, match=r"last.ckpt could not be loaded \(RuntimeError: .*cut short"):
+        AtomicCheckpointIO().load_checkpoint(path)
+
+
+def test_a_checkpoint_the_disk_refuses_is_one_line_and_leaves_nothing(tmp_path):
+    """From rollout 2 on, files may not grow past 500 KB (RLIMIT_FSIZE; a checkpoint is 930 KB): the write fails as
+    on a full disk. Before: three chained tracebacks whose last line named no path, and the partial file left."""
+    env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(HELPERS))
+    args = [*BASE, "--trainer.callbacks+=faults.FileSizeLimitFrom", "--trainer.callbacks.at_epoch", "1"]
+    args += ["--trainer.callbacks.limit_bytes", "500000"]
+    result = subprocess.run([sys.executable, "-m", "amir_lightning", *args], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    folder = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints"
+    line = f"amir: error: could not write the checkpoint {folder}/epoch=1-step=2.ckpt: File too large (the last one"
+    assert line in result.stderr and "the partial file was removed, the previous checkpoint is intact" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=1.ckpt", "last.ckpt"]
+    assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 1
+
+
+def test_sigterm_is_a_clear_non_zero_exit_and_the_run_resumes_exactly(tmp_path):
+    """SIGTERM (what SLURM and Kubernetes send on preemption) in the middle of rollout 3's generation: the rollout
+    finishes, its checkpoint is written, the run exits 143 with one line saying where it stopped and how to go on;
+    the same command with ``--ckpt_path last`` ends with the weights of an uninterrupted run. Before: exit 0 and
+    no message, so schedulers and ``amir fit && amir test`` read a preemption as success."""
+    common = ["fit", "--config", TINY, "--trainer.max_epochs", "4", "--trainer.check_val_every_n_epoch", "50"]
+    common += ["--trainer.deterministic", "true"]
+    run_amir([*common, "--trainer.logger.init_args.name", "clean"], tmp_path)
+    env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(HELPERS))
+    engine = ["--data.engine", "faults.SignalDuringRollout", "--data.engine.init_args.at_call", "3"]
+    engine += ["--data.engine.init_args.signal_name", "SIGTERM", "--data.engine.init_args.max_model_len", "64"]
+    engine += ["--data.engine.init_args.kv_cache_memory_bytes", "33554432", "--data.engine.init_args.progress", "false"]
+    stopped = subprocess.run([sys.executable, "-m", "amir_lightning", *common, *engine], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    last = "runs/tiny/version_0/checkpoints/last.ckpt"
+    assert stopped.stderr.strip().splitlines()[-1] == (
+        f"amir: stopped by SIGTERM with 3 of 4 rollouts done; the last checkpoint is {last}: resume with the same "
+        "command and --ckpt_path last"
+    )
+    run_amir([*common, "--ckpt_path", "last"], tmp_path)
+    clean, resumed = policy(tmp_path, "clean"), policy(tmp_path, "tiny")
+    for key in clean:
+        assert torch.equal(clean[key], resumed[key]), key
+
+
+def test_a_closed_stdout_does_not_stop_the_run(tmp_path):
+    """``amir fit ... | head -1``: the reader goes away, the run goes on and saves its checkpoints (before: the next
+    print raised BrokenPipeError and the run ended with status 1 and no message)."""
+    env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"))
+    cmd = [sys.executable, "-m", "amir_lightning", *BASE, "--trainer.enable_progress_bar", "true"]
+    run = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    run.stdout.readline()
+    run.stdout.close()  # as `head -1` does
+    stderr = run.communicate(timeout=600)[1].decode()
+    assert run.returncode == 0, stderr[-3000:]
+    checkpoint = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    assert torch.load(checkpoint, weights_only=True)["global_step"] == 2
