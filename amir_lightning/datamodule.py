@@ -244,13 +244,13 @@ class RolloutDataModule(LightningDataModule):
             where = prompt.meta.get("source", f"{source.describe()}[{index}]")
             if reason is not None:
                 bad[index] = f"{where} ({reason})"
-            elif self.unknown_token_id is not None and self.unknown_token_id in ids:
-                unknown.append(where)
+            elif lost := self._lost_characters(prompt):
+                unknown.append(f"{where} ({lost!r})")
         self._check_references(source, answered)
         if unknown and self.trainer.is_global_zero:
             log.warning(
-                "%d of %d training prompts have characters the tokenizer does not know (encoded as its unknown "
-                "token), the first at %s",
+                "%d of %d training prompts have characters the tokenizer cannot encode (dropped, or turned into its "
+                "unknown token), the first at %s",
                 len(unknown),
                 len(source),
                 unknown[0],
@@ -273,11 +273,19 @@ class RolloutDataModule(LightningDataModule):
             log.warning("skipping %d of %d training prompts that cannot be used: %s; %s", len(bad), len(source),
                         first, limit)  # fmt: skip
 
-    @property
-    def unknown_token_id(self) -> int | None:
-        """The tokenizer's unknown token, when it has one distinct from its padding."""
-        unk = getattr(self.tokenizer, "unk_token_id", None)
-        return unk if unk is not None and unk != self.pad_token_id else None
+    def _lost_characters(self, prompt: Prompt) -> str:
+        """The characters of ``prompt``'s text that do not survive the tokenizer (encode, decode), if any.
+
+        A tokenizer made for a small alphabet drops or replaces the others; whitespace, which tokenizers normalise,
+        is not compared.
+        """
+        texts = [m["content"] for m in prompt.messages] if prompt.messages is not None else [prompt.question]
+        lost = ""
+        for text in texts:
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            kept = "".join(self.tokenizer.decode(ids, skip_special_tokens=True).split())
+            lost += "".join(sorted(set("".join(text.split())) - set(kept)))
+        return lost
 
     def _unusable(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """Why ``prompt`` cannot be trained on (``None``: it can), and its token ids."""

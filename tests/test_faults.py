@@ -102,6 +102,14 @@ STOPS = [
     ("reward returns text", "[bad_rewards.text]", 2, ["reward text returned '1.0': expected a list of 128 scores"]),
     ("reward returns a dict", "[bad_rewards.a_dict]", 2, ["reward a_dict returned {'score': ["]),
     ("reward runs over its timeout_s", TIMEOUT, 1, ["reward sleeps ran longer than its timeout_s (0.2 s)"]),
+    ("reward calls sys.exit(0)", "[bad_rewards.exits]", 1, ["amir: error: reward exits (", "raised SystemExit: 0"]),
+    ("reward returns 3 scores for 128", "[bad_rewards.three_scores]", 2, ["returned 3 scores for 128 completions"]),
+    (
+        "reward returns a word among its numbers",
+        "[bad_rewards.a_word_among_numbers]",
+        2,
+        ["reward a_word_among_numbers returned 'high' for completion 0: expected a number or None"],
+    ),
 ]
 
 
@@ -111,8 +119,8 @@ def test_a_failing_reward_stops_the_run_naming_it(case, rewards, status, expecte
     assert code == status, err[-2000:]
     for fragment in expected:
         assert fragment in err, err[-2000:]
-    if status == 1 and "ValueError" in err:  # the user's own traceback, and none of ours
-        assert 'bad_rewards.py", line' in err and "in parses_digits" in err
+    if status == 1 and "raised" in err:  # the user's own traceback, and none of ours
+        assert 'bad_rewards.py", line' in err and f"in {rewards.split('.')[1].rstrip(']')}" in err
         assert "amir_lightning" not in err.split("amir: error:")[0]
     else:
         assert "Traceback" not in err
@@ -254,3 +262,19 @@ def test_a_closed_stdout_does_not_stop_the_run(tmp_path):
     assert run.returncode == 0, stderr[-3000:]
     checkpoint = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
     assert torch.load(checkpoint, weights_only=True)["global_step"] == 2
+
+
+def test_characters_the_tokenizer_cannot_encode_are_reported_once(tmp_path, monkeypatch, capsys, caplog):
+    """The tiny model's tokenizer knows only digits and ``=``: a letter used to vanish from the prompt unsaid."""
+    rows = digits()
+    rows[4]["question"] = "4=a"
+    rows[9]["question"] = "9=b"
+    path = rows_file(tmp_path, rows)
+    extra = ["--data.prompts", "amir_lightning.data.JsonlPrompts", "--data.prompts.init_args.path", path]
+    code, err = fit_here(tmp_path, monkeypatch, capsys, [*extra, "--trainer.max_epochs", "1"])
+    assert code == 0, err[-2000:]
+    said = [r.getMessage() for r in caplog.records if "characters the tokenizer cannot encode" in r.getMessage()]
+    assert said == [
+        "2 of 20 training prompts have characters the tokenizer cannot encode (dropped, or turned into its unknown "
+        f"token), the first at {path}:5 ('a')"
+    ]

@@ -190,7 +190,7 @@ def call_reward(reward: Reward, inputs: RewardInputs) -> list:
             return reward(inputs.copy())
     except RewardError:
         raise
-    except Exception as err:
+    except (Exception, SystemExit) as err:  # sys.exit() in a reward would end the run as if it had finished
         raise RewardError(f"reward {reward.name} ({_raised_at(err)}) raised {type(err).__name__}: {err}") from err
     finally:
         _restore(state, reward.name)

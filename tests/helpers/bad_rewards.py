@@ -60,6 +60,19 @@ def parses_digits(completions, **kwargs):
     return [float(int(c)) for c in completions]
 
 
+def exits(completions, **kwargs):
+    """A script's habit in a reward: exit when something looks wrong."""
+    raise SystemExit(0)
+
+
+def three_scores(completions, **kwargs):
+    return [1.0, 0.0, 1.0]
+
+
+def a_word_among_numbers(completions, **kwargs):
+    return ["high"] + [0.0] * (len(completions) - 1)
+
+
 def one_number(completions, **kwargs):
     return 0.5
 
