@@ -12,7 +12,9 @@ import io
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 import traceback
 import warnings
 
@@ -249,6 +251,8 @@ def main(args: ArgsType = None) -> None:
         return compare_main(argv[1:])
     if os.getcwd() not in sys.path:  # `class_path: my_rewards.X` and reward functions from where amir runs
         sys.path.insert(0, os.getcwd())
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when Ctrl-C is ignored (a background job)
+        quiet_second_interrupt()
     if not isinstance(sys.stdout, PipeSafeStdout) and sys.stdout is not None:
         sys.stdout = PipeSafeStdout(sys.stdout)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: fast start, no disk sync
@@ -278,6 +282,28 @@ def main(args: ArgsType = None) -> None:
     except KeyboardInterrupt:  # before or after the trainer runs (Lightning handles Ctrl-C while it does)
         sys.stderr.write("amir: interrupted\n")
         raise SystemExit(130) from None
+
+
+def quiet_second_interrupt() -> None:
+    """Ctrl-C raises ``KeyboardInterrupt`` once (Lightning's graceful shutdown); a second one ends the process.
+
+    Pressed before that shutdown starts ignoring Ctrl-C, the second one used to interrupt whatever ran, and
+    garbage-collection callbacks and exit handlers printed "Exception ignored ... KeyboardInterrupt" tracebacks.
+    Now it exits at once with one line.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    pressed = []
+
+    def handle(signum, frame) -> None:
+        pressed.append(signum)
+        if len(pressed) == 1:
+            raise KeyboardInterrupt
+        sys.stderr.write("amir: interrupted again, exiting now\n")
+        sys.stderr.flush()
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, handle)
 
 
 class PipeSafeStdout(io.TextIOBase):

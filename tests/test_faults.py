@@ -278,3 +278,31 @@ def test_characters_the_tokenizer_cannot_encode_are_reported_once(tmp_path, monk
         "2 of 20 training prompts have characters the tokenizer cannot encode (dropped, or turned into its unknown "
         f"token), the first at {path}:5 ('a')"
     ]
+
+
+def test_a_second_ctrl_c_exits_quietly(tmp_path):
+    """Two Ctrl-C 50 ms apart while the run trains: before, the second one interrupted the shutdown that the first
+    began, and garbage-collection callbacks printed "Exception ignored ... KeyboardInterrupt" tracebacks."""
+    import signal
+    import time
+
+    def own_group_with_ctrl_c() -> None:
+        os.setsid()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"))
+    cmd = [sys.executable, "-m", "amir_lightning", "fit", "--config", TINY, "--trainer.max_epochs", "500"]
+    cmd += ["--trainer.check_val_every_n_epoch", "1000"]
+    run = subprocess.Popen(cmd, cwd=tmp_path, env=env, preexec_fn=own_group_with_ctrl_c,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    checkpoint = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    deadline = time.monotonic() + 300
+    while not checkpoint.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os.killpg(run.pid, signal.SIGINT)
+    time.sleep(0.05)
+    os.killpg(run.pid, signal.SIGINT)
+    stderr = run.communicate(timeout=120)[1]
+    assert run.returncode in (1, 130), stderr[-3000:]  # Lightning's graceful exit, or ours at the second
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-3000:]
+    torch.load(checkpoint, weights_only=True)  # whole

@@ -39,7 +39,7 @@ def _worker_main(conn: Connection, memory_mb: int | None) -> None:
     while True:
         try:
             message = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # the trainer is gone (closed, or ended at once by a second Ctrl-C)
             return
         if message is None:
             return
@@ -50,7 +50,10 @@ def _worker_main(conn: Connection, memory_mb: int | None) -> None:
             score = float("nan")
         except Exception:  # a grader error on hostile input is a wrong answer, not a crash
             score = float("nan")
-        conn.send((index, score))
+        try:
+            conn.send((index, score))
+        except OSError:
+            return
 
 
 def default_workers(cap: int = 8) -> int:
