@@ -127,11 +127,9 @@ def test_a_failing_reward_stops_the_run_naming_it(case, rewards, status, expecte
 
 
 def test_a_slow_reward_is_reported_while_it_runs(tmp_path, monkeypatch, capsys, caplog):
-    from amir_lightning.rewards import base
-
-    monkeypatch.setattr(base, "REWARD_WARN_S", 0.1)
     monkeypatch.setenv("AMIR_TEST_REWARD_SLEEP", "0.35")
     extra = ["--data.rewards", "[bad_rewards.sleeps]", "--trainer.max_epochs", "1"]
+    extra += ["--data.rollout.reward_warn_s", "0.1"]
     code, err = fit_here(tmp_path, monkeypatch, capsys, extra)
     assert code == 0, err[-2000:]
     beats = [r.getMessage() for r in caplog.records if "reward sleeps has been running for" in r.getMessage()]

@@ -32,9 +32,6 @@ log = logging.getLogger(__name__)
 #: Dataset columns TRL does not pass to reward functions (the prompt comes as ``prompts``).
 NOT_PASSED = ("prompt", "completion")
 
-#: Seconds a reward may run before the run says so (and again every as many seconds while it runs).
-REWARD_WARN_S = 60.0
-
 
 @dataclass
 class RewardInputs:
@@ -176,17 +173,17 @@ class RewardError(RuntimeError):
     """
 
 
-def call_reward(reward: Reward, inputs: RewardInputs) -> list:
+def call_reward(reward: Reward, inputs: RewardInputs, warn_s: float = 60.0) -> list:
     """``reward(inputs)``, isolated from the trainer's state.
 
     The reward gets a copy of the inputs (one that edits them in place changes nothing the trainer trains on); the
     process state it could change (working directory, grad mode, default dtype, threads) is restored after the call
     and the change reported once; an exception becomes a ``RewardError`` naming the reward and its file and line;
-    a call longer than ``REWARD_WARN_S`` is reported while it runs.
+    a call is reported every ``warn_s`` seconds while it runs (``data.rollout.reward_warn_s``).
     """
     state = _process_state()
     try:
-        with _heartbeat(reward.name):
+        with _heartbeat(reward.name, warn_s):
             return reward(inputs.copy())
     except RewardError:
         raise
@@ -233,13 +230,13 @@ def _restore(before: dict[str, Any], name: str) -> None:
 
 
 @contextmanager
-def _heartbeat(name: str) -> Iterator[None]:
-    """Warn every ``REWARD_WARN_S`` while the reward ``name`` runs (a reward that hangs is not silent)."""
+def _heartbeat(name: str, every_s: float) -> Iterator[None]:
+    """Warn every ``every_s`` seconds while the reward ``name`` runs (a reward that hangs is not silent)."""
     done = threading.Event()
     started = time.monotonic()
 
     def watch() -> None:
-        while not done.wait(REWARD_WARN_S):
+        while not done.wait(every_s):
             log.warning("reward %s has been running for %.0f s", name, time.monotonic() - started)
 
     watcher = threading.Thread(target=watch, name=f"reward-{name}-heartbeat", daemon=True)

@@ -42,6 +42,8 @@ class RolloutSettings:
         advantage_scale: ``group``, ``batch`` or ``none`` (see ``group_advantages``).
         drop_zero_std_groups: Skip groups whose rewards are all equal (they carry no policy gradient).
         max_bad_rollouts: Stop after this many rollouts in a row with NaN or inf rewards.
+        reward_warn_s: Say so when a reward has run this many seconds on a rollout, and again as often while it
+            runs (a reward that hangs is not silent; ``FunctionReward.timeout_s`` stops the run instead).
     """
 
     group_size: int = 8
@@ -53,6 +55,7 @@ class RolloutSettings:
     advantage_scale: Literal["group", "batch", "none"] = "group"
     drop_zero_std_groups: bool = False
     max_bad_rollouts: int = 3
+    reward_warn_s: float = 60.0
 
     def __post_init__(self) -> None:
         errors: list[str] = []
@@ -61,6 +64,7 @@ class RolloutSettings:
             check_number(errors, f"data.rollout.{key}", getattr(self, key), ge=1)
         if self.micro_batch_tokens is not None:
             check_number(errors, "data.rollout.micro_batch_tokens", self.micro_batch_tokens, ge=1)
+        check_number(errors, "data.rollout.reward_warn_s", self.reward_warn_s, gt=0)
         if not errors and self.steps_per_rollout > self.prompts_per_epoch:
             errors.append(
                 f"data.rollout.steps_per_rollout ({self.steps_per_rollout}) > data.rollout.prompts_per_epoch "
@@ -151,7 +155,7 @@ def _values(reward: Reward, raw: list, count: int) -> tuple[torch.Tensor, torch.
 
 
 def score_completions(
-    rewards: list[Reward], prompts: list[Prompt], completions: list[list[Completion]]
+    rewards: list[Reward], prompts: list[Prompt], completions: list[list[Completion]], warn_s: float = 60.0
 ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
     """Total rewards ``[B * G]`` (groups contiguous), the rollout metrics, and correctness ``[B * G]``.
 
@@ -180,7 +184,7 @@ def score_completions(
     metrics: dict[str, float] = {}
     found_grader = False
     for reward in rewards:
-        values, applies = _values(reward, call_reward(reward, inputs), count)
+        values, applies = _values(reward, call_reward(reward, inputs, warn_s), count)
         bad = applies & ~torch.isfinite(values)
         if bad.any():
             metrics[f"rollout/nonfinite/{reward.name}"] = float(bad.sum())
@@ -237,7 +241,7 @@ def collect_rollout(
     completions = generate(prompt_ids, settings.group_size)
     generate_s = time.perf_counter() - start
     start = time.perf_counter()
-    total, metrics, correct = score_completions(rewards, prompts, completions)
+    total, metrics, correct = score_completions(rewards, prompts, completions, settings.reward_warn_s)
     score_s = time.perf_counter() - start
     std = batch_std(total, sum_over_processes) if settings.advantage_scale == "batch" else None
     # A group with a non-finite reward carries no signal (zero advantage, no pairs): see score_completions.
