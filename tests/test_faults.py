@@ -2,8 +2,8 @@
 non-zero exit, bad rows are found when the data opens, and every message names its cause.
 
 Most cases run ``amir fit`` in this process on ``configs/tiny.yaml`` with the HF engine (2 rollouts, a few seconds);
-those that need a process of their own (SIGTERM, a file-size limit, a closed stdout) run one. The reward functions
-are in ``tests/helpers/bad_rewards.py``.
+those that need a process of their own (SIGTERM, Ctrl-C, a file-size limit, a closed stdout) run one and are marked
+``slow``. The reward functions are in ``tests/helpers/bad_rewards.py``.
 """
 
 import json
@@ -166,7 +166,7 @@ BAD_ROWS = [
 
 
 @pytest.mark.parametrize(("case", "row", "reason"), BAD_ROWS, ids=[c[0] for c in BAD_ROWS])
-@pytest.mark.parametrize("mode", ["error", "skip"])
+@pytest.mark.parametrize("mode", ["error", pytest.param("skip", marks=pytest.mark.slow)])  # skip trains 2 rollouts
 def test_rows_that_cannot_be_used_are_found_when_the_data_opens(case, row, reason, mode, tmp_path, monkeypatch,
                                                                 capsys, caplog):  # fmt: skip
     """Before, the row passed the loader and broke the engine or the tokenizer when the stream reached it."""
@@ -206,6 +206,7 @@ def test_a_checkpoint_cut_short_after_the_start_up_check_is_one_line(tmp_path):
         AtomicCheckpointIO().load_checkpoint(path)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_the_disk_refuses_is_one_line_and_leaves_nothing(tmp_path):
     """From rollout 2 on, files may not grow past 500 KB (RLIMIT_FSIZE; a checkpoint is 930 KB): the write fails as
     on a full disk. Before: three chained tracebacks whose last line named no path, and the partial file left."""
@@ -223,6 +224,7 @@ def test_a_checkpoint_the_disk_refuses_is_one_line_and_leaves_nothing(tmp_path):
     assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 1
 
 
+@pytest.mark.slow
 def test_sigterm_is_a_clear_non_zero_exit_and_the_run_resumes_exactly(tmp_path):
     """SIGTERM (what SLURM and Kubernetes send on preemption) in the middle of rollout 3's generation: the rollout
     finishes, its checkpoint is written, the run exits 143 with one line saying where it stopped and how to go on;
@@ -249,6 +251,7 @@ def test_sigterm_is_a_clear_non_zero_exit_and_the_run_resumes_exactly(tmp_path):
         assert torch.equal(clean[key], resumed[key]), key
 
 
+@pytest.mark.slow
 def test_a_closed_stdout_does_not_stop_the_run(tmp_path):
     """``amir fit ... | head -1``: the reader goes away, the run goes on and saves its checkpoints (before: the next
     print raised BrokenPipeError and the run ended with status 1 and no message)."""
@@ -279,6 +282,7 @@ def test_characters_the_tokenizer_cannot_encode_are_reported_once(tmp_path, monk
     ]
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_exits_quietly(tmp_path):
     """Two Ctrl-C 50 ms apart while the run trains: before, the second one interrupted the shutdown that the first
     began, and garbage-collection callbacks printed "Exception ignored ... KeyboardInterrupt" tracebacks."""

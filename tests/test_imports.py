@@ -7,6 +7,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 import amir_lightning
 import amir_lightning.callbacks
 
@@ -32,6 +34,7 @@ def test_pyproject_lists_every_package():
     assert listed == found
 
 
+@pytest.mark.slow
 def test_package_import_does_not_import_vllm():
     code = "import sys, amir_lightning.cli, amir_lightning.rollout, amir_lightning.module; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

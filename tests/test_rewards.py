@@ -45,6 +45,7 @@ def test_grade_answer(completion, answer, score):
     assert grade_answer(completion, answer) == score
 
 
+@pytest.mark.slow
 def test_pathological_answer_times_out_to_zero_within_the_limit():
     reward = MathAnswerReward(timeout_s=1.0)
     try:
@@ -63,6 +64,7 @@ def _crash(_):
     raise RuntimeError("grader bug")
 
 
+@pytest.mark.slow
 def test_sandbox_survives_a_crashing_grader():
     grader = SandboxedGrader(timeout_s=5.0, timeout_score=-1.0)
     try:
@@ -78,6 +80,7 @@ def test_format_rewards():
     assert MathAnswerReward().name == "math_answer" and TagCountReward().name == "tag_count"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("rule", "expected"), [("short", [1.0, 0.0, 0.0, 0.0]), ("long", [0.0, 1.0, 0.0, 0.0])])
 def test_length_controlled_answer_reward_applies_its_length_rule_to_right_answers(rule, expected):
     from amir_lightning.rewards import LengthControlledAnswerReward
