@@ -226,9 +226,9 @@ class RolloutDataModule(LightningDataModule):
         A prompt cannot be used when it is longer than ``prompt_limit`` after the chat template, when the tokenizer
         cannot encode it, or when its user message is empty. Every process screens the same prompts and leaves out
         the same ones, so their streams stay in step. A random source (a generator) has no end to screen: its
-        prompts are checked as they are drawn. On the way: characters the tokenizer maps to its unknown token are
-        reported once, with an example, and a reward that grades against reference answers is refused on a source
-        that has none, naming the columns it has.
+        prompts are checked as they are drawn. On the way: characters lost between encoding and decoding (a small
+        alphabet's tokenizer drops them, others turn them into an unknown token) are reported once, with an example,
+        and a reward that grades against reference answers is refused on a source that has none, naming its columns.
         """
         source = self.prompts
         if source.is_random or self._screened:
