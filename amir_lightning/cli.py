@@ -87,6 +87,7 @@ MOVED_KEYS = {
         )
     },
     "sync_tolerance": "data.sync.tolerance",
+    "overlong_prompts": "data.bad_prompts",
     **{key: f"data.evaluation.{key}" for key in ("val_size", "val_samples", "val_sampling")},
     **{f"eval_{key}": f"data.evaluation.{key}" for key in ("samples", "sampling", "ks", "logps")},
 }

@@ -24,6 +24,8 @@ class RunProgressBar(TQDMProgressBar):
         bar.reset(total=total)
         bar.initial = bar.n = bar.last_print_n = trainer.current_epoch
         bar.set_description("rollouts")
+        bar.unit = "rollout"  # and seconds per rollout, not Lightning's 0.02 it/s, when a rollout takes longer
+        bar.bar_format = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
         bar.refresh()
 
     def on_train_epoch_start(self, trainer, *_: Any) -> None:  # noqa: D102

@@ -62,6 +62,7 @@ def test_bad_config_value_names_the_key(tmp_path, capsys):
         (["--data.group_size", "4"], "data.group_size is now data.rollout.group_size"),
         (["--data.eval_ks", "[1]"], "data.eval_ks is now data.evaluation.ks"),
         (["--data.sync_tolerance", "0.1"], "data.sync_tolerance is now data.sync.tolerance"),
+        (["--data.overlong_prompts", "error"], "data.overlong_prompts is now data.bad_prompts"),
     ],
 )
 def test_moved_data_keys_name_their_new_place(given, hint, capsys):
