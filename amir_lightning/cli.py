@@ -8,6 +8,8 @@ amir fit --config configs/qwen.yaml --model.loss amir_lightning.objectives.GRPOL
 from __future__ import annotations
 
 import copy
+import difflib
+import importlib
 import io
 import logging
 import os
@@ -110,12 +112,57 @@ def user_message(err: BaseException | str) -> str:
     text = str(err)
     if "Does not validate against any of the Union subtypes" in text:
         head = text.splitlines()[0].strip() if text.startswith("Parser key") else ""
-        errors = text.split("Errors:", 1)[-1].split("Given value type:", 1)[0]
+        errors = text.rsplit("Errors:", 1)[-1].split("Given value type:", 1)[0]  # the innermost of nested unions
         reasons = [line.strip().removeprefix("- ") for line in errors.splitlines()]
-        noise = ("Expected a <class 'NoneType'>", "Expected a path but")
+        noise = ("Expected a <class 'NoneType'>", "Expected a path but", "Expected a <class 'str'>")
         reasons = [r for r in reasons if r and not r.startswith(noise)]
         text = " ".join([head, *reasons]).strip() or text
-    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+    text = " ".join(line.strip() for line in text.splitlines() if line.strip())
+    return _type_message(text) or _class_message(text) or text
+
+
+_TYPE_ERROR = re.compile(
+    r'Parser key "(?P<key>[^"]+)": (?:Problem with given class_path \'[^\']+\': Parser key "(?P<arg>[^"]+)": )?'
+    r"Expected a (?P<type>.+?)\. Got value: (?P<value>.+)$"
+)
+_KINDS = {"<class 'int'>": "an integer", "<class 'float'>": "a number", "<class 'bool'>": "true or false"}
+
+
+def _type_message(text: str) -> str | None:
+    """A type error of jsonargparse in this package's words: "X must be an integer, got 'eight'".
+
+    jsonargparse says "Parser key X: Expected a <class 'int'>. Got value: eight"; a component's argument is named
+    by its full key (``model.loss.init_args.aggregation``).
+    """
+    found = _TYPE_ERROR.search(text)
+    if found is None:
+        return None
+    key = found["key"] + (f".init_args.{found['arg']}" if found["arg"] else "")
+    kind = _KINDS.get(found["type"])
+    if kind is None and found["type"].startswith("typing.Literal["):
+        kind = "one of " + ", ".join(re.findall(r"'([^']*)'", found["type"]))
+    return f"{key} must be {kind or found['type']}, got {found['value']!r}"
+
+
+_NO_CLASS = re.compile(
+    r'Parser key "(?P<key>[^"]+)": Problem with given class_path \'(?P<path>[\w.]+)\': '
+    r"module '(?P<module>[\w.]+)' has no attribute '(?P<name>\w+)'"
+)
+
+
+def _class_message(text: str) -> str | None:
+    """An unknown ``class_path`` named with the classes its module has."""
+    found = _NO_CLASS.search(text)
+    if found is None:
+        return None
+    try:
+        module = importlib.import_module(found["module"])
+    except ImportError:
+        return None
+    classes = sorted(n for n, v in vars(module).items() if isinstance(v, type) and not n.startswith("_"))
+    close = difflib.get_close_matches(found["name"], classes, n=1)
+    hint = f"did you mean {found['module']}.{close[0]}? " if close else ""
+    return f"{found['key']}: {found['module']} has no class {found['name']} ({hint}it has: {', '.join(classes)})"
 
 
 def link_completion_length(config) -> None:
@@ -139,9 +186,21 @@ class _Parser(LightningArgumentParser):
             return super().error(message, ex)
         parser = getattr(ex, "subcommand_parser", None) or self
         command = " ".join(["amir", *parser.prog.replace(" [options]", "").split()[1:]])
-        text = user_message(message) + moved_key_hint(message)
+        text = user_message(message) + moved_key_hint(message) + _close_option_hint(message, parser)
         sys.stderr.write(f"amir: error: {text}\n(`{command} --help` lists the options)\n")
         raise SystemExit(2)
+
+
+def _close_option_hint(message: str, parser) -> str:
+    """`` (did you mean --data.rollout.group_size?)`` for an unrecognized option close to a known one."""
+    if "nrecognized arguments" not in message or moved_key_hint(message):
+        return ""
+    options = [o for o in getattr(parser, "_option_string_actions", {}) if o.startswith("--")]
+    for given in re.findall(r"--[\w.]+", message):
+        close = difflib.get_close_matches(given, options, n=1, cutoff=0.75)
+        if close:
+            return f" (did you mean {close[0]}?)"
+    return ""
 
 
 class AmirCLI(LightningCLI):

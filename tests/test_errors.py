@@ -32,8 +32,8 @@ def files(tmp: Path) -> dict[str, str]:
 
 # (case id, extra arguments (@name@ stands for a file made by files()), expected fragment of the message)
 CASES = [
-    ("unknown key", ["--data.group_sizee", "8"], "group_sizee"),
-    ("wrong type", ["--data.rollout.group_size", "eight"], "group_size"),
+    ("unknown key", ["--data.group_sizee", "8"], "--data.group_sizee 8 (did you mean --data.rollout.group_size?)"),
+    ("wrong type", ["--data.rollout.group_size", "eight"], "data.rollout.group_size must be an integer, got 'eight'"),
     ("group_size 1 with pairs", ["--data.rollout.group_size", "1"], "data.rollout.group_size must be >= 2"),
     ("negative margin", ["--model.loss.init_args.margin", "-1"], "model.loss.init_args.margin must be >= 0"),
     (
@@ -55,14 +55,22 @@ CASES = [
     ("zero temperature", ["--data.sampling.temperature", "0"], "sampling.temperature must be > 0"),
     ("top_p above one", ["--data.sampling.top_p", "1.5"], "sampling.top_p must be in (0, 1]"),
     ("no new tokens", ["--data.sampling.max_new_tokens", "0"], "sampling.max_new_tokens must be >= 1"),
-    ("unknown aggregation", ["--model.loss.init_args.aggregation", "mean"], "aggregation"),
+    (
+        "unknown aggregation",
+        ["--model.loss.init_args.aggregation", "mean"],
+        "model.loss.init_args.aggregation must be one of grpo, bnpo, dr_grpo, dapo, got 'mean'",
+    ),
     ("zero pair beta", ["--model.loss.init_args.pair_beta", "0"], "model.loss.init_args.pair_beta must be > 0"),
     ("lambda bounds crossed", ["--model.loss.init_args.lambda_min", "0.1"], "lambda_min <= lambda_max"),
     ("clip range", ["--model.loss.init_args.epsilon", "1.5"], "model.loss.init_args.epsilon must be in [0, 1)"),
     ("negative KL", ["--model.loss.init_args.beta", "-1"], "model.loss.init_args.beta (KL coefficient)"),
     ("zero bad steps", ["--model.max_bad_steps", "0"], "model.max_bad_steps must be >= 1"),
     ("zero bad rollouts", ["--data.rollout.max_bad_rollouts", "0"], "data.rollout.max_bad_rollouts must be >= 1"),
-    ("unknown loss class", ["--model.loss", "amir_lightning.objectives.NoSuchLoss"], "NoSuchLoss"),
+    (
+        "unknown loss class",
+        ["--model.loss", "amir_lightning.objectives.NoSuchLoss"],
+        "model.loss: amir_lightning.objectives has no class NoSuchLoss (it has: AmirGRPOLoss, GRPOLoss,",
+    ),
     ("bad dtype", ["--model.dtype", "float33"], "model.dtype must be a floating torch dtype name"),
     ("bad trainable dtype", ["--model.trainable_dtype", "int8"], "model.trainable_dtype must be a floating torch"),
     ("FSDP1", ["--trainer.strategy", "fsdp"], "trainer.strategy fsdp is not supported: use lightning.pytorch.strat"),
@@ -76,7 +84,8 @@ CASES = [
             "--model.policy.init_args.name_or_path",
             "/nonexistent/model",
         ],
-        "/nonexistent/model",
+        "model path '/nonexistent/model' does not exist and is not a hub id like 'org/name' "
+        "(model.policy.init_args.name_or_path)",
     ),
     (
         "model dir without config",
@@ -113,7 +122,11 @@ CASES = [
         ["--data.prompts", ARITH, "--data.prompts.init_args.min_value", "5", "--data.prompts.init_args.max_value", "3"],
         "min_value 5 > max_value 3",
     ),
-    ("bad operators", ["--data.prompts", ARITH, "--data.prompts.init_args.operators", "/"], "operators"),
+    (
+        "bad operators",
+        ["--data.prompts", ARITH, "--data.prompts.init_args.operators", "/"],
+        "operators must be drawn from '+-*', got '/'",
+    ),
     (
         "unknown benchmark",
         ["--data.benchmarks", "[{class_path: amir_lightning.evaluation.BenchmarkPrompts, init_args: {name: gsm9k}}]"],
@@ -137,14 +150,14 @@ CASES = [
         ["--trainer.reload_dataloaders_every_n_epochs", "2"],
         "trainer.reload_dataloaders_every_n_epochs must be 1",
     ),
-    ("unwritable output dir", ["--trainer.logger.init_args.save_dir", "@a_file@/runs"], "a_file"),
+    ("unwritable output dir", ["--trainer.logger.init_args.save_dir", "@a_file@/runs"], "Not a directory: '"),
     (
         "prompt longer than the context",
         ["--data.max_prompt_tokens", "1", "--data.engine", "amir_lightning.rollout.HFEngine"],
         "over the limit of 1 (data.max_prompt_tokens",
     ),
-    ("config file with a syntax error", ["--config", "@bad.yaml@"], "bad.yaml"),
-    ("config file missing", ["--config", "/nonexistent.yaml"], "nonexistent.yaml"),
+    ("config file with a syntax error", ["--config", "@bad.yaml@"], "bad.yaml is not valid YAML: while parsing"),
+    ("config file missing", ["--config", "/nonexistent.yaml"], "config file /nonexistent.yaml does not exist"),
 ]
 
 
@@ -199,24 +212,52 @@ MORE_CASES = [
     ),
     ("zero logprob chunk", ["--model.logprob_chunk_size", "0"], "model.logprob_chunk_size must be >= 1, got 0"),
     ("NaN LoRA dropout", ["--model.lora", "{r: 4, dropout: .nan}"], "model.lora needs r >= 1"),
-    ("infinite LoRA alpha", ["--model.lora", "{r: 4, alpha: .inf}"], "alpha"),
+    (
+        "infinite LoRA alpha",
+        ["--model.lora", "{r: 4, alpha: .inf}"],
+        "model.lora.init_args.alpha must be an integer, got 'inf'",
+    ),
     ("NaN sync tolerance", ["--data.sync.tolerance", ".nan"], "data.sync.tolerance must be > 0 or null"),
     ("infinite sync tolerance", ["--data.sync.tolerance", ".inf"], "data.sync.tolerance must be finite"),
     ("zero engine context", ["--data.engine.init_args.max_model_len", "0"], "init_args.max_model_len must be >= 1"),
-    ("GPU share above one", ["--data.engine.init_args.gpu_memory_utilization", "1.5"], "gpu_memory_utilization"),
+    (
+        "GPU share above one",
+        ["--data.engine.init_args.gpu_memory_utilization", "1.5"],
+        "data.engine.init_args.gpu_memory_utilization must be > 0 and <= 1, got 1.5",
+    ),
     ("negative KV cache", ["--data.engine.init_args.kv_cache_memory_bytes", "-1"], "kv_cache_memory_bytes must be"),
     ("zero sequences", ["--data.engine.init_args.max_num_seqs", "0"], "init_args.max_num_seqs must be >= 1"),
-    ("NaN reward weight", ["--data.rewards", f"[{{class_path: {RG}, init_args: {{weight: .nan}}}}]"], "weight"),
-    ("zero grading timeout", ["--data.rewards", f"[{{class_path: {RG}, init_args: {{timeout_s: 0}}}}]"], "timeout_s"),
-    ("no grading workers", ["--data.rewards", f"[{{class_path: {RG}, init_args: {{num_workers: 0}}}}]"], "num_workers"),
-    ("negative max_epochs", ["--trainer.max_epochs", "-5"], "trainer.max_epochs"),
-    ("validation every 0 epochs", ["--trainer.check_val_every_n_epoch", "0"], "trainer.check_val_every_n_epoch"),
+    (
+        "NaN reward weight",
+        ["--data.rewards", f"[{{class_path: {RG}, init_args: {{weight: .nan}}}}]"],
+        "amir: error: data.rewards: MathAnswerReward.weight must be a number, got nan\n",
+    ),
+    (
+        "zero grading timeout",
+        ["--data.rewards", f"[{{class_path: {RG}, init_args: {{timeout_s: 0}}}}]"],
+        "amir: error: data.rewards: MathAnswerReward.timeout_s must be > 0, got 0\n",
+    ),
+    (
+        "no grading workers",
+        ["--data.rewards", f"[{{class_path: {RG}, init_args: {{num_workers: 0}}}}]"],
+        "amir: error: data.rewards: MathAnswerReward.num_workers must be >= 1 or null, got 0\n",
+    ),
+    ("negative max_epochs", ["--trainer.max_epochs", "-5"], "trainer.max_epochs must be >= -1 or null, got -5"),
+    (
+        "validation every 0 epochs",
+        ["--trainer.check_val_every_n_epoch", "0"],
+        "trainer.check_val_every_n_epoch must be >= 1 or null, got 0",
+    ),
     ("zero devices", ["--trainer.devices", "0"], "trainer: `Trainer(devices='0')` value is not a valid input"),
     ("unknown accelerator", ["--trainer.accelerator", "tpu"], "trainer.accelerator must be one of auto, cpu, gpu"),
     ("config is a directory", ["--config", "@no_config@"], "is a directory"),
     ("empty config file", ["--config", "@empty.yaml@"], "empty.yaml is empty"),
     ("undecodable config", ["--config", "@latin1.yaml@"], "latin1.yaml is not UTF-8"),
-    ("undecodable JSONL", ["--data.prompts", JSONL, "--data.prompts.init_args.path", "@latin1.jsonl@"], "latin1.jsonl"),
+    (
+        "undecodable JSONL",
+        ["--data.prompts", JSONL, "--data.prompts.init_args.path", "@latin1.jsonl@"],
+        "latin1.jsonl:1: not UTF-8 text (byte 18 of the line)",
+    ),
     (
         "question is an object",
         ["--data.prompts", JSONL, "--data.prompts.init_args.path", "@object_question.jsonl@"],
@@ -239,7 +280,11 @@ MORE_CASES = [
     ),
     ("checkpoint is text", ["--ckpt_path", "@text.ckpt@"], "text.ckpt is not a checkpoint"),
     ("checkpoint truncated", ["--ckpt_path", "@truncated.ckpt@"], "truncated.ckpt is not a checkpoint"),
-    ("checkpoint missing", ["--ckpt_path", "/nonexistent/last.ckpt"], "/nonexistent/last.ckpt"),
+    (
+        "checkpoint missing",
+        ["--ckpt_path", "/nonexistent/last.ckpt"],
+        "--ckpt_path /nonexistent/last.ckpt does not exist",
+    ),
     ("checkpoint of another model", ["--ckpt_path", "@o.ckpt@"], "o.ckpt was written by another model"),
     (
         "held-out prompt longer than the context",
@@ -253,8 +298,12 @@ MORE_CASES = [
         + ["--checkpoint.dirpath", "memory://bucket/run"],
         "checkpoint.dirpath memory://bucket/run: FSDP2's distributed checkpoints (ModelParallelStrategy) are written",
     ),
-    ("NaN heldout fraction", ["--data.prompts", ARITH, "--data.prompts.init_args.heldout_fraction", ".nan"], "heldout"),
-    ("NaN max bad steps", ["--model.max_bad_steps", ".nan"], "max_bad_steps"),
+    (
+        "NaN heldout fraction",
+        ["--data.prompts", ARITH, "--data.prompts.init_args.heldout_fraction", ".nan"],
+        "heldout_fraction must be in (0, 1), got nan",
+    ),
+    ("NaN max bad steps", ["--model.max_bad_steps", ".nan"], "model.max_bad_steps must be an integer, got 'nan'"),
 ]
 
 
