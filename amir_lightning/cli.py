@@ -8,12 +8,9 @@ amir fit --config configs/qwen.yaml --model.loss amir_lightning.objectives.GRPOL
 from __future__ import annotations
 
 import copy
-import difflib
-import importlib
 import io
 import logging
 import os
-import re
 import signal
 import sys
 import threading
@@ -29,13 +26,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from amir_lightning.callbacks import RunProgressBar
-from amir_lightning.checkpointing import (
-    CheckpointWriteError,
-    fit_checkpoints_to_storage,
-    install_atomic_checkpoints,
-    resolve_resume,
-)
+from amir_lightning.checkpointing import CheckpointWriteError, install_atomic_checkpoints
 from amir_lightning.datamodule import RolloutDataModule
+from amir_lightning.messages import close_option_hint, moved_key_hint, user_message
 from amir_lightning.models.precision import check_strategy
 from amir_lightning.module import AmirGRPOModule
 from amir_lightning.preflight import (
@@ -46,6 +39,7 @@ from amir_lightning.preflight import (
     check_trainer,
     saved_checkpoint,
 )
+from amir_lightning.resume import fit_checkpoints_to_storage, resolve_resume
 from amir_lightning.rewards.base import RewardError
 from amir_lightning.rollout.sync import StaleEngineError
 
@@ -73,98 +67,6 @@ USER_ERRORS = (
 )
 
 
-#: ``data`` keys that moved into an argument group, and where they live now.
-MOVED_KEYS = {
-    **{
-        key: f"data.rollout.{key}"
-        for key in (
-            "group_size",
-            "prompts_per_epoch",
-            "micro_batch_groups",
-            "steps_per_rollout",
-            "mu",
-            "advantage_scale",
-            "drop_zero_std_groups",
-            "max_bad_rollouts",
-        )
-    },
-    "sync_tolerance": "data.sync.tolerance",
-    "overlong_prompts": "data.bad_prompts",
-    **{key: f"data.evaluation.{key}" for key in ("val_size", "val_samples", "val_sampling")},
-    **{f"eval_{key}": f"data.evaluation.{key}" for key in ("samples", "sampling", "ks", "logps")},
-}
-
-
-def moved_key_hint(text: str) -> str:
-    """`` (data.X is now data.group.X)`` for an old ``data`` key named in ``text``, else ``""``."""
-    for old, new in MOVED_KEYS.items():
-        if re.search(rf"(--data\.{old}\b|option '{old}'|\bdata\.{old}\b)", text):
-            return f" (data.{old} is now {new})"
-    return ""
-
-
-def user_message(err: BaseException | str) -> str:
-    """The useful part of an input error, on one line.
-
-    jsonargparse reports a failing optional component as a Union mismatch listing every alternative (including
-    "a path" and None) and the whole given value; only the component's own complaint is kept.
-    """
-    text = str(err)
-    if "Does not validate against any of the Union subtypes" in text:
-        head = text.splitlines()[0].strip() if text.startswith("Parser key") else ""
-        errors = text.rsplit("Errors:", 1)[-1].split("Given value type:", 1)[0]  # the innermost of nested unions
-        reasons = [line.strip().removeprefix("- ") for line in errors.splitlines()]
-        noise = ("Expected a <class 'NoneType'>", "Expected a path but", "Expected a <class 'str'>")
-        reasons = [r for r in reasons if r and not r.startswith(noise)]
-        text = " ".join([head, *reasons]).strip() or text
-    text = " ".join(line.strip() for line in text.splitlines() if line.strip())
-    return _type_message(text) or _class_message(text) or text
-
-
-_TYPE_ERROR = re.compile(
-    r'Parser key "(?P<key>[^"]+)": (?:Problem with given class_path \'[^\']+\': Parser key "(?P<arg>[^"]+)": )?'
-    r"Expected a (?P<type>.+?)\. Got value: (?P<value>.+)$"
-)
-_KINDS = {"<class 'int'>": "an integer", "<class 'float'>": "a number", "<class 'bool'>": "true or false"}
-
-
-def _type_message(text: str) -> str | None:
-    """A type error of jsonargparse in this package's words: "X must be an integer, got 'eight'".
-
-    jsonargparse says "Parser key X: Expected a <class 'int'>. Got value: eight"; a component's argument is named
-    by its full key (``model.loss.init_args.aggregation``).
-    """
-    found = _TYPE_ERROR.search(text)
-    if found is None:
-        return None
-    key = found["key"] + (f".init_args.{found['arg']}" if found["arg"] else "")
-    kind = _KINDS.get(found["type"])
-    if kind is None and found["type"].startswith("typing.Literal["):
-        kind = "one of " + ", ".join(re.findall(r"'([^']*)'", found["type"]))
-    return f"{key} must be {kind or found['type']}, got {found['value']!r}"
-
-
-_NO_CLASS = re.compile(
-    r'Parser key "(?P<key>[^"]+)": Problem with given class_path \'(?P<path>[\w.]+)\': '
-    r"module '(?P<module>[\w.]+)' has no attribute '(?P<name>\w+)'"
-)
-
-
-def _class_message(text: str) -> str | None:
-    """An unknown ``class_path`` named with the classes its module has."""
-    found = _NO_CLASS.search(text)
-    if found is None:
-        return None
-    try:
-        module = importlib.import_module(found["module"])
-    except ImportError:
-        return None
-    classes = sorted(n for n, v in vars(module).items() if isinstance(v, type) and not n.startswith("_"))
-    close = difflib.get_close_matches(found["name"], classes, n=1)
-    hint = f"did you mean {found['module']}.{close[0]}? " if close else ""
-    return f"{found['key']}: {found['module']} has no class {found['name']} ({hint}it has: {', '.join(classes)})"
-
-
 def link_completion_length(config) -> None:
     """``dr_grpo``'s constant ``L`` is the completion length limit, ``data.sampling.max_new_tokens``, unless given.
 
@@ -186,21 +88,9 @@ class _Parser(LightningArgumentParser):
             return super().error(message, ex)
         parser = getattr(ex, "subcommand_parser", None) or self
         command = " ".join(["amir", *parser.prog.replace(" [options]", "").split()[1:]])
-        text = user_message(message) + moved_key_hint(message) + _close_option_hint(message, parser)
+        text = user_message(message) + moved_key_hint(message) + close_option_hint(message, parser)
         sys.stderr.write(f"amir: error: {text}\n(`{command} --help` lists the options)\n")
         raise SystemExit(2)
-
-
-def _close_option_hint(message: str, parser) -> str:
-    """`` (did you mean --data.rollout.group_size?)`` for an unrecognized option close to a known one."""
-    if "nrecognized arguments" not in message or moved_key_hint(message):
-        return ""
-    options = [o for o in getattr(parser, "_option_string_actions", {}) if o.startswith("--")]
-    for given in re.findall(r"--[\w.]+", message):
-        close = difflib.get_close_matches(given, options, n=1, cutoff=0.75)
-        if close:
-            return f" (did you mean {close[0]}?)"
-    return ""
 
 
 class AmirCLI(LightningCLI):

@@ -19,8 +19,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
 
 from amir_lightning.data.base import Prompt, PromptSource
+from amir_lightning.data.screening import screen
 from amir_lightning.data.stream import PromptStream
-from amir_lightning.data.templates import render_prompt, render_prompts
+from amir_lightning.data.templates import render_prompts
 from amir_lightning.distributed import all_reduce
 from amir_lightning.evaluation.evaluator import EvaluationSettings, Evaluator
 from amir_lightning.rewards.base import FunctionReward, Reward
@@ -223,84 +224,42 @@ class RolloutDataModule(LightningDataModule):
     def screen_prompts(self) -> None:
         """Render every prompt of a finite source once; leave out (or stop on) the ones that cannot be used.
 
-        A prompt cannot be used when it is longer than ``prompt_limit`` after the chat template, when the tokenizer
-        cannot encode it, or when its user message is empty. Every process screens the same prompts and leaves out
-        the same ones, so their streams stay in step. A random source (a generator) has no end to screen: its
-        prompts are checked as they are drawn. On the way: characters lost between encoding and decoding (a small
-        alphabet's tokenizer drops them, others turn them into an unknown token) are reported once, with an example,
-        and a reward that grades against reference answers is refused on a source that has none, naming its columns.
+        What cannot be used, and what is reported, is ``data/screening.py``. Every process screens the same prompts
+        and leaves out the same ones, so their streams stay in step. A random source (a generator) has no end to
+        screen: its prompts are checked as they are drawn. A reward that grades against reference answers is refused
+        on a source that has none, naming its columns.
         """
         source = self.prompts
         if source.is_random or self._screened:
             return
         self._screened = True
-        indices = range(len(source))
-        if len(source) > 2000 and self.trainer.is_global_zero:
-            from tqdm.auto import tqdm
-
-            indices = tqdm(indices, desc="checking prompts", unit="prompt", leave=False)
-        bad, unknown, answered = {}, [], 0
-        for index in indices:
-            prompt = source[index]
-            answered += bool(prompt.answer.strip())
-            reason, ids = self._unusable(prompt)
-            where = prompt.meta.get("source", f"{source.describe()}[{index}]")
-            if reason is not None:
-                bad[index] = f"{where} ({reason})"
-            elif lost := self._lost_characters(prompt):
-                unknown.append(f"{where} ({lost!r})")
-        self._check_references(source, answered)
-        if unknown and self.trainer.is_global_zero:
+        found = screen(source, self.tokenizer, self.system_prompt, self.prompt_limit, self.trainer.is_global_zero)
+        self._check_references(source, found.answered)
+        if found.lost and self.trainer.is_global_zero:
             log.warning(
                 "%d of %d training prompts have characters the tokenizer cannot encode (dropped, or turned into its "
                 "unknown token), the first at %s",
-                len(unknown),
+                len(found.lost),
                 len(source),
-                unknown[0],
+                found.lost[0],
             )
-        if not bad:
+        if not found.bad:
             return
-        first = ", ".join(list(bad.values())[:3])
+        first = ", ".join(list(found.bad.values())[:3])
         limit = (
             f"the limit is {self.prompt_limit} tokens (data.max_prompt_tokens, or max_model_len minus max_new_tokens)"
         )
-        if self.bad_prompts == "error" or len(bad) == len(source):
+        if self.bad_prompts == "error" or len(found.bad) == len(source):
             raise ValueError(
-                f"{len(bad)} of {len(source)} training prompts cannot be used: {first}; {limit}; "
+                f"{len(found.bad)} of {len(source)} training prompts cannot be used: {first}; {limit}; "
                 "data.bad_prompts: skip leaves them out"
             )
-        self.stream.exclude(set(bad))
-        self.skipped_prompts = len(bad)
-        log_metrics(self.trainer, {"data/skipped_prompts": len(bad)})
+        self.stream.exclude(set(found.bad))
+        self.skipped_prompts = len(found.bad)
+        log_metrics(self.trainer, {"data/skipped_prompts": len(found.bad)})
         if self.trainer.is_global_zero:
-            log.warning("skipping %d of %d training prompts that cannot be used: %s; %s", len(bad), len(source),
+            log.warning("skipping %d of %d training prompts that cannot be used: %s; %s", len(found.bad), len(source),
                         first, limit)  # fmt: skip
-
-    def _lost_characters(self, prompt: Prompt) -> str:
-        """The characters of ``prompt``'s text that do not survive the tokenizer (encode, decode), if any.
-
-        A tokenizer made for a small alphabet drops or replaces the others; whitespace, which tokenizers normalise,
-        is not compared.
-        """
-        texts = [m["content"] for m in prompt.messages] if prompt.messages is not None else [prompt.question]
-        lost = ""
-        for text in texts:
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            kept = "".join(self.tokenizer.decode(ids, skip_special_tokens=True).split())
-            lost += "".join(sorted(set("".join(text.split())) - set(kept)))
-        return lost
-
-    def _unusable(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """Why ``prompt`` cannot be trained on (``None``: it can), and its token ids."""
-        if prompt.messages is not None and any(
-            m["role"] == "user" and not m["content"].strip() for m in prompt.messages
-        ):
-            return "an empty user message", []
-        try:
-            ids = render_prompt(self.tokenizer, prompt, self.system_prompt)
-        except Exception as err:  # noqa: BLE001 - any failure to encode is this row's, named with its cause
-            return f"the tokenizer cannot encode it: {type(err).__name__}: {str(err)[:80]}", []
-        return (f"{len(ids)} tokens" if len(ids) > self.prompt_limit else None), ids
 
     def _check_references(self, source: PromptSource, answered: int) -> None:
         """A reward that grades against reference answers needs a source with some."""

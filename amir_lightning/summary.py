@@ -78,7 +78,8 @@ def estimate_memory(module, data, processes: int, device_memory: float | None = 
     return MemoryEstimate(float(weights), float(activations), float(share * total if total else 0.0), total)
 
 
-def _size(count: float) -> str:
+def format_bytes(count: float) -> str:
+    """A size in GiB, or in MiB below a tenth of one."""
     return f"{count / GIB:.1f} GiB" if count >= GIB / 10 else f"{count / 2**20:.1f} MiB"
 
 
@@ -113,14 +114,14 @@ def run_summary(trainer, module, data, device_memory: float | None = None) -> li
     ]
     memory = estimate_memory(module, data, processes, device_memory)
     checkpointing = "on" if module.gradient_checkpointing else "off"
-    where = f"{module.device}" + (f", {_size(memory.device)}" if memory.device else "")
+    where = f"{module.device}" + (f", {format_bytes(memory.device)}" if memory.device else "")
     line = (
-        f"memory per device ({where}): weights, gradients and optimiser state ~{_size(memory.weights)}, "
-        f"activations of the largest micro-batch ~{_size(memory.activations)} (gradient checkpointing "
+        f"memory per device ({where}): weights, gradients and optimiser state ~{format_bytes(memory.weights)}, "
+        f"activations of the largest micro-batch ~{format_bytes(memory.activations)} (gradient checkpointing "
         f"{checkpointing})"
     )
     if memory.device:
-        line += f", the engine's share {_size(memory.engine)}: about {_size(memory.total)} in all"
+        line += f", the engine's share {format_bytes(memory.engine)}: about {format_bytes(memory.total)} in all"
     lines.append(line)
     if memory.device and memory.total > 0.95 * memory.device:
         advice = (
@@ -128,5 +129,5 @@ def run_summary(trainer, module, data, device_memory: float | None = None) -> li
             if not module.gradient_checkpointing
             else "lower data.rollout.micro_batch_groups or data.engine.init_args.gpu_memory_utilization"
         )
-        lines.append(f"that is more than this device holds ({_size(memory.device)}): {advice}")
+        lines.append(f"that is more than this device holds ({format_bytes(memory.device)}): {advice}")
     return lines
