@@ -158,6 +158,7 @@ class AmirCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:  # noqa: D102
         super().instantiate_classes()
+        self.datamodule.attach(self.model.handle)  # the data side's one way to the policy
         path = self.config[self.subcommand].get("ckpt_path") if self.subcommand else None
         saved = saved_checkpoint(path)
         if saved is not None:  # before the engine starts and the weights load: a foreign checkpoint fails in seconds

@@ -27,8 +27,9 @@ from amir_lightning.evaluation.evaluator import EvaluationSettings, Evaluator
 from amir_lightning.rewards.base import FunctionReward, Reward
 from amir_lightning.rewards.math import MathAnswerReward
 from amir_lightning.rollout.batch import agree_on_plan, build_steps, plan_steps
-from amir_lightning.rollout.collect import RewardGuard, Rollout, RolloutSettings, collect_rollout
+from amir_lightning.rollout.collect import RewardGuard, RolloutSettings, collect_rollout
 from amir_lightning.rollout.engine import RolloutEngine, SamplingConfig
+from amir_lightning.rollout.policy import Policy
 from amir_lightning.rollout.sync import SyncCheck, SyncSettings
 from amir_lightning.tracking import log_metrics
 from amir_lightning.validation import check_number, raise_errors
@@ -142,10 +143,22 @@ class RolloutDataModule(LightningDataModule):
         self.evaluation = evaluation.with_length_limit(sampling.max_new_tokens)
         self.seed, self.stream = seed, PromptStream(prompts, shuffle, seed)
         self.reward_guard = RewardGuard(rollout.max_bad_rollouts)
-        self.last_rollout: Rollout | None = None  # read by the monitors (callbacks)
         self.synced_at_step: int | None = None
         self._eval_grader: MathAnswerReward | None = None
-        self.tokenizer, self.pad_token_id = None, 0  # the policy's, taken in setup()
+        self.policy: Policy | None = None  # handed over by the module (attach)
+
+    def attach(self, policy: Policy) -> None:
+        """Take the trained policy: its tokenizer, its files for the engine, its weights and its scoring.
+
+        ``amir`` attaches the module's (``AmirGRPOModule.handle``) before the trainer runs; a script that builds the
+        trainer itself calls ``data.attach(module.handle)``.
+        """
+        self.policy = policy
+
+    @property
+    def tokenizer(self):
+        """The policy's tokenizer (prompts, padding, the sync probe)."""
+        return self.policy.tokenizer
 
     # ------------------------------------------------------------------ set-up
     def setup(self, stage: str) -> None:  # noqa: D102
@@ -154,16 +167,17 @@ class RolloutDataModule(LightningDataModule):
                 "trainer.reload_dataloaders_every_n_epochs must be 1: every epoch is a fresh rollout "
                 f"(got {self.trainer.reload_dataloaders_every_n_epochs})"
             )
-        policy = self.trainer.lightning_module  # the policy's files, and its tokenizer for prompts and padding
-        self.tokenizer = policy.tokenizer
-        self.pad_token_id = policy.pad_token_id
+        if self.policy is None:
+            raise RuntimeError(
+                "RolloutDataModule has no policy: call data.attach(module.handle) before the trainer runs (amir does)"
+            )
         if stage == "fit":
             self.screen_prompts()
         self.screen_evaluation_prompts(stage)
         if not self.engine.started:
             trainer = self.trainer
             seed, device = self.seed + trainer.global_rank, trainer.strategy.root_device
-            self.engine.start(policy.model_dir, seed=seed, device=device, local_rank=trainer.local_rank)
+            self.engine.start(self.policy.model_dir, seed=seed, device=device, local_rank=trainer.local_rank)
 
     def state_dict(self) -> dict:
         """The prompt stream's position and the sync check's probe.
@@ -309,9 +323,8 @@ class RolloutDataModule(LightningDataModule):
         step = self.trainer.global_step
         if self.synced_at_step == step:
             return 0.0
-        policy = self.trainer.lightning_module  # the trainer's side: its weights and its probe log-probs
         self.sync_check.set_probe(self.tokenizer, probe_prompt, probe_answer)
-        report = self.sync_check.push_and_verify(policy, self.engine, self._max_over_processes)
+        report = self.sync_check.push_and_verify(self.policy, self.engine, self._max_over_processes)
         self.synced_at_step = step
         metrics = {"rollout/sync_logp_diff": report.gap, "rollout/sync_tolerance": report.tolerance}
         log_metrics(self.trainer, metrics | {"rollout/sync_verified_tensors": report.verified})
@@ -342,12 +355,14 @@ class RolloutDataModule(LightningDataModule):
         rollout.seconds["sync_s"] = sync_s
         rollout.metrics["rollout/sync_s"] = sync_s
         self.reward_guard.check(rollout.metrics)
-        self.last_rollout = rollout
         self._log(rollout.metrics)
         groups = rollout.trained_groups(settings.drop_zero_std_groups)
         plan = plan_steps(groups, settings.steps_per_rollout, settings.micro_batch_groups, settings.micro_batch_tokens)
         plan = agree_on_plan(plan, settings.steps_per_rollout, self._max_over_processes)
-        steps = build_steps(plan, self.pad_token_id, settings.mu, filler=rollout.groups[0])
+        steps = build_steps(plan, self.policy.pad_token_id, settings.mu, filler=rollout.groups[0], rollout=rollout)
+        if len(steps) > 1:  # steps after the first follow an update: their ratios need the sampling policy's logps
+            for batch in {id(b): b for step in steps for b in step.micro_batches}.values():
+                batch.old_logps = self.policy.logps(batch)  # the trainer's numerics (the engine's differ slightly)
         return DataLoader(steps, batch_size=None, collate_fn=_identity)
 
     def val_dataloader(self) -> DataLoader | list:  # noqa: D102

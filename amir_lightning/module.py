@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
@@ -24,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
 from amir_lightning.checkpointing import TrainableCheckpoint
-from amir_lightning.distributed import all_reduce, rank_zero_first, sum_shares, world_size
+from amir_lightning.distributed import all_reduce, sum_shares, world_size
 from amir_lightning.evaluation.report import benchmark_report
 from amir_lightning.models.loading import (
     LoraSettings,
@@ -33,17 +32,11 @@ from amir_lightning.models.loading import (
     is_peft,
     load_policy,
     load_reference,
-    merged_state,
     policy_shapes,
     shard_fsdp2,
 )
-from amir_lightning.models.precision import autocast, check_strategy, dtype_by_name, take_over_precision
-from amir_lightning.models.scoring import (
-    completion_logps,
-    fused_head_allowed,
-    sequence_token_logps,
-    varlen_attention,
-)
+from amir_lightning.models.precision import check_strategy, dtype_by_name, take_over_precision
+from amir_lightning.models.scoring import fused_head_allowed, varlen_attention
 from amir_lightning.models.sources import ModelSource
 from amir_lightning.objectives import (
     AmirGRPOLoss,
@@ -52,6 +45,7 @@ from amir_lightning.objectives import (
     StepContext,
 )
 from amir_lightning.rollout.batch import RolloutBatch, RolloutStep
+from amir_lightning.rollout.policy import Policy
 from amir_lightning.summary import planned_steps, run_summary
 from amir_lightning.tracking import log_metrics
 from amir_lightning.validation import check_number, raise_errors
@@ -156,14 +150,14 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         self.policy = None
         self._reference: tuple = ()  # not a registered submodule: never trained, never checkpointed
         self._bad_steps = self._skipped_steps = 0
-        self._old_logps: list[list[torch.Tensor]] = []  # the rollout's sampling-policy log-probs, per step
+        self.handle = Policy(policy, temperature, logprob_chunk_size)  # the policy as the data module sees it
         self.val_accuracy = MeanMetric()
 
     # ------------------------------------------------------------------ model
-    @cached_property
+    @property
     def model_dir(self) -> Path:
         """Local directory of the initial policy (resolved, downloaded or built once, by rank 0 first)."""
-        return Path(rank_zero_first(self.source.resolve))
+        return self.handle.model_dir
 
     def expected_shapes(self) -> tuple[dict[str, tuple[int, ...]], set[str]]:
         """This module's state as shapes, without loading the policy, and the names a checkpoint may leave out.
@@ -174,19 +168,6 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         shapes = {f"policy.{name}": shape for name, shape in built.items()}
         own = shapes | {k: tuple(v.shape) for k, v in self.state_dict().items() if not k.startswith("policy.")}
         return own, {f"policy.{name}" for name in frozen}
-
-    @cached_property
-    def tokenizer(self):
-        """The policy's tokenizer."""
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=self.source.trust_remote_code)
-
-    @property
-    def pad_token_id(self) -> int:
-        """Padding id (the EOS id when the tokenizer has no pad token)."""
-        tok = self.tokenizer
-        return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
     def setup(self, stage: str) -> None:  # noqa: D102
         check_strategy(self.trainer.strategy)
@@ -215,6 +196,7 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         self._fsdp2 = mesh is not None
         if self._fsdp2:
             shard_fsdp2(self.policy, mesh.device_type, self.compute_dtype)
+        self.handle.bind(self.policy, self.compute_dtype, not self._fsdp2, self._fused, self._packed)
         if self.loss.needs_reference and not is_peft(self.policy):
             self._reference = (load_reference(self.model_dir, self._reference_dtype(), trust, attention),)
 
@@ -238,10 +220,6 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
             for line in run_summary(self.trainer, self, data):  # the global batch, the length, the memory
                 log.warning(line)
 
-    def compute_context(self):
-        """Where every forward of the policy runs: ``torch.autocast`` to the compute dtype unless FSDP2 casts."""
-        return autocast(self.device, self.compute_dtype, enabled=not self._fsdp2)
-
     @contextmanager
     def reference(self) -> Iterator[torch.nn.Module]:
         """The reference policy: the frozen copy, or the policy with its LoRA adapters disabled."""
@@ -250,66 +228,6 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         else:
             with self.policy.disable_adapter():
                 yield self.policy
-
-    @contextmanager
-    def export_weights(self) -> Iterator[Iterable[tuple[str, torch.Tensor]]]:
-        """The policy's full weights under Hugging Face names (LoRA merged in), for the rollout engine."""
-        with merged_state(self.policy) as named:
-            yield named
-
-    # ------------------------------------------------------------------ log-probs
-    def completion_logps(self, model, batch: RolloutBatch, temperature: float, entropy: bool = False):
-        """``[n, T]`` log-probs of the completion tokens (and their entropies) from one forward of ``model``."""
-        with self.compute_context():
-            return completion_logps(
-                model,
-                batch.input_ids,
-                batch.attention_mask,
-                batch.completion_width,
-                temperature,
-                self.logprob_chunk_size,
-                entropy,
-                self._fused,
-                self._packed,
-            )
-
-    @contextmanager
-    def _eval_mode(self) -> Iterator[None]:
-        """The policy without dropout (LoRA's own ``dropout`` included), as the engine that samples it."""
-        training = self.policy.training
-        self.policy.eval()
-        try:
-            yield
-        finally:
-            self.policy.train(training)
-
-    @torch.no_grad()
-    def policy_logps(self, batch: RolloutBatch, temperature: float | None = None) -> torch.Tensor:
-        """Log-probs of ``batch`` under the current policy, no gradient (the old policy of later steps, evaluation)."""
-        batch = self.transfer_batch_to_device(batch, self.device, 0)
-        with self._eval_mode():
-            return self.completion_logps(self.policy, batch, temperature or self.temperature)[0].cpu()
-
-    def old_policy_logps(self, step: RolloutStep) -> list[torch.Tensor | None]:
-        """The sampling policy's log-probs of each micro-batch of ``step``; ``None`` for an on-policy step.
-
-        A step that follows an update within its rollout (``data.rollout.steps_per_rollout`` or ``mu`` above 1)
-        needs them for its ratios. The rollout's first step carries every step's micro-batches (``step.rollout``):
-        their log-probs are taken then, before any update, from the trainer (the engine's differ in the last bits).
-        """
-        if step.rollout:
-            self._old_logps = [[self.policy_logps(batch) for batch in micro] for micro in step.rollout]
-        elif step.index == 0:
-            self._old_logps = []
-        if not self._old_logps:
-            return [None] * len(step.micro_batches)
-        return list(self._old_logps[step.index % len(self._old_logps)])
-
-    @torch.no_grad()
-    def score_tokens(self, prompt: list[int], completion: list[int]) -> list[float]:
-        """Log-probs at temperature 1 of ``completion`` after ``prompt`` (the weight-sync probe)."""
-        with self.compute_context(), self._eval_mode():
-            return sequence_token_logps(self.policy, prompt, completion, self.device)
 
     # ------------------------------------------------------------------ training
     def step_context(self, step: RolloutStep) -> StepContext:
@@ -326,11 +244,11 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         The policy's forward with gradient, the reference's without; ``context`` from ``step_context``. With
         ``log_entropy`` the stats include ``train/entropy`` (the micro-batch's share of the step's mean).
         """
-        logps, entropy = self.completion_logps(self.policy, batch, self.temperature, self.log_entropy)
+        logps, entropy = self.handle.completion_logps(self.policy, batch, self.temperature, self.log_entropy)
         ref = None
         if self.loss.needs_reference:
             with torch.no_grad(), self.reference() as reference:
-                ref = self.completion_logps(reference, batch, self.temperature)[0]
+                ref = self.handle.completion_logps(reference, batch, self.temperature)[0]
         out = self.loss(
             logps,
             batch.completion_mask,
@@ -355,12 +273,10 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         context = self.step_context(step)
         stats: dict[str, torch.Tensor] = {}
         rows, total, bad = [], 0.0, False
-        for batch, old_logps in zip(step.micro_batches, self.old_policy_logps(step)):
+        for batch in step.micro_batches:
             if batch.filler:  # another process has more micro-batches: join its collectives, add nothing
-                self.manual_backward(self.completion_logps(self.policy, batch, self.temperature)[0].sum() * 0.0)
+                self.manual_backward(self.handle.completion_logps(self.policy, batch, self.temperature)[0].sum() * 0.0)
                 continue
-            if old_logps is not None:
-                batch.old_logps = old_logps.to(self.device)
             out, logps = self.compute_loss(batch, context)
             ok = bool(torch.isfinite(out.loss))
             # Data parallelism averages gradients over processes; each process's loss is a share of the global
@@ -432,7 +348,8 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
     def test_step(self, batch: dict, batch_idx: int) -> None:
         """One benchmark: unbiased pass@k (``eval/<benchmark>/pass@k``) and ``<log_dir>/eval/<benchmark>.json``."""
         out_dir = Path(self.trainer.log_dir) / "eval" if self.trainer.log_dir else None
-        results = benchmark_report(self, batch, batch["ks"], out_dir, batch["logps"])
+        write = self.trainer.is_global_zero
+        results = benchmark_report(self.handle, batch, batch["ks"], out_dir if write else None, batch["logps"])
         log_metrics(self.trainer, results)
         self.log_dict(results, logger=False, batch_size=1, sync_dist=True)
 
@@ -470,7 +387,7 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         """
         write = getattr(self, "_trainer", None) is None or self.trainer.is_global_zero
         save = export_adapters if self.export_format == "adapter" else export_policy
-        save(self.policy, self.tokenizer, Path(target), write)
+        save(self.policy, self.handle.tokenizer, Path(target), write)
         if write:
             log.warning("exported the trained policy to %s", target)
         return Path(target)

@@ -38,7 +38,7 @@ from amir_lightning.rollout.engine import Completion
 
 def make_groups(module, groups: int, group_size: int, seed: int = 0) -> list[Group]:
     gen = torch.Generator().manual_seed(seed)
-    tok = module.tokenizer
+    tok = module.handle.tokenizer
     source = ArithmeticPrompts(template="What is {expression}? Answer with just the number.")
     out = []
     for g in range(groups):
@@ -57,7 +57,7 @@ def make_groups(module, groups: int, group_size: int, seed: int = 0) -> list[Gro
 def random_groups(module, groups: int, group_size: int, prompt_len: int, lengths: tuple[int, int]) -> list[Group]:
     """Random-token prompts and completions of the given lengths, rewards in {0, 0.7, 1.4, 2.1} (pairs form)."""
     gen = torch.Generator().manual_seed(0)
-    vocab, eos = len(module.tokenizer), module.tokenizer.eos_token_id
+    vocab, eos = len(module.handle.tokenizer), module.handle.tokenizer.eos_token_id
     low = min(100, vocab // 4)
     out = []
     for _ in range(groups):
@@ -162,7 +162,7 @@ def main() -> None:
             groups = make_groups(module, args.groups, args.group_size)
     module._fused, module._packed = not args.materialised, args.packing
     optimizer = torch.optim.AdamW([p for p in module.policy.parameters() if p.requires_grad], lr=1e-12)
-    (rollout_step,) = build_steps(plan_steps(groups, 1, args.micro_batch_groups), module.pad_token_id)
+    (rollout_step,) = build_steps(plan_steps(groups, 1, args.micro_batch_groups), module.handle.pad_token_id)
     rollout_step = module.transfer_batch_to_device(rollout_step, module.device, 0)
     grpo, amir = GRPOLoss(), AmirGRPOLoss(lambda_=0.01, lambda_schedule="fixed", margin=0.5)
     pairs = int(amir.step_context(rollout_step.lengths, rollout_step.rewards, args.group_size).num_pairs)

@@ -24,10 +24,10 @@ class RolloutSampleLogger(Callback):
             raise ValueError("RolloutSampleLogger needs every_n_epochs, num_prompts and max_chars >= 1")
         self.every_n_epochs, self.num_prompts, self.max_chars = every_n_epochs, num_prompts, max_chars
 
-    def on_train_epoch_start(self, trainer, pl_module) -> None:  # noqa: D102
-        # Runs after train_dataloader(): the epoch's rollout is in the data module.
-        rollout = getattr(trainer.datamodule, "last_rollout", None)
-        if rollout is None or not rollout.groups or trainer.current_epoch % self.every_n_epochs:
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: D102
+        # Every step of a rollout refers to it (RolloutStep.rollout); the first one shows it.
+        rollout = getattr(batch, "rollout", None)
+        if batch_idx or rollout is None or not rollout.groups or trainer.current_epoch % self.every_n_epochs:
             return
         groups = rollout.groups[: self.num_prompts]
         log_table(trainer, "rollout/samples", COLUMNS, self.rows(groups), self.render(groups))

@@ -20,22 +20,24 @@ class ThroughputMonitor(Callback):
         self._start: float | None = None
         self._train_s = 0.0
         self._train_tokens = 0.0
+        self._rollout = None  # the epoch's rollout, as its steps refer to it
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:  # noqa: D102
-        self._train_s, self._train_tokens = 0.0, 0.0
+        self._train_s, self._train_tokens, self._rollout = 0.0, 0.0, None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: D102
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: D102
-        if self._start is not None:
+        self._rollout = getattr(batch, "rollout", None)
+        if self._start is not None and self._rollout is not None:
             self._train_s += time.perf_counter() - self._start
             real = [micro for micro in batch.micro_batches if not micro.filler]
             self._train_tokens += sum(float(micro.attention_mask.sum()) for micro in real)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:  # noqa: D102
-        rollout = getattr(trainer.datamodule, "last_rollout", None)
-        if rollout is None:
+        rollout = self._rollout
+        if rollout is None:  # an epoch resumed after its steps ran: nothing was timed
             return
         timing = rollout.seconds
         phases = {

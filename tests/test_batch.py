@@ -2,8 +2,10 @@
 
 import pytest
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from amir_lightning.rollout.batch import Group, build_steps, fit_plan, padded_tokens, plan_steps, split_by_tokens
+from amir_lightning.rollout.collect import Rollout
 from amir_lightning.rollout.engine import Completion
 
 PAD = 0
@@ -49,18 +51,16 @@ def test_padding_left_prompt_right_completion():
     assert batch.sampling_logps[0].tolist() == [-0.5, 0.0, 0.0]
 
 
-def test_passes_continue_step_indices_share_tensors_and_the_first_step_carries_the_pass():
-    schedule = build_steps(plan_steps(make_groups(), 2, 2), PAD, mu=3)
+def test_passes_continue_step_indices_share_micro_batches_and_every_step_names_its_rollout():
+    rollout = Rollout(groups=make_groups(), metrics={})  # what the data module collected; steps refer to it
+    schedule = build_steps(plan_steps(make_groups(), 2, 2), PAD, mu=3, rollout=rollout)
     assert [s.index for s in schedule] == [0, 1, 2, 3, 4, 5]
-    assert schedule[2].micro_batches[0].input_ids is schedule[0].micro_batches[0].input_ids
-    # The old policy of every later step is the policy before the first update: the first step carries the pass.
-    carried = schedule[0].rollout
-    assert [[b.input_ids for b in micro] for micro in carried] == [[s.micro_batches[0].input_ids] for s in schedule[:2]]
-    assert all(b is m for micro, s in zip(carried, schedule) for b, m in zip(micro, s.micro_batches))
-    assert all(not s.rollout for s in schedule[1:])
-    (on_policy,) = build_steps(plan_steps(make_groups(), 1, 2), PAD)
-    assert on_policy.rollout == []
-    assert len(build_steps(plan_steps(make_groups(), 1, 2), PAD, mu=2)[0].rollout) == 1
+    # Later passes run the same micro-batch objects: old log-probs set on the first pass's serve every pass.
+    assert all(a is b for s, t in zip(schedule[:2], schedule[2:4]) for a, b in zip(s.micro_batches, t.micro_batches))
+    assert all(s.rollout is rollout for s in schedule)
+    # Lightning moves a step to the device field by field; the rollout is not one of them (not copied, not moved).
+    moved = move_data_to_device(schedule[3], torch.device("cpu"))
+    assert moved.rollout is rollout and moved.index == 3
 
 
 def test_select_picks_rows_of_every_per_row_field():

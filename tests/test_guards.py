@@ -81,19 +81,19 @@ class PoisonedRollouts(L.LightningDataModule):
 
     def train_dataloader(self):
         module = self.trainer.lightning_module
-        eos = module.tokenizer.eos_token_id
+        eos = module.handle.tokenizer.eos_token_id
         rewards = torch.tensor([0.0, 1.0, 2.0, 1.0])
         adv = group_advantages(rewards, 4)
         if self.trainer.current_epoch in self.poisoned:
             adv = adv * float("inf")
         group = Group(
-            module.tokenizer("3=")["input_ids"],
+            module.handle.tokenizer("3=")["input_ids"],
             [Completion([5, 6, eos], "", [0.0] * 3, "stop")] * 4,
             rewards,
             adv,
             rewards.clone(),
         )
-        batches = build_steps(plan_steps([group], 1, 1), module.pad_token_id)
+        batches = build_steps(plan_steps([group], 1, 1), module.handle.pad_token_id)
         return DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
 
 

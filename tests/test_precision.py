@@ -68,8 +68,8 @@ def test_bf16_trainable_weights_only_by_name_and_then_updates_round_away(model_d
 
 def test_bf16_compute_runs_the_forward_in_bf16(model_dir):
     module, _ = train_lora(model_dir, "bf16-mixed", steps=1)
-    ids = torch.tensor([module.tokenizer("12+4=")["input_ids"]])
-    with module.compute_context():
+    ids = torch.tensor([module.handle.tokenizer("12+4=")["input_ids"]])
+    with module.handle.compute_context():
         logits = module.policy(input_ids=ids).logits
     assert logits.dtype == torch.bfloat16
 
@@ -80,8 +80,8 @@ def test_full_fine_tuning_keeps_float32_weights_under_bf16_compute(model_dir):
     trainer = L.Trainer(accelerator="cpu", precision="bf16-true", max_steps=1, logger=False, enable_checkpointing=False)
     trainer.fit(module, FixedRollouts())
     assert {p.dtype for p in module.policy.parameters()} == {torch.float32}
-    ids = torch.tensor([module.tokenizer("12+4=")["input_ids"]])
-    with module.compute_context():
+    ids = torch.tensor([module.handle.tokenizer("12+4=")["input_ids"]])
+    with module.handle.compute_context():
         assert module.policy(input_ids=ids).logits.dtype == torch.bfloat16
 
 
@@ -117,7 +117,7 @@ def test_the_reference_copy_scores_as_the_policy_at_step_zero(model_dir, precisi
     module.compute_dtype = compute_dtype(precision)
     module.configure_model()
     ids = torch.randint(3, 20, (4, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad(), module.compute_context(), module.reference() as reference:
+    with torch.no_grad(), module.handle.compute_context(), module.reference() as reference:
         policy = completion_logps(module.policy, ids, torch.ones_like(ids), 8)[0]
         ref = completion_logps(reference, ids, torch.ones_like(ids), 8)[0]
     torch.testing.assert_close(ref, policy, rtol=0, atol=1e-6)

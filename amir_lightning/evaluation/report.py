@@ -11,19 +11,20 @@ import torch
 from amir_lightning.evaluation.passk import PassAtK
 from amir_lightning.objectives import sequence_logps
 from amir_lightning.rollout.batch import make_batch
+from amir_lightning.rollout.policy import Policy
 
 
 @torch.no_grad()
-def sample_logps(module, groups, chunk_groups: int = 1) -> torch.Tensor:
-    """``[P, n]`` mean token log-prob (temperature 1) of every evaluation sample under the module's policy.
+def sample_logps(policy: Policy, groups, chunk_groups: int = 1) -> torch.Tensor:
+    """``[P, n]`` mean token log-prob (temperature 1) of every evaluation sample under the policy.
 
     One group per forward by default: the logits of a chunk are ``[rows, T, vocabulary]`` floats.
     """
     out = []
     for start in range(0, len(groups), chunk_groups):
         chunk = groups[start : start + chunk_groups]
-        batch = make_batch(chunk, module.pad_token_id)
-        logps = module.policy_logps(batch, temperature=1.0)
+        batch = make_batch(chunk, policy.pad_token_id)
+        logps = policy.logps(batch, temperature=1.0)
         out.append(sequence_logps(logps, batch.completion_mask, "mean").view(len(chunk), -1))
     return torch.cat(out)
 
@@ -37,10 +38,11 @@ def write_json(path: Path, payload: dict) -> None:
 
 
 def benchmark_report(
-    module, batch: dict, ks: list[int], out_dir: Path | None, score_with: str = "engine"
+    policy: Policy, batch: dict, ks: list[int], out_dir: Path | None, score_with: str = "engine"
 ) -> dict[str, torch.Tensor]:
     """pass@k of one evaluation batch, written with per-problem details to ``out_dir/<benchmark>.json``.
 
+    ``out_dir`` ``None``: nothing is written (the processes other than the global zero).
     ``mean_logp`` per sample comes from the engine (``score_with="engine"``: sampling log-probs at the evaluation
     temperature) or from the policy at temperature 1 (``"policy"``).
     """
@@ -50,12 +52,12 @@ def benchmark_report(
     metric.update(correct.sum(1), samples)
     passk = {k: float(v) for k, v in metric.compute().items()}
     if score_with == "policy":  # a forward over every sample: exact, as costly as generating them
-        margins = sample_logps(module, batch["groups"])  # [P, n]
+        margins = sample_logps(policy, batch["groups"])  # [P, n]
     else:  # the engine's own log-probs of the samples, free, at the evaluation temperature
         margins = torch.tensor(
             [[sum(c.logprobs) / max(len(c.logprobs), 1) for c in g.completions] for g in batch["groups"]]
         )  # [P, n]
-    if out_dir is not None and module.trainer.is_global_zero:
+    if out_dir is not None:
         problems = [
             {
                 "index": i,

@@ -17,8 +17,6 @@ tests/test_precision.py). So the module owns precision:
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
-
 import torch
 from lightning.pytorch.plugins.precision import Precision
 
@@ -71,13 +69,6 @@ class ComputeDtype(Precision):
     def __init__(self, compute_dtype: torch.dtype) -> None:
         super().__init__()
         self.compute_dtype = compute_dtype
-
-
-def autocast(device: torch.device, dtype: torch.dtype, enabled: bool = True) -> AbstractContextManager:
-    """``torch.autocast`` to ``dtype`` on ``device``; a no-op for float32 or when not ``enabled``."""
-    if not enabled or dtype == torch.float32:
-        return nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def fsdp2_policy(dtype: torch.dtype):

@@ -7,6 +7,7 @@ the numbers they compare come from the same code.
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -255,3 +256,10 @@ def sequence_token_logps(model, prompt: list[int], completion: list[int], device
     ids = torch.tensor([list(prompt) + list(completion)], device=device)
     logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 : -1].float()  # predicts the completion
     return torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None]).squeeze(-1).cpu().tolist()
+
+
+def autocast(device: torch.device, dtype: torch.dtype, enabled: bool = True) -> AbstractContextManager:
+    """``torch.autocast`` to ``dtype`` on ``device``; a no-op for float32 or when not ``enabled``."""
+    if not enabled or dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)

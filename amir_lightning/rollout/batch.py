@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.rollout.engine import Completion
+
+if TYPE_CHECKING:
+    from amir_lightning.rollout.collect import Rollout
 
 
 @dataclass
@@ -163,9 +167,8 @@ class RolloutStep:
         truncated: ``[N]`` their truncation flags.
         group_size: ``G``.
         index: Index of the step in the epoch (passes over the rollout continue it).
-        rollout: Set on the rollout's first step when later steps are off-policy (several steps or passes per
-            rollout): the micro-batches of every step of one pass, whose log-probs under the sampling policy (the
-            weights before this step's update) the module takes first, as the old policy of the ratios.
+        rollout: The rollout the step comes from (its groups, timings and metrics), for the read-only monitors,
+            which see every step in ``on_train_batch_start`` / ``on_train_batch_end``.
     """
 
     micro_batches: list[RolloutBatch]
@@ -174,7 +177,9 @@ class RolloutStep:
     truncated: torch.Tensor
     group_size: int
     index: int = 0
-    rollout: list[list[RolloutBatch]] = field(default_factory=list)
+    # Not an init field: Lightning moves (and copies) a batch's init fields to the device each step; the rollout
+    # is for the monitors and stays where it is.
+    rollout: Rollout | None = field(default=None, init=False)
 
 
 Plan = list[list[list[Group]]]
@@ -263,12 +268,13 @@ def agree_on_plan(plan: Plan, steps_per_rollout: int, max_over_processes: Callab
     return fit_plan(plan, [int(c) for c in max_over_processes(counts)])
 
 
-def build_steps(plan: Plan, pad_id: int, mu: int = 1, filler: Group | None = None) -> list[RolloutStep]:
+def build_steps(
+    plan: Plan, pad_id: int, mu: int = 1, filler: Group | None = None, rollout: Rollout | None = None
+) -> list[RolloutStep]:
     """The optimisation schedule of a rollout: ``mu`` passes over the steps of ``plan``, padded.
 
     Empty micro-batches become fillers made of ``filler`` (any group of the rollout). Later passes share the first
-    pass's tensors and continue its step indices. When any step follows an update of the policy (``mu`` or the
-    number of steps above 1), the first step carries the whole pass in ``rollout``.
+    pass's micro-batches (the same objects) and continue its step indices. Every step refers to ``rollout``.
     """
     steps = []
     for index, parts in enumerate(plan):
@@ -286,9 +292,9 @@ def build_steps(plan: Plan, pad_id: int, mu: int = 1, filler: Group | None = Non
                 index=index,
             )
         )
-    if steps and (mu > 1 or len(steps) > 1):
-        steps[0].rollout = [step.micro_batches for step in steps]
-    later = [replace(step, index=step.index + k * len(steps), rollout=[]) for k in range(1, mu) for step in steps]
+    later = [replace(step, index=step.index + k * len(steps)) for k in range(1, mu) for step in steps]
+    for step in steps + later:
+        step.rollout = rollout
     return steps + later
 
 

@@ -30,6 +30,7 @@ import torch
 
 from amir_lightning.rollout.digest import ColumnSample, Digest, Reading, WeightSlot
 from amir_lightning.rollout.engine import RolloutEngine, WeightLayout
+from amir_lightning.rollout.policy import Policy
 from amir_lightning.validation import check_number, raise_errors
 
 log = logging.getLogger(__name__)
@@ -178,19 +179,19 @@ class SyncCheck:
             answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"][: self.settings.probe_tokens]
             self.probe = (list(prompt_ids), answer_ids + [tokenizer.eos_token_id])
 
-    def scores(self, module, engine: RolloutEngine) -> tuple[list[float], list[float]]:
+    def scores(self, policy: Policy, engine: RolloutEngine) -> tuple[list[float], list[float]]:
         """The probe's log-probs under the engine and under the trainer."""
         prompt, completion = self.probe
-        return engine.score(prompt, completion), module.score_tokens(prompt, completion)
+        return engine.score(prompt, completion), policy.score_tokens(prompt, completion)
 
-    def gap(self, module, engine: RolloutEngine) -> float:
+    def gap(self, policy: Policy, engine: RolloutEngine) -> float:
         """Largest absolute log-prob difference, engine against trainer, on the probe."""
-        return max(abs(a - b) for a, b in zip(*self.scores(module, engine)))
+        return max(abs(a - b) for a, b in zip(*self.scores(policy, engine)))
 
     def push_and_verify(
-        self, module, engine: RolloutEngine, reduce_max: Callable[[list[float]], list[float]] = list
+        self, policy: Policy, engine: RolloutEngine, reduce_max: Callable[[list[float]], list[float]] = list
     ) -> SyncReport:
-        """Load the module's weights into the engine, then check what it holds and measure the probe gap.
+        """Load the policy's weights into the engine, then check what it holds and measure the probe gap.
 
         ``reduce_max`` takes element-wise maxima over processes (each process checks its own engine, and all of them
         must agree on stopping). Raises ``StaleEngineError`` naming the first engine tensor that differs from the
@@ -198,7 +199,7 @@ class SyncCheck:
         """
         if self.probe is None:
             raise RuntimeError("SyncCheck.set_probe must run before the first sync")
-        pushed = self._push(module, engine)
+        pushed = self._push(policy, engine)
         wrong: list[str] = []
         verified = 0
         if pushed is not None:
@@ -209,20 +210,20 @@ class SyncCheck:
                 wrong, verified = pushed.mismatches(held), len(held)
         if pushed is None:
             self._say_unverified(engine)
-        gap = max(abs(a - b) for a, b in zip(*self.scores(module, engine)))
+        gap = max(abs(a - b) for a, b in zip(*self.scores(policy, engine)))
         gap, any_wrong = reduce_max([gap, float(bool(wrong))])
         self.syncs += 1
         if any_wrong:
             self._stop(wrong, verified)
         return SyncReport(gap, self._probe_level(gap, verified > 0), verified)
 
-    def _push(self, module, engine: RolloutEngine) -> PushedDigests | None:
-        """Stream the module's weights into the engine, digesting them on the way (unless the check is off)."""
+    def _push(self, policy: Policy, engine: RolloutEngine) -> PushedDigests | None:
+        """Stream the policy's weights into the engine, digesting them on the way (unless the check is off)."""
         if self.settings.verify_weights and self._layout is None:
             self._layout = engine.weight_layout()
         columns = ColumnSample(self.syncs, self.settings.kernel_columns)
         pushed = PushedDigests(self._layout, columns) if self.settings.verify_weights and self._layout else None
-        with module.export_weights() as named:
+        with policy.export_weights() as named:
             stream = pushed.tap(named) if pushed is not None else iter(named)
             engine.load_weights(stream)
             for _ in stream:  # what the engine did not read still counts as pushed

@@ -48,7 +48,7 @@ class FixedRollouts(L.LightningDataModule):
 
     def train_dataloader(self):
         module = self.trainer.lightning_module
-        groups = fixed_groups(module.tokenizer)
+        groups = fixed_groups(module.handle.tokenizer)
         world, rank = self.trainer.world_size, self.trainer.global_rank
         bounds = [0, 3, 4] if self.uneven and world == 2 else [GROUPS * r // world for r in range(world + 1)]
         mine = groups[bounds[rank] : bounds[rank + 1]]
@@ -58,7 +58,7 @@ class FixedRollouts(L.LightningDataModule):
 
         plan = agree_on_plan(plan_steps(mine, 1, 1, self.micro_batch_tokens), 1, max_over_processes)
         self.micro_batches = [len(step) for step in plan]
-        batches = build_steps(plan, module.pad_token_id, filler=groups[0])
+        batches = build_steps(plan, module.handle.pad_token_id, filler=groups[0])
         return DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
 
 
@@ -82,9 +82,9 @@ def count_logprob_paths() -> dict[str, int]:
         counts["packed"] += 1
         return packed(*args, **kwargs)
 
-    import amir_lightning.module as module_file
+    import amir_lightning.rollout.policy as policy_file
 
-    module_file.completion_logps = counting
+    policy_file.completion_logps = counting
     scoring._packed_completion_logps = counting_packed
     return counts
 

@@ -1,0 +1,132 @@
+"""Policy: the model being trained, as the rollout side sees it.
+
+The rollout side needs four things of the policy: the files an engine starts from and the tokenizer (``model_dir``,
+``tokenizer``), the weights to push into the engine (``export_weights``), and scoring without gradient: the probe of
+the weight sync (``score_tokens``) and the old policy's log-probs of off-policy steps and evaluation (``logps``).
+``AmirGRPOModule`` owns one and hands it to the data module once (``RolloutDataModule.attach``), so neither side
+reaches into the other, or through the trainer, mid-rollout. The module's own forward passes (with gradient, and of
+the reference) go through ``completion_logps`` too, so every log-prob of a run is computed one way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import fields, replace
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from amir_lightning.distributed import rank_zero_first
+from amir_lightning.models.loading import merged_state
+from amir_lightning.models.scoring import autocast, completion_logps, sequence_token_logps
+from amir_lightning.models.sources import ModelSource
+from amir_lightning.rollout.batch import RolloutBatch
+
+
+class Policy:
+    """The trained policy's files, tokenizer, weights and scoring.
+
+    Args:
+        source: Where the initial policy comes from (resolved to a local directory once, by rank 0 first).
+        temperature: Temperature of the training log-probs (the sampling temperature).
+        chunk_size: Completion tokens whose ``[tokens, V]`` logits exist at once.
+    """
+
+    def __init__(self, source: ModelSource, temperature: float = 1.0, chunk_size: int = 512) -> None:
+        self.source, self.temperature, self.chunk_size = source, temperature, chunk_size
+        self.model: torch.nn.Module | None = None  # set by ``bind`` once the module has built it
+        self.compute_dtype = torch.float32
+        self.cast_by_autocast = True  # False under FSDP2, which casts the parameters for compute itself
+        self.fused = self.packed = False
+
+    @cached_property
+    def model_dir(self) -> Path:
+        """Local directory of the initial policy: what the engine loads first."""
+        return Path(rank_zero_first(self.source.resolve))
+
+    @cached_property
+    def tokenizer(self):
+        """The policy's tokenizer."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=self.source.trust_remote_code)
+
+    @property
+    def pad_token_id(self) -> int:
+        """Padding id (the EOS id when the tokenizer has no pad token)."""
+        tok = self.tokenizer
+        return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    def bind(
+        self, model: torch.nn.Module, compute_dtype: torch.dtype, cast_by_autocast: bool, fused: bool, packed: bool
+    ) -> None:
+        """Score with ``model``: under autocast to ``compute_dtype`` (unless FSDP2 casts), fused head, packed rows."""
+        self.model, self.compute_dtype, self.cast_by_autocast = model, compute_dtype, cast_by_autocast
+        self.fused, self.packed = fused, packed
+
+    @property
+    def device(self) -> torch.device:
+        """Where the policy's parameters are (a shard's device under FSDP2)."""
+        return next(self.model.parameters()).device
+
+    def compute_context(self):
+        """Where every forward of the policy runs: ``torch.autocast`` to the compute dtype unless FSDP2 casts."""
+        return autocast(self.device, self.compute_dtype, enabled=self.cast_by_autocast)
+
+    def completion_logps(
+        self, model: torch.nn.Module, batch: RolloutBatch, temperature: float, entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[n, T]`` log-probs of the completion tokens (and their entropies) from one forward of ``model``."""
+        with self.compute_context():
+            return completion_logps(
+                model,
+                batch.input_ids,
+                batch.attention_mask,
+                batch.completion_width,
+                temperature,
+                self.chunk_size,
+                entropy,
+                self.fused,
+                self.packed,
+            )
+
+    @contextmanager
+    def eval_mode(self) -> Iterator[None]:
+        """The policy without dropout (LoRA's own ``dropout`` included), as the engine that samples it."""
+        training = self.model.training
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train(training)
+
+    @torch.no_grad()
+    def logps(self, batch: RolloutBatch, temperature: float | None = None) -> torch.Tensor:
+        """``[n, T]`` log-probs of ``batch`` under the current weights, no gradient, on the CPU.
+
+        The old policy of off-policy steps (taken before the rollout's first update) and evaluation's scores. Under
+        FSDP2 the forward is a collective: every process calls it as often.
+        """
+        batch = to_device(batch, self.device)
+        with self.eval_mode():
+            return self.completion_logps(self.model, batch, temperature or self.temperature)[0].cpu()
+
+    @torch.no_grad()
+    def score_tokens(self, prompt: list[int], completion: list[int]) -> list[float]:
+        """Log-probs at temperature 1 of ``completion`` after ``prompt`` (the weight-sync probe)."""
+        with self.compute_context(), self.eval_mode():
+            return sequence_token_logps(self.model, prompt, completion, self.device)
+
+    @contextmanager
+    def export_weights(self) -> Iterator[Iterable[tuple[str, torch.Tensor]]]:
+        """The policy's full weights under Hugging Face names (LoRA merged in), for the rollout engine."""
+        with merged_state(self.model) as named:
+            yield named
+
+
+def to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
+    """``batch`` with its tensors on ``device``."""
+    moved = {f.name: getattr(batch, f.name) for f in fields(batch)}
+    return replace(batch, **{k: v.to(device) for k, v in moved.items() if isinstance(v, torch.Tensor)})
