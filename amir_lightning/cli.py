@@ -25,23 +25,17 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from amir_lightning.callbacks import RunProgressBar
-from amir_lightning.checkpointing import CheckpointWriteError, install_atomic_checkpoints
-from amir_lightning.datamodule import RolloutDataModule
-from amir_lightning.messages import close_option_hint, moved_key_hint, user_message
-from amir_lightning.models.precision import check_strategy
-from amir_lightning.module import AmirGRPOModule
-from amir_lightning.preflight import (
-    check_base_model,
-    check_checkpoint,
-    check_compatible,
-    check_config_files,
-    check_trainer,
-    saved_checkpoint,
-)
-from amir_lightning.resume import fit_checkpoints_to_storage, resolve_resume
+from amir_lightning.checkpoints.checks import check_base_model, check_checkpoint, check_compatible, saved_checkpoint
+from amir_lightning.checkpoints.resume import fit_checkpoints_to_storage, resolve_resume
+from amir_lightning.checkpoints.writing import CheckpointWriteError, install_atomic_checkpoints
+from amir_lightning.helpers.messages import close_option_hint, moved_key_hint, user_message
+from amir_lightning.helpers.preflight import check_config_files, check_trainer
 from amir_lightning.rewards.base import RewardError
 from amir_lightning.rollout.sync import StaleEngineError
+from amir_lightning.systems.datamodule import RolloutDataModule
+from amir_lightning.systems.module import AmirGRPOModule
+from amir_lightning.systems.precision import check_strategy
+from amir_lightning.systems.progress import RunProgressBar
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from transformers import Qwen2Config  # noqa: E402
 
 from amir_lightning.models import HFModel  # noqa: E402
 from amir_lightning.models.scoring import head_matches_logits, scaled_head_keys  # noqa: E402
-from amir_lightning.module import AmirGRPOModule  # noqa: E402
+from amir_lightning.systems.module import AmirGRPOModule  # noqa: E402
 
 
 def main() -> None:

@@ -5,7 +5,7 @@
 The configuration is parsed as ``amir fit`` parses it (with a local GSM8K sample for the prompts); the policy is
 Qwen2.5-3B-Instruct's shape with qwen.yaml's LoRA, built on the meta device (no weights, no download), and the
 device's memory is given instead of read from a GPU. Each case prints the lines ``amir fit`` prints when the run
-starts (``amir_lightning/summary.py``).
+starts (``amir_lightning/systems/summary.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from amir_lightning.cli import build_cli
 from amir_lightning.models import QWEN25_3B_SHAPE
-from amir_lightning.summary import run_summary
+from amir_lightning.systems.summary import run_summary
 
 ROOT = Path(__file__).parents[1]
 PROMPTS = ROOT / "tests" / "fixtures" / "gsm8k_sample.jsonl"  # the hub's GSM8K is not needed for the summary

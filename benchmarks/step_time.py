@@ -30,10 +30,10 @@ from _common import add_step_arguments, interleaved, machine, median, peak_rss_m
 
 from amir_lightning.data import ArithmeticPrompts, render_prompt
 from amir_lightning.models import QWEN25_3B_SHAPE, BundledSmolLM2, HFModel, LoraSettings, TinyModel
-from amir_lightning.module import AmirGRPOModule
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages, mine_pairs, sequence_logps
 from amir_lightning.rollout.batch import Group, build_steps, plan_steps
 from amir_lightning.rollout.engine import Completion
+from amir_lightning.systems.module import AmirGRPOModule
 
 
 def make_groups(module, groups: int, group_size: int, seed: int = 0) -> list[Group]:

@@ -21,9 +21,9 @@ from _common import add_step_arguments, interleaved, machine, median, steady_mal
 from step_time import make_groups  # noqa: E402
 
 from amir_lightning.models import BundledSmolLM2, HFModel  # noqa: E402
-from amir_lightning.module import AmirGRPOModule  # noqa: E402
 from amir_lightning.objectives import GRPOLoss  # noqa: E402
 from amir_lightning.rollout.batch import make_batch  # noqa: E402
+from amir_lightning.systems.module import AmirGRPOModule  # noqa: E402
 
 
 def trl_trainer(model_dir, group_size: int, batch: int, max_completion: int):

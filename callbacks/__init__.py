@@ -2,8 +2,8 @@
 
 from amir_lightning.callbacks.length_bias import LengthBiasMonitor
 from amir_lightning.callbacks.pair_margin import PairMarginMonitor
-from amir_lightning.callbacks.progress import RunProgressBar
 from amir_lightning.callbacks.samples import RolloutSampleLogger
 from amir_lightning.callbacks.throughput import ThroughputMonitor
+from amir_lightning.systems.progress import RunProgressBar
 
 __all__ = ["LengthBiasMonitor", "PairMarginMonitor", "RolloutSampleLogger", "RunProgressBar", "ThroughputMonitor"]

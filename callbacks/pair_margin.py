@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from amir_lightning.callbacks._base import StepMonitor, micro_batches
-from amir_lightning.tracking import log_histogram, log_metrics
+from amir_lightning.helpers.tracking import log_histogram, log_metrics
 
 
 class PairMarginMonitor(StepMonitor):

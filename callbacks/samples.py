@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lightning import Callback
 
-from amir_lightning.tracking import log_table
+from amir_lightning.helpers.tracking import log_table
 
 #: The columns of the sample table.
 COLUMNS = ["question", "reference", "completion", "reward", "advantage", "tokens", "truncated", "correct"]

@@ -6,7 +6,7 @@ import time
 
 from lightning import Callback
 
-from amir_lightning.tracking import log_metrics
+from amir_lightning.helpers.tracking import log_metrics
 
 
 class ThroughputMonitor(Callback):

@@ -99,8 +99,8 @@ def test_training_dr_grpo_without_its_length_is_an_error():
     import lightning as L
 
     from amir_lightning.models import HFModel
-    from amir_lightning.module import AmirGRPOModule
     from amir_lightning.objectives import GRPOLoss
+    from amir_lightning.systems.module import AmirGRPOModule
 
     module = AmirGRPOModule(policy=HFModel("unused"), loss=GRPOLoss(aggregation="dr_grpo"))
     module.trainer = L.Trainer(accelerator="cpu", logger=False)

@@ -206,8 +206,8 @@ def test_a_short_reference_is_preferred_to_a_worked_solution(tmp_path):
 def test_truncated_training_sampling_says_what_it_does_to_the_log_probs(top_p, top_k, warned, caplog):
     """vLLM's sampling log-probs come from the truncated distribution, the trainer's from the full softmax."""
     from amir_lightning.data import ArithmeticPrompts
-    from amir_lightning.datamodule import RolloutDataModule
     from amir_lightning.rollout import HFEngine, SamplingConfig
+    from amir_lightning.systems.datamodule import RolloutDataModule
 
     sampling = SamplingConfig(top_p=top_p, top_k=top_k)
     RolloutDataModule(prompts=ArithmeticPrompts(), engine=HFEngine(progress=False), sampling=sampling)
@@ -230,7 +230,7 @@ def test_a_stream_leaves_out_excluded_prompts_and_keeps_the_others_order():
 
 
 def test_the_rollout_line_says_how_long_the_run_has_left():
-    from amir_lightning.datamodule import time_left
+    from amir_lightning.systems.datamodule import time_left
 
     assert time_left([100.0], 1, 30) == ""  # one rollout: no pace yet
     assert time_left([100.0, 110.0, 130.0], 3, 30) == "; 15 s per rollout, 7 min left"

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from amir_lightning.data import ArithmeticPrompts
-from amir_lightning.datamodule import RolloutDataModule
 from amir_lightning.models import HFModel, build_tiny_model
-from amir_lightning.module import AmirGRPOModule
 from amir_lightning.objectives import AmirGRPOLoss
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rollout import HFEngine, SamplingConfig
 from amir_lightning.rollout.collect import RolloutSettings
+from amir_lightning.systems.datamodule import RolloutDataModule
+from amir_lightning.systems.module import AmirGRPOModule
 
 
 class LengthReward(Reward):

@@ -11,10 +11,10 @@ import torch
 from helpers.engines import SkipsPushes, perturb
 
 from amir_lightning.models import HFModel, build_tiny_model
-from amir_lightning.module import AmirGRPOModule
 from amir_lightning.objectives import GRPOLoss
 from amir_lightning.rollout import HFEngine, SamplingConfig, VLLMEngine
 from amir_lightning.rollout.sync import StaleEngineError, SyncCheck
+from amir_lightning.systems.module import AmirGRPOModule
 
 pytestmark = pytest.mark.slow
 

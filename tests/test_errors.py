@@ -342,7 +342,7 @@ def test_checkpoint_of_another_shape_or_objective_is_named():
     """The first mismatched parameter is named with both shapes; loss state of another objective is named too."""
     import torch
 
-    from amir_lightning.preflight import check_compatible
+    from amir_lightning.checkpoints.checks import check_compatible
 
     own = {"policy.lm_head.weight": (7, 16), "policy.model.norm.weight": (16,), "loss.schedule.lambda_value": ()}
     saved = {"policy.lm_head.weight": torch.zeros(7, 16), "policy.model.norm.weight": torch.zeros(16)}

@@ -197,7 +197,7 @@ def test_a_kv_cache_too_small_names_this_package_keys(tmp_path, monkeypatch, cap
 
 
 def test_a_checkpoint_cut_short_after_the_start_up_check_is_one_line(tmp_path):
-    from amir_lightning.checkpointing import AtomicCheckpointIO
+    from amir_lightning.checkpoints.writing import AtomicCheckpointIO
 
     path = tmp_path / "last.ckpt"
     torch.save({"state_dict": {"w": torch.zeros(1000)}, "global_step": 3}, path)

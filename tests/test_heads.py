@@ -21,7 +21,7 @@ from transformers import (
 
 from amir_lightning.models import HFModel
 from amir_lightning.models.scoring import completion_logps, fused_head, head_matches_logits, scaled_head_keys
-from amir_lightning.module import AmirGRPOModule
+from amir_lightning.systems.module import AmirGRPOModule
 
 SHAPE = dict(
     vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,

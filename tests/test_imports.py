@@ -36,6 +36,58 @@ def test_pyproject_lists_every_package():
 
 @pytest.mark.slow
 def test_package_import_does_not_import_vllm():
-    code = "import sys, amir_lightning.cli, amir_lightning.rollout, amir_lightning.module; print('vllm' in sys.modules)"
+    modules = "amir_lightning.cli, amir_lightning.rollout, amir_lightning.systems"
+    code = f"import sys, {modules}; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+#: The package's parts, lowest first: a part imports only from its own tier and those below it. helpers are used
+#: everywhere; rollout/ and evaluation/ stay free of Lightning, models/ too; the Lightning systems sit on top.
+TIERS = [
+    {"helpers"},
+    {"data", "models", "rewards", "objectives"},
+    {"rollout"},
+    {"evaluation"},
+    {"systems", "checkpoints"},
+    {"cli", "__main__"},
+]
+FREE_OF_LIGHTNING = {"helpers", "data", "models", "rewards", "objectives", "rollout", "evaluation"}
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module ``path`` imports, at its top or inside functions."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+    return found
+
+
+def part_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "amir_lightning" and len(parts) > 1 else None
+
+
+def test_parts_depend_one_way_and_the_lower_ones_never_import_lightning():
+    tier = {part: level for level, parts in enumerate(TIERS) for part in parts}
+    files = [p for p in (ROOT / "amir_lightning").rglob("*.py")]
+    assert {p.relative_to(ROOT / "amir_lightning").parts[0].removesuffix(".py") for p in files} - {"__init__"} == set(
+        tier
+    ), "every file of the package belongs to a part"
+    wrong = []
+    for path in files:
+        own = path.relative_to(ROOT / "amir_lightning").parts[0].removesuffix(".py")
+        if own == "__init__":
+            continue
+        for module in imports_of(path):
+            other = part_of(module)
+            if other == "callbacks" or (other in tier and tier[other] > tier[own]):
+                wrong.append(f"{path.relative_to(ROOT)} imports {module}")
+            if own in FREE_OF_LIGHTNING and module.split(".")[0] == "lightning":
+                wrong.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert not wrong, "\n".join(wrong)

@@ -138,8 +138,8 @@ def test_the_lr_schedule_follows_the_runs_length_and_a_resumed_run_stretches_it(
     from types import SimpleNamespace
 
     from amir_lightning.rollout.collect import RolloutSettings
-    from amir_lightning.schedules import WarmupCosineLR
-    from amir_lightning.summary import planned_steps
+    from amir_lightning.systems.schedules import WarmupCosineLR
+    from amir_lightning.systems.summary import planned_steps
 
     settings = RolloutSettings(prompts_per_epoch=4, steps_per_rollout=2, mu=3)
     trainer = SimpleNamespace(max_steps=-1, max_epochs=50, datamodule=SimpleNamespace(settings=settings))

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from amir_lightning.models import HFModel, build_tiny_model
-from amir_lightning.module import AmirGRPOModule
 from amir_lightning.objectives import AmirGRPOLoss, group_advantages
 from amir_lightning.rollout.batch import Group, build_steps, fit_plan, make_batch, plan_steps
 from amir_lightning.rollout.engine import Completion
+from amir_lightning.systems.module import AmirGRPOModule
 
 G = 4
 

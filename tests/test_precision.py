@@ -7,10 +7,10 @@ import torch
 from helpers.dp_step import FixedRollouts
 
 from amir_lightning.models import HFModel, LoraSettings, build_tiny_model
-from amir_lightning.models.precision import check_strategy, compute_dtype
 from amir_lightning.models.scoring import completion_logps
-from amir_lightning.module import AmirGRPOModule
 from amir_lightning.objectives import GRPOLoss
+from amir_lightning.systems.module import AmirGRPOModule
+from amir_lightning.systems.precision import check_strategy, compute_dtype
 
 
 @pytest.fixture(scope="module")

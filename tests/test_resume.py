@@ -262,7 +262,7 @@ def test_a_dangling_last_link_resumes_from_the_newest_checkpoint(tmp_path):
     import os
     import time
 
-    from amir_lightning.resume import resolve_resume
+    from amir_lightning.checkpoints.resume import resolve_resume
 
     folder = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints"
     folder.mkdir(parents=True)

@@ -171,16 +171,15 @@ def shard_fsdp2(model, device_type: str, compute_dtype: torch.dtype = torch.floa
     Every process is a data-parallel rank with its own prompt shard and engine, so the mesh is the whole world;
     ``ModelParallelStrategy``'s own mesh defaults to tensor parallelism across a node's devices, which this module
     does not apply (a data-parallel dimension of one process would leave the ranks' gradients unaveraged).
-    Parameters are gathered in ``compute_dtype`` and gradients reduced in float32 (``precision.fsdp2_policy``).
+    Parameters are gathered in ``compute_dtype`` and gradients reduced in float32 .
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from amir_lightning.distributed import world_size
-    from amir_lightning.models.precision import fsdp2_policy
+    from amir_lightning.helpers.distributed import world_size
 
     mesh = init_device_mesh(device_type, (world_size(),), mesh_dim_names=("data_parallel",))
-    policy = fsdp2_policy(compute_dtype)
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     layer_types = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in layer_types]
     if not layers:

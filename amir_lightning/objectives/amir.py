@@ -40,12 +40,12 @@ from typing import Literal
 import torch
 from torch import nn
 
+from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.objectives.base import LossOutput, StepContext
 from amir_lightning.objectives.logprobs import sequence_logps
 from amir_lightning.objectives.pairs import PairMode, mine_pairs
 from amir_lightning.objectives.policy import GRPOLoss
 from amir_lightning.objectives.preference import pair_logits, preference_loss
-from amir_lightning.validation import check_number, raise_errors
 
 #: Where these arguments live in a YAML config, for error messages.
 _KEY = "model.loss.init_args"

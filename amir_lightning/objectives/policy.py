@@ -42,12 +42,12 @@ from typing import Literal
 import torch
 from torch import nn
 
+from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.objectives.aggregation import global_normalizers, row_weights, step_normalizers
 from amir_lightning.objectives.base import LossOutput, RowDiagnostics, StepContext
 from amir_lightning.objectives.logprobs import sequence_logps
 from amir_lightning.objectives.mismatch import mismatch_weights
 from amir_lightning.objectives.pairs import mine_pairs
-from amir_lightning.validation import check_number, raise_errors
 
 #: Where these arguments live in a YAML config, for error messages.
 _KEY = "model.loss.init_args"

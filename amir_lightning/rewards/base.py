@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from amir_lightning.data.base import Prompt
-from amir_lightning.validation import check_number, raise_errors
+from amir_lightning.helpers.validation import check_number, raise_errors
 
 log = logging.getLogger(__name__)
 

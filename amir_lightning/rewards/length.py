@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
+from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rewards.math import MathAnswerReward
-from amir_lightning.validation import check_number, raise_errors
 
 
 class LengthControlledAnswerReward(MathAnswerReward):

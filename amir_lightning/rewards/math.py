@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rewards.grading import grade_answer
 from amir_lightning.rewards.sandbox import SandboxedGrader
-from amir_lightning.validation import check_number, raise_errors
 
 
 class MathAnswerReward(Reward):

@@ -16,12 +16,12 @@ from typing import Literal
 import torch
 
 from amir_lightning.data.base import Prompt
+from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.objectives.advantages import batch_std, group_advantages
 from amir_lightning.rewards.base import Reward, RewardInputs, call_reward
 from amir_lightning.rewards.math import MathAnswerReward
 from amir_lightning.rollout.batch import Group, make_groups
 from amir_lightning.rollout.engine import Completion
-from amir_lightning.validation import check_number, raise_errors
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
+from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rollout.digest import ColumnSample, Reading, WeightSlot
-from amir_lightning.validation import check_number, raise_errors
 
 
 @dataclass

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
+from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.models.scoring import sequence_token_logps
 from amir_lightning.rollout.digest import ColumnSample, Reading, WeightSlot, tensor_digest
 from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig, WeightLayout
-from amir_lightning.validation import check_number, raise_errors
 
 
 class HFEngine(RolloutEngine):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from amir_lightning.distributed import rank_zero_first
+from amir_lightning.helpers.distributed import rank_zero_first
 from amir_lightning.models.loading import merged_state
 from amir_lightning.models.scoring import autocast, completion_logps, sequence_token_logps
 from amir_lightning.models.sources import ModelSource

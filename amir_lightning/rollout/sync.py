@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rollout.digest import ColumnSample, Digest, Reading, WeightSlot
 from amir_lightning.rollout.engine import RolloutEngine, WeightLayout
 from amir_lightning.rollout.policy import Policy
-from amir_lightning.validation import check_number, raise_errors
 
 log = logging.getLogger(__name__)
 

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from amir_lightning.distributed import world_size
+from amir_lightning.helpers.distributed import world_size
+from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rollout.digest import ColumnSample, Digest, Reading, WeightSlot, tensor_digest
 from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig, WeightLayout
-from amir_lightning.validation import check_number, raise_errors
 
 log = logging.getLogger(__name__)
 

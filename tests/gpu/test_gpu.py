@@ -61,7 +61,7 @@ def test_varlen_packing_matches_padded_sdpa(tmp_path, monkeypatch):
 
     from amir_lightning.models import HFModel, LoraSettings, build_tiny_model
     from amir_lightning.models.scoring import completion_logps
-    from amir_lightning.module import AmirGRPOModule
+    from amir_lightning.systems.module import AmirGRPOModule
 
     model_dir = build_tiny_model(tmp_path / "model", hidden_size=256, num_heads=4, num_kv_heads=2, dtype="bfloat16")
     calls = []

@@ -16,12 +16,12 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from amir_lightning.distributed import all_reduce
+from amir_lightning.helpers.distributed import all_reduce
 from amir_lightning.models import HFModel
-from amir_lightning.module import AmirGRPOModule
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages
 from amir_lightning.rollout.batch import Group, agree_on_plan, build_steps, plan_steps
 from amir_lightning.rollout.engine import Completion
+from amir_lightning.systems.module import AmirGRPOModule
 
 G, GROUPS = 4, 4
 

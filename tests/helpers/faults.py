@@ -8,7 +8,7 @@ import signal
 
 from lightning import Callback
 
-from amir_lightning.checkpointing import AtomicCheckpointIO
+from amir_lightning.checkpoints.writing import AtomicCheckpointIO
 from amir_lightning.rewards import MathAnswerReward
 from amir_lightning.rollout import VLLMEngine
 

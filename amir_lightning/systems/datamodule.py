@@ -22,8 +22,10 @@ from amir_lightning.data.base import Prompt, PromptSource
 from amir_lightning.data.screening import screen
 from amir_lightning.data.stream import PromptStream
 from amir_lightning.data.templates import render_prompts
-from amir_lightning.distributed import all_reduce
 from amir_lightning.evaluation.evaluator import EvaluationSettings, Evaluator
+from amir_lightning.helpers.distributed import all_reduce
+from amir_lightning.helpers.tracking import log_metrics
+from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rewards.base import FunctionReward, Reward
 from amir_lightning.rewards.math import MathAnswerReward
 from amir_lightning.rollout.batch import agree_on_plan, build_steps, plan_steps
@@ -31,8 +33,6 @@ from amir_lightning.rollout.collect import RewardGuard, RolloutSettings, collect
 from amir_lightning.rollout.engine import RolloutEngine, SamplingConfig
 from amir_lightning.rollout.policy import Policy
 from amir_lightning.rollout.sync import SyncCheck, SyncSettings
-from amir_lightning.tracking import log_metrics
-from amir_lightning.validation import check_number, raise_errors
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,8 @@
-"""Checkpoints: what they hold (what trains), how they are written (atomically, local or remote), the random state.
+"""How a checkpoint is written: atomically (a temporary file or folder, then a rename), local or remote.
 
-With LoRA a checkpoint holds the adapters, the loss's state, the optimizer and loop state, and the identity of the
-frozen base model, which a resume checks before anything loads (``TrainableCheckpoint``).
-
-Rollouts are seeded by their place in the run (``RolloutDataModule.generate``), so a resumed run already draws the
-same rollouts; the global random states are saved too, for user code (rewards, callbacks) that draws from them.
-
-Which checkpoint a run resumes from, and where checkpoints go, is ``resume.py``.
+A checkpoint is never half-written, whatever stops the run; a write the disk refuses is one line naming the file,
+the cause, the space the last one took and what is free (``CheckpointWriteError``). What a checkpoint holds is
+``contents.py``; which one a run resumes from, and where checkpoints go, is ``resume.py``.
 """
 
 from __future__ import annotations
@@ -14,21 +10,17 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
-import random
 import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from amir_lightning.models.loading import base_identity, is_peft
-from amir_lightning.preflight import check_base_model, check_compatible
-from amir_lightning.summary import format_bytes
+from amir_lightning.systems.summary import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -169,94 +161,3 @@ def install_atomic_checkpoints(trainer) -> None:
         strategy.checkpoint_io = AtomicCheckpointIO()
     if isinstance(strategy, ModelParallelStrategy) and strategy._save_distributed_checkpoint:
         strategy.save_checkpoint = AtomicFolderSave(strategy, strategy.save_checkpoint)
-
-
-def random_states() -> dict[str, Any]:
-    """The python, numpy, torch (and CUDA) random states, as types a ``weights_only`` load accepts."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    numpy_state = [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)]
-    states = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def restore_random_states(states: dict[str, Any]) -> None:
-    """Restore what ``random_states`` captured."""
-    random.setstate(states["python"])
-    kind, keys, pos, has_gauss, gauss = states["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-
-
-class TrainableCheckpoint:
-    """What a checkpoint of the policy module holds: what trains, and what a resume must check.
-
-    A mixin of ``AmirGRPOModule`` (before ``LightningModule``): it reads the module's ``policy``, ``lora``,
-    ``source``, ``model_dir``, ``trainer`` and ``_skipped_steps``. The module's ``state_dict`` (hence every
-    checkpoint, single-file or distributed) leaves out the frozen base weights of a LoRA policy; a resume checks the
-    base model's identity and the weights' shapes before loading.
-    """
-
-    def base_model(self) -> dict[str, str] | None:
-        """The identity of the frozen base model a LoRA policy adapts (``base_identity``); ``None`` without LoRA."""
-        if self.lora is None:
-            return None
-        source = getattr(self.source, "name_or_path", None) or type(self.source).__name__
-        revision = getattr(self.source, "revision", None)
-        return base_identity(self.model_dir, f"{source}@{revision}" if revision else source)
-
-    def frozen_weights(self) -> set[str]:
-        """State names of the frozen base weights of a LoRA policy (empty without LoRA or before the policy loads)."""
-        if self.policy is None or not is_peft(self.policy):
-            return set()
-        return {
-            f"policy.{name}" for name, p in self.policy.named_parameters(remove_duplicate=False) if not p.requires_grad
-        }
-
-    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        """The module's state without the frozen base weights of a LoRA policy: checkpoints hold what trains.
-
-        The adapters, the loss's state, and (in the checkpoint, ``on_save_checkpoint``) the identity of the base
-        model, which a resume checks; every weight when the whole policy trains.
-        """
-        state = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-        for name in self.frozen_weights():
-            state.pop(prefix + name, None)
-        return state
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a checkpoint's state; only the frozen base weights of a LoRA policy may be absent.
-
-        They come from ``model.policy``; anything else missing or unknown is an error when ``strict``.
-        """
-        result = super().load_state_dict(state_dict, strict=False, assign=assign)
-        frozen = self.frozen_weights()
-        missing = [name for name in result.missing_keys if name not in frozen]
-        if strict and (missing or result.unexpected_keys):
-            raise RuntimeError(
-                f"the checkpoint's state does not fit this module: missing {missing[:3]} ({len(missing)}), "
-                f"unexpected {result.unexpected_keys[:3]} ({len(result.unexpected_keys)})"
-            )
-        return result
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Add the random states, the skipped-step count and the base model's identity under ``amir``."""
-        checkpoint["amir"] = {
-            "random_states": random_states(),
-            "skipped_steps": self._skipped_steps,
-            "base_model": self.base_model(),
-        }
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Check the checkpoint fits (base model, weight shapes); restore what ``on_save_checkpoint`` added."""
-        path = self.trainer.ckpt_path
-        check_base_model(checkpoint.get("amir", {}).get("base_model"), self.base_model(), path)
-        if "state_dict" in checkpoint:  # a distributed checkpoint is loaded by the strategy, shard by shard
-            own = super().state_dict()  # every weight: an older checkpoint may hold the base weights too
-            check_compatible(own, checkpoint["state_dict"], path, optional=self.frozen_weights())
-        if "amir" in checkpoint:
-            restore_random_states(checkpoint["amir"]["random_states"])
-            self._skipped_steps = checkpoint["amir"]["skipped_steps"]

@@ -71,13 +71,6 @@ class ComputeDtype(Precision):
         self.compute_dtype = compute_dtype
 
 
-def fsdp2_policy(dtype: torch.dtype):
-    """FSDP2's mixed precision: parameters gathered in the compute ``dtype``, gradients reduced in float32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-
-
 def check_strategy(strategy) -> None:
     """Refuse strategies the module does not support, in one line that names the one to use.
 

@@ -22,9 +22,11 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
-from amir_lightning.checkpointing import TrainableCheckpoint
-from amir_lightning.distributed import all_reduce, sum_shares, world_size
+from amir_lightning.checkpoints.contents import TrainableCheckpoint
 from amir_lightning.evaluation.report import benchmark_report
+from amir_lightning.helpers.distributed import all_reduce, sum_shares, world_size
+from amir_lightning.helpers.tracking import log_metrics
+from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.models.loading import (
     LoraSettings,
     export_adapters,
@@ -35,7 +37,6 @@ from amir_lightning.models.loading import (
     policy_shapes,
     shard_fsdp2,
 )
-from amir_lightning.models.precision import check_strategy, dtype_by_name, take_over_precision
 from amir_lightning.models.scoring import fused_head_allowed, varlen_attention
 from amir_lightning.models.sources import ModelSource
 from amir_lightning.objectives import (
@@ -46,9 +47,8 @@ from amir_lightning.objectives import (
 )
 from amir_lightning.rollout.batch import RolloutBatch, RolloutStep
 from amir_lightning.rollout.policy import Policy
-from amir_lightning.summary import planned_steps, run_summary
-from amir_lightning.tracking import log_metrics
-from amir_lightning.validation import check_number, raise_errors
+from amir_lightning.systems.precision import check_strategy, dtype_by_name, take_over_precision
+from amir_lightning.systems.summary import planned_steps, run_summary
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
             that ``trainer.precision`` sets (``bfloat16`` for ``bf16-mixed``, else ``float32``) for the LoRA base,
             and for a reference copy the dtype the policy is stored in (so both compute alike at step 0).
         trainable_dtype: Dtype of the trainable weights, hence of their gradients and optimizer state. Keep
-            ``float32``: in ``bfloat16`` small updates round away (``amir_lightning.models.precision``).
+            ``float32``: in ``bfloat16`` small updates round away (``amir_lightning.systems.precision``).
         gradient_checkpointing: Recompute activations in the backward pass to save memory.
         lora: Train LoRA adapters instead of all weights; the reference is then the adapter-free model.
         temperature: Temperature of the training log-probs; must equal the sampling temperature (linked in the CLI).
