@@ -8,13 +8,10 @@ amir fit --config configs/qwen.yaml --model.loss amir_lightning.objectives.GRPOL
 from __future__ import annotations
 
 import copy
-import io
 import logging
 import os
 import signal
 import sys
-import threading
-import traceback
 import warnings
 
 from jsonargparse import lazy_instance
@@ -26,8 +23,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from amir_lightning.checkpoints.checks import check_base_model, check_checkpoint, check_compatible, saved_checkpoint
-from amir_lightning.checkpoints.resume import fit_checkpoints_to_storage, resolve_resume
+from amir_lightning.checkpoints.resume import fit_checkpoints_to_storage, keep_given_model_values, resolve_resume
 from amir_lightning.checkpoints.writing import CheckpointWriteError, install_atomic_checkpoints
+from amir_lightning.helpers.console import PipeSafeStdout, quiet_second_interrupt, user_traceback
 from amir_lightning.helpers.messages import close_option_hint, moved_key_hint, user_message
 from amir_lightning.helpers.preflight import check_config_files, check_trainer
 from amir_lightning.rewards.base import RewardError
@@ -116,16 +114,6 @@ class AmirCLI(LightningCLI):
         config = self.config.get(self.subcommand) if self.subcommand else self.config  # run=False: no subcommand
         if config is None:
             return
-        checkpoint = config.get("checkpoint")
-        if checkpoint is not None and checkpoint.get("monitor") is not None:
-            log.warning(
-                "checkpoint.monitor is set: Lightning then writes last.ckpt only when %s improves, so a restarted run "
-                "would go back to that rollout. Keep checkpoint for the newest state and add a second ModelCheckpoint "
-                "for the best: --trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint "
-                "--trainer.callbacks.monitor %s",
-                checkpoint["monitor"],
-                checkpoint["monitor"],
-            )
         fit_checkpoints_to_storage(config)
         if "weights_only" in config and config["weights_only"] is None:
             config["weights_only"] = True  # checkpoints are loaded as data, never as code
@@ -133,22 +121,9 @@ class AmirCLI(LightningCLI):
         check_trainer(config["trainer"])
         strategy = config["trainer"]["strategy"]
         check_strategy(strategy if isinstance(strategy, str) else strategy.get("class_path", ""))
-        self._keep_given_model_values(config)
+        if self.subcommand:  # no checkpoint without a subcommand
+            keep_given_model_values(self.given[self.subcommand]["model"], config)
         link_completion_length(config)
-
-    def _keep_given_model_values(self, config) -> None:
-        """On resume, the values given to this run win over the checkpoint's saved ones (Lightning: the reverse)."""
-        if not self.subcommand:
-            return  # no checkpoint without a subcommand
-        given = self.given[self.subcommand]["model"]
-        changed = [
-            f"model.{key} {given[key]!r} (checkpoint: {config['model'][key]!r})"
-            for key in given.keys()
-            if key in config["model"] and config["model"][key] != given[key]
-        ]
-        if changed:
-            log.warning("resuming with the values given to this run, not the checkpoint's: %s", "; ".join(changed))
-            config["model"] = given
 
     def instantiate_classes(self) -> None:  # noqa: D102
         super().instantiate_classes()
@@ -227,75 +202,6 @@ def main(args: ArgsType = None) -> None:
     except KeyboardInterrupt:  # before or after the trainer runs (Lightning handles Ctrl-C while it does)
         sys.stderr.write("amir: interrupted\n")
         raise SystemExit(130) from None
-
-
-def quiet_second_interrupt() -> None:
-    """Ctrl-C raises ``KeyboardInterrupt`` once (Lightning's graceful shutdown); a second one ends the process.
-
-    Pressed before that shutdown starts ignoring Ctrl-C, the second one used to interrupt whatever ran, and
-    garbage-collection callbacks and exit handlers printed "Exception ignored ... KeyboardInterrupt" tracebacks.
-    Now it exits at once with one line.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return
-    pressed = []
-
-    def handle(signum, frame) -> None:
-        pressed.append(signum)
-        if len(pressed) == 1:
-            raise KeyboardInterrupt
-        sys.stderr.write("amir: interrupted again, exiting now\n")
-        sys.stderr.flush()
-        os._exit(130)
-
-    signal.signal(signal.SIGINT, handle)
-
-
-class PipeSafeStdout(io.TextIOBase):
-    """``sys.stdout`` that outlives its reader.
-
-    Once the pipe closes (``amir fit ... | head``), output goes to ``/dev/null`` and the run goes on. Python would
-    raise ``BrokenPipeError`` from the next print (a progress bar's, for one) and end the run.
-    """
-
-    def __init__(self, stream) -> None:
-        self.stream = stream
-
-    def write(self, text: str) -> int:  # noqa: D102
-        try:
-            return self.stream.write(text)
-        except BrokenPipeError:
-            self._drop()
-            return len(text)
-
-    def flush(self) -> None:  # noqa: D102
-        try:
-            self.stream.flush()
-        except BrokenPipeError:
-            self._drop()
-
-    def isatty(self) -> bool:  # noqa: D102
-        return self.stream.isatty()
-
-    def fileno(self) -> int:  # noqa: D102
-        return self.stream.fileno()
-
-    def _drop(self) -> None:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1)  # what is left in the old stream's buffer, and child processes, write nowhere
-        os.close(devnull)
-        self.stream = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
-
-
-def user_traceback(err: BaseException | None) -> str:
-    """The traceback of ``err`` from its first frame outside this package: the user's code, as Python prints it."""
-    if err is None:
-        return ""
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    tb = err.__traceback__
-    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(package):
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(err), err, tb or err.__traceback__))
 
 
 if __name__ == "__main__":

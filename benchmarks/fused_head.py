@@ -35,7 +35,7 @@ def main() -> None:
             module.configure_model()
             _, relative, logps = head_matches_logits(module.policy)
             keys = ", ".join(scaled_head_keys(module.policy.config)) or "none"
-            path = "fused" if module._fused else "materialised (fallen back)"
+            path = "fused" if module.handle.fused else "materialised (fallen back)"
             print(f"| {name} | {keys} | {relative:.3g} | {logps:.3g} | {path} |")
 
 

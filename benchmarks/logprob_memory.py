@@ -7,7 +7,7 @@ A random Qwen2 model (Qwen2.5's 151,936-token vocabulary, a small decoder so the
 log-probs, as a training micro-batch does. Each path runs in a fresh process: the memory figure is the growth of
 the process's peak resident memory over the step (the model and batch are built before), the time the median of
 three steps after a first one.
-- materialised: the completion positions' ``[n, T, V]`` logits, log-softmax ``model.logprob_chunk_size`` tokens of
+- materialised: the completion positions' ``[n, T, V]`` logits, log-softmax ``model.scoring.chunk_size`` tokens of
   rows at a time (what TRL and the official code do, and this package did before);
 - fused: ``chosen_token_logps``, the LM head and the log-softmax in chunks, recomputed in the backward.
 """
@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--chunk", type=int, default=512, help="model.logprob_chunk_size")
+    parser.add_argument("--chunk", type=int, default=512, help="model.scoring.chunk_size")
     parser.add_argument("--path", choices=["fused", "materialised"], default=None, help="(internal) one path")
     args = parser.parse_args()
     if args.path:

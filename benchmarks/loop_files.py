@@ -60,7 +60,7 @@ def main() -> None:
         amir(
             ["fit", "--config", str(ROOT / "configs/tiny.yaml"), "--trainer.max_epochs", "2",
              "--checkpoint.save_on_train_epoch_end", "false", "--trainer.check_val_every_n_epoch", "100",
-             "--trainer.callbacks+", "__main__.Trace", "--model.export_dir", str(Path(folder) / "policy")]
+             "--trainer.callbacks+", "__main__.Trace", "--model.export.dir", str(Path(folder) / "policy")]
         )  # fmt: skip
     for title, root in (("library", LIBRARY), ("monitors", MONITORS)):
         files = sorted((p for p in seen if p.is_relative_to(root)), key=lambda p: str(p))

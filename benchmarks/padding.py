@@ -7,7 +7,7 @@ Rollouts are drawn from two completion-length distributions of the qwen.yaml set
 1024-token limit, as reasoning models' completions are) where groups differ in length too (a per-prompt factor).
 For each way of forming micro-batches the table gives the share of computed tokens that are padding and the number
 of micro-batches per step, from the same ``plan_steps`` / ``build_steps`` the data module uses. Packed rows
-(``model.packing``) compute no padding at all.
+(``model.scoring.packing``) compute no padding at all.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def main() -> None:
                 batches += len(step.micro_batches)
             share = 1 - real / padded
             print(f"| {kind} | {name} | {share:.1%} | {batches / args.steps:.2f} | {largest} |")
-        print(f"| {kind} | packed rows (model.packing) | 0.0% | - | - |")
+        print(f"| {kind} | packed rows (model.scoring.packing) | 0.0% | - | - |")
 
 
 if __name__ == "__main__":

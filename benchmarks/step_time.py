@@ -33,6 +33,7 @@ from amir_lightning.models import QWEN25_3B_SHAPE, BundledSmolLM2, HFModel, Lora
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages, mine_pairs, sequence_logps
 from amir_lightning.rollout.batch import Group, build_steps, plan_steps
 from amir_lightning.rollout.engine import Completion
+from amir_lightning.rollout.policy import ScoringSettings
 from amir_lightning.systems.module import AmirGRPOModule
 
 
@@ -83,8 +84,7 @@ def paper_shape_module(
         dtype="bfloat16",
         gradient_checkpointing=checkpointing,
         lora=LoraSettings(r=16, alpha=16, target_modules="all-linear"),
-        log_entropy=False,
-        attn_implementation=attention,
+        scoring=ScoringSettings(entropy=False, attn_implementation=attention),
     )
     module.compute_dtype = torch.bfloat16  # what trainer.precision=bf16-mixed sets
     module.configure_model()
@@ -123,7 +123,7 @@ def _official_pair_term(module, batch, chunk: int = 2, beta: float = 0.2, lam: f
     for start in range(0, len(rows), chunk):
         index = rows[start : start + chunk]
         sub = batch.select(index)
-        logps, _ = module.completion_logps(module.policy, sub, module.temperature)
+        logps, _ = module.handle.completion_logps(module.policy, sub, module.temperature)
         seq = sequence_logps(logps, sub.completion_mask, "mean")  # [chunk]
         if len(seq) == 2:
             (-lam * torch.nn.functional.logsigmoid(beta * (seq[0] - seq[1])) / total).backward()
@@ -136,14 +136,18 @@ def main() -> None:
     parser.add_argument("--paper-shape", action="store_true", help="the qwen.yaml step (module docstring)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers of the random paper-shape model")
     parser.add_argument(
-        "--materialised", action="store_true", help="log-probs from materialised logits (model.fused_logprobs false)"
+        "--materialised",
+        action="store_true",
+        help="log-probs from materialised logits (model.scoring.fused_head false)",
     )
     parser.add_argument(
         "--lengths", type=int, nargs=2, default=None, help="random completions of LO..HI tokens (64-token prompts)"
     )
     parser.add_argument("--micro-batch-groups", type=int, default=1)
-    parser.add_argument("--packing", action="store_true", help="model.packing on: one row of real tokens, no padding")
-    parser.add_argument("--attn", default=None, help="model.attn_implementation (varlen: packed rows on a GPU)")
+    parser.add_argument(
+        "--packing", action="store_true", help="model.scoring.packing on: one row of real tokens, no padding"
+    )
+    parser.add_argument("--attn", default=None, help="model.scoring.attn_implementation (varlen: packed rows on a GPU)")
     parser.add_argument("--no-checkpointing", action="store_true", help="--paper-shape without gradient checkpointing")
     args = parser.parse_args()
     steady_malloc()
@@ -154,13 +158,13 @@ def main() -> None:
         source = module.source
     else:
         source = HFModel(args.model) if args.model else BundledSmolLM2()
-        module = AmirGRPOModule(policy=source, log_entropy=False)
+        module = AmirGRPOModule(policy=source, scoring=ScoringSettings(entropy=False))
         module.configure_model()
         if args.lengths:
             groups = random_groups(module, args.groups, args.group_size, 64, tuple(args.lengths))
         else:
             groups = make_groups(module, args.groups, args.group_size)
-    module._fused, module._packed = not args.materialised, args.packing
+    module.handle.fused, module.handle.packed = not args.materialised, args.packing
     optimizer = torch.optim.AdamW([p for p in module.policy.parameters() if p.requires_grad], lr=1e-12)
     (rollout_step,) = build_steps(plan_steps(groups, 1, args.micro_batch_groups), module.handle.pad_token_id)
     rollout_step = module.transfer_batch_to_device(rollout_step, module.device, 0)

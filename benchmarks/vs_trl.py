@@ -5,8 +5,8 @@
 Both sides take the same batch (chat-templated arithmetic prompts to the bundled SmolLM2-135M, left-padded; random
 sampled-length completions, right-padded; the same advantages), the GRPO loss with ``loss_type="grpo"``, beta 0,
 on-policy, and one AdamW step; only the optimisation step is timed, interleaved (median of ``--repeats``). TRL
-computes token entropies in every step; ours is timed with and without ``log_entropy``. First both compute the loss
-and the gradient norm on the same weights, which must agree. Needs ``trl`` (``pip install trl``).
+computes token entropies in every step; ours is timed with and without ``model.scoring.entropy``. First both compute
+the loss and the gradient norm on the same weights, which must agree. Needs ``trl`` (``pip install trl``).
 """
 
 from __future__ import annotations
@@ -78,13 +78,13 @@ def main() -> None:
     ours = AmirGRPOModule(policy=source, loss=GRPOLoss(aggregation="grpo"))
     ours.configure_model()
     groups = make_groups(ours, args.groups, args.group_size)
-    batch = make_batch(groups, ours.pad_token_id)  # one micro-batch, like TRL's
+    batch = make_batch(groups, ours.handle.pad_token_id)  # one micro-batch, like TRL's
     trainer, trl_optimizer = trl_trainer(ours.model_dir, args.group_size, len(batch.rewards), batch.completion_width)
     our_optimizer = torch.optim.AdamW(ours.policy.parameters(), lr=1e-12)
     inputs = trl_inputs(batch)
 
     def our_loss(entropy: bool) -> torch.Tensor:
-        logps, _ = ours.completion_logps(ours.policy, batch, 1.0, entropy=entropy)
+        logps, _ = ours.handle.completion_logps(ours.policy, batch, 1.0, entropy=entropy)
         return ours.loss(logps, batch.completion_mask, batch.advantages, batch.rewards, args.group_size).loss
 
     def step(loss_fn, model, optimizer) -> float:

@@ -63,22 +63,34 @@ def test_bad_config_value_names_the_key(tmp_path, capsys):
         (["--data.eval_ks", "[1]"], "data.eval_ks is now data.evaluation.ks"),
         (["--data.sync_tolerance", "0.1"], "data.sync_tolerance is now data.sync.tolerance"),
         (["--data.overlong_prompts", "error"], "data.overlong_prompts is now data.bad_prompts"),
+        (["--model.log_entropy", "false"], "model.log_entropy is now model.scoring.entropy"),
+        (["--model.packing", "on"], "model.packing is now model.scoring.packing"),
+        (["--model.export_dir", "out"], "model.export_dir is now model.export.dir"),
     ],
 )
-def test_moved_data_keys_name_their_new_place(given, hint, capsys):
+def test_moved_keys_name_their_new_place(given, hint, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", str(Path(__file__).parents[1] / "configs" / "tiny.yaml"), *given, "--print_config"])
     assert exit_info.value.code == 2
     assert hint in capsys.readouterr().err
 
 
-def test_a_config_file_with_an_old_data_key_names_its_new_place(tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("old_line", "hint"),
+    [
+        ("  val_size: 4\n  evaluation: {", "data.val_size is now data.evaluation.val_size"),
+        ("  log_entropy: true\n  max_grad_norm:", "model.log_entropy is now model.scoring.entropy"),
+    ],
+)
+def test_a_config_file_with_an_old_key_names_its_new_place(tmp_path, capsys, old_line, hint):
     old = tmp_path / "old.yaml"
     text = (Path(__file__).parents[1] / "configs" / "tiny.yaml").read_text()
-    old.write_text(text.replace("  evaluation: {", "  val_size: 4\n  evaluation: {"))
+    anchor = old_line.split("\n", 1)[1]
+    assert anchor in text
+    old.write_text(text.replace(anchor, old_line, 1))
     with pytest.raises(SystemExit):
         main(["fit", "--config", str(old), "--print_config"])
-    assert "data.val_size is now data.evaluation.val_size" in capsys.readouterr().err
+    assert hint in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

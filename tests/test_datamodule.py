@@ -14,6 +14,7 @@ from amir_lightning.objectives import AmirGRPOLoss
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rollout import HFEngine, SamplingConfig
 from amir_lightning.rollout.collect import RolloutSettings
+from amir_lightning.rollout.policy import ScoringSettings
 from amir_lightning.systems.datamodule import RolloutDataModule
 from amir_lightning.systems.module import AmirGRPOModule
 
@@ -50,7 +51,7 @@ def fit(tmp_path, steps_per_rollout: int, mu: int) -> tuple[Watch, RolloutDataMo
         policy=HFModel(str(model_dir)),
         loss=AmirGRPOLoss(lambda_=0.5, lambda_schedule="fixed", beta=0.0),
         optimizer=lambda p: torch.optim.SGD(p, lr=0.5),
-        log_entropy=False,
+        scoring=ScoringSettings(entropy=False),
     )
     data = RolloutDataModule(
         prompts=ArithmeticPrompts(num_terms=1, template="{expression}="),

@@ -74,7 +74,7 @@ def test_two_processes_make_the_same_update_as_one(model_dir, tmp_path, strategy
 def test_processes_with_unequal_micro_batches_agree_and_make_the_same_update(model_dir, tmp_path, strategy, packing):
     """Rank 0 holds 3 groups, rank 1 one (as when groups without reward variance are dropped), and a token budget
     of one group per micro-batch: rank 1 runs 2 fillers to keep in step. The update equals one process's (padded),
-    with packed rows too (model.packing on, FSDP2)."""
+    with packed rows too (model.scoring.packing on, FSDP2)."""
     from transformers import AutoModelForCausalLM
 
     single = one_step(model_dir, tmp_path / "one.pt", 1, "ddp", "grpo", "amir")

@@ -45,8 +45,8 @@ CASES = [
     ("zero token budget", ["--data.rollout.micro_batch_tokens", "0"], "data.rollout.micro_batch_tokens must be >= 1"),
     (
         "packing without the fused head",
-        ["--model.packing", "on", "--model.fused_logprobs", "false"],
-        "model.packing: on needs model.fused_logprobs: true",
+        ["--model.scoring.packing", "on", "--model.scoring.fused_head", "false"],
+        "model.scoring.packing: on needs model.scoring.fused_head: true",
     ),
     ("more steps than prompts", ["--data.rollout.steps_per_rollout", "99"], "data.rollout.steps_per_rollout (99)"),
     ("zero passes", ["--data.rollout.mu", "0"], "data.rollout.mu must be >= 1"),
@@ -210,7 +210,7 @@ MORE_CASES = [
         ["--data.evaluation.val_sampling", "{temperature: .nan}"],
         "sampling.temperature must be > 0",
     ),
-    ("zero logprob chunk", ["--model.logprob_chunk_size", "0"], "model.logprob_chunk_size must be >= 1, got 0"),
+    ("zero logprob chunk", ["--model.scoring.chunk_size", "0"], "model.scoring.chunk_size must be >= 1, got 0"),
     ("NaN LoRA dropout", ["--model.lora", "{r: 4, dropout: .nan}"], "model.lora needs r >= 1"),
     (
         "infinite LoRA alpha",

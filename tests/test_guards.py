@@ -15,6 +15,7 @@ from amir_lightning.rewards.base import Reward
 from amir_lightning.rollout.batch import Group, build_steps, plan_steps
 from amir_lightning.rollout.collect import RewardGuard, score_completions
 from amir_lightning.rollout.engine import Completion
+from amir_lightning.rollout.policy import ScoringSettings
 from amir_lightning.systems.module import AmirGRPOModule
 
 AGGREGATIONS = ["grpo", "bnpo", "dr_grpo", "dapo"]
@@ -102,7 +103,7 @@ def fit(model_dir, epochs, poisoned, max_bad_steps=3):
         policy=HFModel(str(model_dir)),
         loss=GRPOLoss(),
         max_grad_norm=None,
-        log_entropy=False,
+        scoring=ScoringSettings(entropy=False),
         optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
         max_bad_steps=max_bad_steps,
     )

@@ -21,6 +21,7 @@ from transformers import (
 
 from amir_lightning.models import HFModel
 from amir_lightning.models.scoring import completion_logps, fused_head, head_matches_logits, scaled_head_keys
+from amir_lightning.rollout.policy import ScoringSettings
 from amir_lightning.systems.module import AmirGRPOModule
 
 SHAPE = dict(
@@ -82,12 +83,12 @@ def test_a_scaled_head_falls_back_to_the_models_own_logits(tmp_path, arch, caplo
     config_cls, extra, key = SCALED[arch]
     module = AmirGRPOModule(policy=HFModel(str(save_tiny(tmp_path, config_cls, extra))))
     module.configure_model()
-    assert not module._fused and key in caplog.text  # said once, naming the key
+    assert not module.handle.fused and key in caplog.text  # said once, naming the key
     ids = torch.randint(3, 100, (2, 10), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     expected = model_logps(module.policy, ids)[:, -6:]
     with torch.no_grad():
-        ours = completion_logps(module.policy, ids, mask, 6, fused=module._fused)[0]
+        ours = completion_logps(module.policy, ids, mask, 6, fused=module.handle.fused)[0]
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
     assert head_matches_logits(module.policy)[2] > 1e-3  # what fusing it would cost (benchmarks/fused_head.py)
 
@@ -110,6 +111,8 @@ def test_gemma3n_caps_its_logits_in_the_text_configuration():
 
 def test_packing_on_is_refused_for_a_head_the_fused_path_cannot_take(tmp_path):
     config_cls, extra, _ = SCALED["granite"]
-    module = AmirGRPOModule(policy=HFModel(str(save_tiny(tmp_path, config_cls, extra))), packing="on")
-    with pytest.raises(ValueError, match="model.packing: on needs the fused LM head.*logits_scaling"):
+    module = AmirGRPOModule(
+        policy=HFModel(str(save_tiny(tmp_path, config_cls, extra))), scoring=ScoringSettings(packing="on")
+    )
+    with pytest.raises(ValueError, match="model.scoring.packing: on needs the fused LM head.*logits_scaling"):
         module.configure_model()

@@ -8,6 +8,7 @@ from amir_lightning.models.attention import register as register_varlen
 from amir_lightning.models.scoring import completion_logps
 from amir_lightning.objectives import selective_log_softmax
 from amir_lightning.objectives.logprobs import chosen_token_logps
+from amir_lightning.rollout.policy import ScoringSettings
 from amir_lightning.systems.module import AmirGRPOModule
 
 
@@ -134,7 +135,7 @@ def test_packed_scoring_hands_the_sequence_offsets_to_varlen_attention(model_dir
         seen.append((kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")))
         return varlen_attention_forward(*args, **kwargs)
 
-    module = AmirGRPOModule(policy=HFModel(str(model_dir)), attn_implementation="varlen")
+    module = AmirGRPOModule(policy=HFModel(str(model_dir)), scoring=ScoringSettings(attn_implementation="varlen"))
     module.configure_model()  # registers varlen: the spy goes in after
     monkeypatch.setitem(AttentionInterface._global_mapping, "varlen", spy)
     ids = torch.randint(3, 20, (3, 9), generator=torch.Generator().manual_seed(6))
@@ -142,7 +143,7 @@ def test_packed_scoring_hands_the_sequence_offsets_to_varlen_attention(model_dir
     mask[0, :2] = 0
     mask[1, -3:] = 0
     with torch.no_grad():
-        completion_logps(module.policy, ids, mask, 5, packed=module._packed)
-    assert module._packed and len(seen) == 2  # one call per layer
+        completion_logps(module.policy, ids, mask, 5, packed=module.handle.packed)
+    assert module.handle.packed and len(seen) == 2  # one call per layer
     for offsets, longest in seen:
         assert offsets.tolist() == [0, 7, 13, 22] and longest == 9

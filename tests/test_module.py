@@ -7,6 +7,7 @@ from amir_lightning.models import HFModel, build_tiny_model
 from amir_lightning.objectives import AmirGRPOLoss, group_advantages
 from amir_lightning.rollout.batch import Group, build_steps, fit_plan, make_batch, plan_steps
 from amir_lightning.rollout.engine import Completion
+from amir_lightning.rollout.policy import ScoringSettings
 from amir_lightning.systems.module import AmirGRPOModule
 
 G = 4
@@ -156,7 +157,7 @@ def test_full_fine_tuning_does_not_decay_biases_and_norm_weights(tmp_path):
 
 
 def test_packed_micro_batches_make_the_same_update_as_padded_ones(module):
-    """``model.packing on`` (one row of real tokens per micro-batch, block-diagonal attention under SDPA)."""
+    """``model.scoring.packing on`` (one row of real tokens per micro-batch, block-diagonal attention under SDPA)."""
     groups = make_groups(module, seed=3)
     padded = step_gradient(module, groups, micro_batch_groups=2)
     module.handle.packed = True
@@ -172,14 +173,16 @@ def test_packing_auto_follows_the_attention_implementation(tmp_path):
     from amir_lightning.models.scoring import varlen_attention
 
     model_dir = build_tiny_model(tmp_path / "model", seed=2)
-    eager = AmirGRPOModule(policy=HFModel(str(model_dir)), attn_implementation="eager", packing="auto")
+    eager = AmirGRPOModule(
+        policy=HFModel(str(model_dir)), scoring=ScoringSettings(attn_implementation="eager", packing="auto")
+    )
     eager.configure_model()
-    assert eager.policy.config._attn_implementation == "eager" and not eager._packed
-    forced = AmirGRPOModule(policy=HFModel(str(model_dir)), packing="on")
+    assert eager.policy.config._attn_implementation == "eager" and not eager.handle.packed
+    forced = AmirGRPOModule(policy=HFModel(str(model_dir)), scoring=ScoringSettings(packing="on"))
     forced.configure_model()
-    assert forced.policy.config._attn_implementation == "sdpa" and forced._packed
+    assert forced.policy.config._attn_implementation == "sdpa" and forced.handle.packed
     forced.policy.config._attn_implementation = "flash_attention_2"  # what from_pretrained sets where it is installed
     assert varlen_attention(forced.policy)
-    varlen = AmirGRPOModule(policy=HFModel(str(model_dir)), attn_implementation="varlen")
+    varlen = AmirGRPOModule(policy=HFModel(str(model_dir)), scoring=ScoringSettings(attn_implementation="varlen"))
     varlen.configure_model()
-    assert varlen.policy.config._attn_implementation == "varlen" and varlen._packed
+    assert varlen.policy.config._attn_implementation == "varlen" and varlen.handle.packed

@@ -7,8 +7,10 @@ import torch
 from helpers.dp_step import FixedRollouts
 
 from amir_lightning.models import HFModel, LoraSettings, build_tiny_model
+from amir_lightning.models.export import ExportSettings
 from amir_lightning.models.scoring import completion_logps
 from amir_lightning.objectives import GRPOLoss
+from amir_lightning.rollout.policy import ScoringSettings
 from amir_lightning.systems.module import AmirGRPOModule
 from amir_lightning.systems.precision import check_strategy, compute_dtype
 
@@ -29,8 +31,8 @@ def train_lora(model_dir, precision, trainable_dtype="float32", steps=20, export
         lora=LoraSettings(r=16, alpha=16),
         optimizer=lambda params: torch.optim.AdamW(params, lr=5e-6, betas=(0.9, 0.99), weight_decay=0.1),
         max_grad_norm=0.1,
-        log_entropy=False,
-        export_dir=str(export_dir or model_dir.parent / "export"),
+        scoring=ScoringSettings(entropy=False),
+        export=ExportSettings(dir=str(export_dir or model_dir.parent / "export")),
     )
     trainer = L.Trainer(
         accelerator="cpu",
@@ -76,7 +78,12 @@ def test_bf16_compute_runs_the_forward_in_bf16(model_dir):
 
 def test_full_fine_tuning_keeps_float32_weights_under_bf16_compute(model_dir):
     export = str(model_dir.parent / "export_full")
-    module = AmirGRPOModule(policy=HFModel(str(model_dir)), loss=GRPOLoss(), log_entropy=False, export_dir=export)
+    module = AmirGRPOModule(
+        policy=HFModel(str(model_dir)),
+        loss=GRPOLoss(),
+        scoring=ScoringSettings(entropy=False),
+        export=ExportSettings(dir=export),
+    )
     trainer = L.Trainer(accelerator="cpu", precision="bf16-true", max_steps=1, logger=False, enable_checkpointing=False)
     trainer.fit(module, FixedRollouts())
     assert {p.dtype for p in module.policy.parameters()} == {torch.float32}
@@ -99,7 +106,7 @@ def test_unsupported_precision_and_strategies_are_refused():
 def test_the_compute_dtype_is_chosen_once_per_trainer(model_dir):
     """``validate`` then ``fit`` (``--validate_before_fit``) set the module up twice on one trainer; after the first
     setup replaced the precision plugin, ``trainer.precision`` reads ``32-true``, and the fit still computes in bf16."""
-    module = AmirGRPOModule(policy=HFModel(str(model_dir)), loss=GRPOLoss(), log_entropy=False)
+    module = AmirGRPOModule(policy=HFModel(str(model_dir)), loss=GRPOLoss(), scoring=ScoringSettings(entropy=False))
     trainer = L.Trainer(accelerator="cpu", precision="bf16-mixed", max_steps=1, logger=False)
     module.trainer = trainer
     module.setup("validate")
@@ -113,7 +120,9 @@ def test_the_compute_dtype_is_chosen_once_per_trainer(model_dir):
 def test_the_reference_copy_scores_as_the_policy_at_step_zero(model_dir, precision):
     """Full fine-tuning with a KL term: the frozen reference copy and the policy hold the same weights at step 0, so
     their log-probs are the same (a bf16 copy under a float32 policy's autocast differed: a KL floor at step 0)."""
-    module = AmirGRPOModule(policy=HFModel(str(model_dir)), loss=GRPOLoss(beta=0.04), log_entropy=False)
+    module = AmirGRPOModule(
+        policy=HFModel(str(model_dir)), loss=GRPOLoss(beta=0.04), scoring=ScoringSettings(entropy=False)
+    )
     module.compute_dtype = compute_dtype(precision)
     module.configure_model()
     ids = torch.randint(3, 20, (4, 12), generator=torch.Generator().manual_seed(0))

@@ -199,7 +199,7 @@ def test_lora_checkpoints_hold_the_adapters_and_resume_exactly(tmp_path):
         "9",
     ]
     # The first half also exports its adapters every rollout (peft directories beside the final export).
-    adapters = ["--model.export_every_n_epochs", "1", "--model.export_format", "adapter"]
+    adapters = ["--model.export.every_n_epochs", "1", "--model.export.format", "adapter"]
     checkpoint = stop_and_resume(tmp_path, common, first_half=adapters)
     part = checkpoint.parents[1]
     saved = torch.load(checkpoint, map_location="cpu", weights_only=True)

@@ -160,9 +160,19 @@ def fit_checkpoints_to_storage(config) -> None:
     On a local disk ``last.ckpt`` links to the rollout's checkpoint (``save_last: link``, one write per rollout);
     a ``file://`` folder becomes its plain path, since Lightning links only those. A remote folder (``s3://``, any
     fsspec protocol, as ``checkpoint.dirpath`` or the first logger's ``save_dir``) has no links: each rollout
-    writes ``last.ckpt`` in full, and without a monitor nothing else (``save_top_k: 0``), still one write.
+    writes ``last.ckpt`` in full, and without a monitor nothing else (``save_top_k: 0``), still one write. A monitor
+    on this checkpoint would keep ``last.ckpt`` at the best rollout instead of the newest: said once.
     """
     checkpoint = config.get("checkpoint")
+    if checkpoint is not None and checkpoint.get("monitor") is not None:
+        log.warning(
+            "checkpoint.monitor is set: Lightning then writes last.ckpt only when %s improves, so a restarted run "
+            "would go back to that rollout. Keep checkpoint for the newest state and add a second ModelCheckpoint "
+            "for the best: --trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint "
+            "--trainer.callbacks.monitor %s",
+            checkpoint["monitor"],
+            checkpoint["monitor"],
+        )
     if checkpoint is None or checkpoint.get("save_last") != "link":
         return
     dirpath = checkpoint.get("dirpath")
@@ -187,3 +197,18 @@ def fit_checkpoints_to_storage(config) -> None:
     if checkpoint.get("monitor") is None and checkpoint.get("save_top_k") == 1:
         checkpoint["save_top_k"] = 0
     log.info("checkpoints go to %s: no links there, so each rollout writes last.ckpt in full", where)
+
+
+def keep_given_model_values(given, config) -> None:
+    """On resume, the model values given to this run (``given``) win over the checkpoint's saved ones.
+
+    Lightning lays the checkpoint's saved hyperparameters over the command line's; each value that differs is logged.
+    """
+    changed = [
+        f"model.{key} {given[key]!r} (checkpoint: {config['model'][key]!r})"
+        for key in given.keys()
+        if key in config["model"] and config["model"][key] != given[key]
+    ]
+    if changed:
+        log.warning("resuming with the values given to this run, not the checkpoint's: %s", "; ".join(changed))
+        config["model"] = given

@@ -11,10 +11,10 @@ import difflib
 import importlib
 import re
 
-#: ``data`` keys that moved into an argument group, and where they live now.
+#: Keys that moved into an argument group (or were renamed), and where they live now.
 MOVED_KEYS = {
     **{
-        key: f"data.rollout.{key}"
+        f"data.{key}": f"data.rollout.{key}"
         for key in (
             "group_size",
             "prompts_per_epoch",
@@ -26,18 +26,27 @@ MOVED_KEYS = {
             "max_bad_rollouts",
         )
     },
-    "sync_tolerance": "data.sync.tolerance",
-    "overlong_prompts": "data.bad_prompts",
-    **{key: f"data.evaluation.{key}" for key in ("val_size", "val_samples", "val_sampling")},
-    **{f"eval_{key}": f"data.evaluation.{key}" for key in ("samples", "sampling", "ks", "logps")},
+    "data.sync_tolerance": "data.sync.tolerance",
+    "data.overlong_prompts": "data.bad_prompts",
+    **{f"data.{key}": f"data.evaluation.{key}" for key in ("val_size", "val_samples", "val_sampling")},
+    **{f"data.eval_{key}": f"data.evaluation.{key}" for key in ("samples", "sampling", "ks", "logps")},
+    "model.logprob_chunk_size": "model.scoring.chunk_size",
+    "model.fused_logprobs": "model.scoring.fused_head",
+    "model.packing": "model.scoring.packing",
+    "model.attn_implementation": "model.scoring.attn_implementation",
+    "model.log_entropy": "model.scoring.entropy",
+    "model.export_dir": "model.export.dir",
+    "model.export_every_n_epochs": "model.export.every_n_epochs",
+    "model.export_format": "model.export.format",
 }
 
 
 def moved_key_hint(text: str) -> str:
-    """`` (data.X is now data.group.X)`` for an old ``data`` key named in ``text``, else ``""``."""
+    """`` (data.X is now data.group.X)`` for an old key named in ``text``, else ``""``."""
     for old, new in MOVED_KEYS.items():
-        if re.search(rf"(--data\.{old}\b|option '{old}'|\bdata\.{old}\b)", text):
-            return f" (data.{old} is now {new})"
+        section, name = old.split(".", 1)
+        if re.search(rf"(--{section}\.{name}\b|option '{name}'|\b{section}\.{name}\b)", text):
+            return f" ({old} is now {new})"
     return ""
 
 

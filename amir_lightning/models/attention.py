@@ -1,8 +1,8 @@
 """``attn_implementation: varlen``: packed sequences through PyTorch's variable-length flash attention.
 
-With ``model.packing`` a micro-batch is one row of every real token, position ids restarting at each sequence. SDPA
-and eager attend through a block-diagonal mask over the whole row; flash attention (the ``flash-attn`` package)
-runs each sequence alone. ``varlen`` does the latter with the kernel that ships in PyTorch
+With ``model.scoring.packing`` a micro-batch is one row of every real token, position ids restarting at each
+sequence. SDPA and eager attend through a block-diagonal mask over the whole row; flash attention (the
+``flash-attn`` package) runs each sequence alone. ``varlen`` does the latter with the kernel that ships in PyTorch
 (``torch.nn.attention.varlen.varlen_attn``, CUDA, half precision), so packing needs no extra package. Anything the
 kernel does not take (a padded batch of several rows, a KV cache, float32, a CPU, dropout, a sliding window) goes
 to transformers' SDPA function, with SDPA's mask: ``varlen`` is SDPA wherever it is not a packed row on a GPU.

@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 
 from amir_lightning.models import attention
-from amir_lightning.models.files import atomic_directory
 
 
 @dataclass
@@ -242,40 +241,3 @@ def _merged_weights(model, state: dict[str, torch.Tensor]) -> Iterator[tuple[str
                     delta = (b.float() @ a.float()) * layer.scaling[adapter]
                     tensor = (tensor.float() + delta).to(tensor.dtype)
         yield _base_name(key), tensor.detach()
-
-
-def export_policy(model, tokenizer, target: Path, write: bool = True) -> None:
-    """Save ``model`` (LoRA merged, gathered if sharded) with ``tokenizer`` as a Hugging Face directory, atomically.
-
-    Every process calls it when the model is sharded (the gather is collective); only ``write`` ones save.
-    """
-    with merged_state(model) as named:
-        state = {k: v.detach().cpu().contiguous() for k, v in named}
-    if not write:
-        return
-    base = model.get_base_model() if is_peft(model) else model
-    if is_sharded(base):  # a sharded module cannot save itself: a plain model of its config takes the state
-        from transformers import AutoModelForCausalLM
-
-        base = AutoModelForCausalLM.from_config(base.config)
-    with atomic_directory(target) as tmp:
-        base.save_pretrained(tmp, state_dict=state)
-        tokenizer.save_pretrained(tmp)
-
-
-def export_adapters(model, tokenizer, target: Path, write: bool = True) -> None:
-    """Save the LoRA adapters of ``model`` as a peft adapter directory (``PeftModel.from_pretrained`` loads it).
-
-    Every process calls it when the model is sharded (the gather is collective); only ``write`` ones save.
-    """
-    if not is_peft(model):
-        raise ValueError("model.export_format: adapter needs model.lora (the whole policy trains: export merged)")
-    from peft import get_peft_model_state_dict
-
-    state = {k: v.detach().cpu().contiguous() for k, v in full_state_dict(model).items() if "lora_" in k}
-    if not write:
-        return
-    adapters = get_peft_model_state_dict(model, state_dict=state)
-    with atomic_directory(target) as tmp:
-        model.save_pretrained(tmp, state_dict=adapters)
-        tokenizer.save_pretrained(tmp)

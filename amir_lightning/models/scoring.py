@@ -231,7 +231,7 @@ def head_matches_logits(model, tokens: int = 8, rtol: float = 1e-4) -> tuple[boo
 def fused_head_allowed(model, packing_on: bool = False) -> bool:
     """Whether ``model``'s log-probs may take the fused head (``head_matches_logits``); says why not, once.
 
-    ``packing_on`` (``model.packing: on``, which needs the fused head) turns a refusal into an error.
+    ``packing_on`` (``model.scoring.packing: on``, which needs the fused head) turns a refusal into an error.
     """
     matches, difference, _ = head_matches_logits(model)
     if not matches:
@@ -239,12 +239,12 @@ def fused_head_allowed(model, packing_on: bool = False) -> bool:
         why = f"its configuration sets {', '.join(keys)}" if keys else f"they differ by {difference:.3g} relative"
         if packing_on:
             raise ValueError(
-                f"model.packing: on needs the fused LM head, and this policy's head is not hidden @ W.T ({why}); "
-                "set model.packing to auto or off"
+                f"model.scoring.packing: on needs the fused LM head, and this policy's head is not hidden @ W.T "
+                f"({why}); set model.scoring.packing to auto or off"
             )
         log.warning(
             "the policy's LM head does more than hidden @ W.T (%s): its log-probs are taken from the model's own "
-            "logits (model.fused_logprobs falls back to the materialised path, and nothing is packed)",
+            "logits (model.scoring.fused_head falls back to the materialised path, and nothing is packed)",
             why,
         )
     return matches

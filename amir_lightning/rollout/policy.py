@@ -12,17 +12,62 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from amir_lightning.helpers.distributed import rank_zero_first
+from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.models.loading import merged_state
-from amir_lightning.models.scoring import autocast, completion_logps, sequence_token_logps
+from amir_lightning.models.scoring import (
+    autocast,
+    completion_logps,
+    fused_head_allowed,
+    sequence_token_logps,
+    varlen_attention,
+)
 from amir_lightning.models.sources import ModelSource
 from amir_lightning.rollout.batch import RolloutBatch
+
+
+@dataclass
+class ScoringSettings:
+    """How the policy's log-probs are computed (``model.scoring``).
+
+    Attributes:
+        chunk_size: Completion tokens whose ``[tokens, V]`` logits exist at once (memory against speed).
+        fused_head: Fuse the LM head with the log-softmax (``chosen_token_logps``): the ``[n, T, V]`` logits never
+            exist and padding is skipped past the decoder. Off: the logits of the completion positions are
+            materialised (the path of TRL and the official code).
+        packing: Score each micro-batch as one row of its real tokens back to back, without padding (position ids
+            restart at each sequence). ``auto``: where the attention runs each sequence alone
+            (``attn_implementation`` ``varlen`` or ``flash_attention_2``/``3``); ``on``: also under SDPA and eager,
+            which attend through a block-diagonal mask (exact, but attention then spans the whole pack); ``off``:
+            pad. Needs the fused head.
+        attn_implementation: The policy's attention kernels: ``varlen`` (PyTorch's variable-length flash
+            attention for packed rows on a GPU, SDPA elsewhere: ``amir_lightning.models.attention``) or a Hugging
+            Face name (``sdpa``, ``eager``, ``flash_attention_2``...); ``None``: transformers' default (SDPA).
+        entropy: Log the mean token entropy, ``train/entropy`` (from the fused head's chunks: no extra pass; one
+            more softmax pass over the vocabulary on the materialised path).
+    """
+
+    chunk_size: int = 512
+    fused_head: bool = True
+    packing: Literal["auto", "on", "off"] = "auto"
+    attn_implementation: str | None = None
+    entropy: bool = True
+
+    def __post_init__(self) -> None:
+        errors: list[str] = []
+        check_number(errors, "model.scoring.chunk_size", self.chunk_size, ge=1)
+        if self.packing not in ("auto", "on", "off"):
+            errors.append(f"model.scoring.packing must be auto, on or off, got {self.packing!r}")
+        elif self.packing == "on" and not self.fused_head:
+            errors.append("model.scoring.packing: on needs model.scoring.fused_head: true (it scores packed rows)")
+        raise_errors(errors)
 
 
 class Policy:
@@ -31,11 +76,12 @@ class Policy:
     Args:
         source: Where the initial policy comes from (resolved to a local directory once, by rank 0 first).
         temperature: Temperature of the training log-probs (the sampling temperature).
-        chunk_size: Completion tokens whose ``[tokens, V]`` logits exist at once.
+        scoring: How log-probs are computed (chunks, fused head, packing, attention).
     """
 
-    def __init__(self, source: ModelSource, temperature: float = 1.0, chunk_size: int = 512) -> None:
-        self.source, self.temperature, self.chunk_size = source, temperature, chunk_size
+    def __init__(self, source: ModelSource, temperature: float = 1.0, scoring: ScoringSettings | None = None) -> None:
+        self.source, self.temperature = source, temperature
+        self.scoring = scoring or ScoringSettings()
         self.model: torch.nn.Module | None = None  # set by ``bind`` once the module has built it
         self.compute_dtype = torch.float32
         self.cast_by_autocast = True  # False under FSDP2, which casts the parameters for compute itself
@@ -59,12 +105,17 @@ class Policy:
         tok = self.tokenizer
         return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
-    def bind(
-        self, model: torch.nn.Module, compute_dtype: torch.dtype, cast_by_autocast: bool, fused: bool, packed: bool
-    ) -> None:
-        """Score with ``model``: under autocast to ``compute_dtype`` (unless FSDP2 casts), fused head, packed rows."""
+    def bind(self, model: torch.nn.Module, compute_dtype: torch.dtype, cast_by_autocast: bool) -> None:
+        """Score with ``model``, under autocast to ``compute_dtype`` unless FSDP2 casts (``cast_by_autocast`` off).
+
+        Decides the head and the rows: the fused head where the model's head allows it (``fused_head_allowed``),
+        packed rows where ``scoring.packing`` asks and the attention runs each sequence alone (``auto``) or always
+        (``on``).
+        """
         self.model, self.compute_dtype, self.cast_by_autocast = model, compute_dtype, cast_by_autocast
-        self.fused, self.packed = fused, packed
+        packing = self.scoring.packing
+        self.fused = self.scoring.fused_head and fused_head_allowed(model, packing == "on")
+        self.packed = self.fused and (packing == "on" or (packing == "auto" and varlen_attention(model)))
 
     @property
     def device(self) -> torch.device:
@@ -86,7 +137,7 @@ class Policy:
                 batch.attention_mask,
                 batch.completion_width,
                 temperature,
-                self.chunk_size,
+                self.scoring.chunk_size,
                 entropy,
                 self.fused,
                 self.packed,

@@ -14,7 +14,6 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
 
 import torch
 from lightning import LightningModule
@@ -27,17 +26,15 @@ from amir_lightning.evaluation.report import benchmark_report
 from amir_lightning.helpers.distributed import all_reduce, sum_shares, world_size
 from amir_lightning.helpers.tracking import log_metrics
 from amir_lightning.helpers.validation import check_number, raise_errors
+from amir_lightning.models.export import ExportSettings, export_adapters, export_policy
 from amir_lightning.models.loading import (
     LoraSettings,
-    export_adapters,
-    export_policy,
     is_peft,
     load_policy,
     load_reference,
     policy_shapes,
     shard_fsdp2,
 )
-from amir_lightning.models.scoring import fused_head_allowed, varlen_attention
 from amir_lightning.models.sources import ModelSource
 from amir_lightning.objectives import (
     AmirGRPOLoss,
@@ -46,7 +43,7 @@ from amir_lightning.objectives import (
     StepContext,
 )
 from amir_lightning.rollout.batch import RolloutBatch, RolloutStep
-from amir_lightning.rollout.policy import Policy
+from amir_lightning.rollout.policy import Policy, ScoringSettings
 from amir_lightning.systems.precision import check_strategy, dtype_by_name, take_over_precision
 from amir_lightning.systems.summary import planned_steps, run_summary
 
@@ -75,25 +72,8 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         lora: Train LoRA adapters instead of all weights; the reference is then the adapter-free model.
         temperature: Temperature of the training log-probs; must equal the sampling temperature (linked in the CLI).
         max_grad_norm: Clip the global gradient norm (``None``: no clipping).
-        logprob_chunk_size: Completion tokens whose ``[tokens, V]`` logits exist at once (memory against speed).
-        fused_logprobs: Fuse the LM head with the log-softmax (``chosen_token_logps``): the ``[n, T, V]`` logits never
-            exist and padding is skipped past the decoder. Off: the logits of the completion positions are
-            materialised (the path of TRL and the official code).
-        packing: Score each micro-batch as one row of its real tokens back to back, without padding (position ids
-            restart at each sequence). ``auto``: where the attention runs each sequence alone
-            (``attn_implementation`` ``varlen`` or ``flash_attention_2``/``3``); ``on``: also under SDPA and eager,
-            which attend through a block-diagonal mask (exact, but attention then spans the whole pack); ``off``:
-            pad. Needs the fused head (``fused_logprobs``).
-        attn_implementation: The policy's attention kernels: ``varlen`` (PyTorch's variable-length flash
-            attention for packed rows on a GPU, SDPA elsewhere: ``amir_lightning.models.attention``) or a Hugging
-            Face name (``sdpa``, ``eager``, ``flash_attention_2``...); ``None``: transformers' default (SDPA).
-        log_entropy: Log the mean token entropy (from the fused head's chunks: no extra pass; one more softmax
-            pass over the vocabulary on the materialised path).
-        export_dir: Where the trained policy is written at the end of ``fit`` (default ``<log_dir>/policy``).
-        export_every_n_epochs: Also export every this many rollouts, to ``<export_dir>_epoch_<n>`` (``None``: only
-            at the end).
-        export_format: ``merged`` (a Hugging Face model directory, LoRA merged in: what ``HFModel`` and vLLM load)
-            or ``adapter`` (a peft adapter directory, LoRA only: megabytes instead of the whole model).
+        scoring: How log-probs are computed: chunk size, fused head, packed rows, attention kernels, entropy.
+        export: Where and how the trained policy is written: folder, every how many rollouts, merged or adapter.
         max_bad_steps: Stop after this many optimisation steps in a row skipped for a non-finite loss or gradient.
     """
 
@@ -109,18 +89,13 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         lora: LoraSettings | None = None,
         temperature: float = 1.0,
         max_grad_norm: float | None = 1.0,
-        logprob_chunk_size: int = 512,
-        fused_logprobs: bool = True,
-        packing: Literal["auto", "on", "off"] = "auto",
-        attn_implementation: str | None = None,
-        log_entropy: bool = True,
-        export_dir: str | None = None,
-        export_every_n_epochs: int | None = None,
-        export_format: Literal["merged", "adapter"] = "merged",
+        scoring: ScoringSettings = ScoringSettings(),  # noqa: B008 (settings are never mutated)
+        export: ExportSettings = ExportSettings(),  # noqa: B008
         max_bad_steps: int = 3,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["policy", "loss", "optimizer", "lr_scheduler", "lora"])  # plain values
+        ignore = ["policy", "loss", "optimizer", "lr_scheduler", "lora", "scoring", "export"]
+        self.save_hyperparameters(ignore=ignore)  # plain values: a checkpoint loads as data
         self.automatic_optimization = False
         self.source, self.loss = policy, loss if loss is not None else AmirGRPOLoss()
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
@@ -130,27 +105,19 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         self.compute_dtype = torch.float32  # set from trainer.precision in setup()
         self._fsdp2 = False  # whether configure_model sharded the policy (FSDP2 then casts for compute)
         self.temperature, self.max_grad_norm = temperature, max_grad_norm
-        self.logprob_chunk_size, self.log_entropy, self.export_dir = logprob_chunk_size, log_entropy, export_dir
-        self.fused_logprobs, self.packing, self.attn_implementation = fused_logprobs, packing, attn_implementation
-        self._packed = False  # decided in configure_model, from packing and the policy's attention
-        self._fused = fused_logprobs  # decided in configure_model: whether the policy's head allows it
+        self.scoring, self.export_settings = scoring, export
         errors: list[str] = []
         check_number(errors, "model.max_grad_norm", max_grad_norm, gt=0, optional=True)
         check_number(errors, "model.temperature", temperature, gt=0)
-        check_number(errors, "model.logprob_chunk_size", logprob_chunk_size, ge=1)
         check_number(errors, "model.max_bad_steps", max_bad_steps, ge=1)
-        check_number(errors, "model.export_every_n_epochs", export_every_n_epochs, ge=1, optional=True)
-        if packing == "on" and not fused_logprobs:
-            errors.append("model.packing: on needs model.fused_logprobs: true (the fused head scores packed rows)")
-        if export_format == "adapter" and lora is None:
-            errors.append("model.export_format: adapter needs model.lora (the whole policy trains: export merged)")
+        if export.format == "adapter" and lora is None:
+            errors.append("model.export.format: adapter needs model.lora (the whole policy trains: export merged)")
         raise_errors(errors)
         self.max_bad_steps = max_bad_steps
-        self.export_every_n_epochs, self.export_format = export_every_n_epochs, export_format
         self.policy = None
         self._reference: tuple = ()  # not a registered submodule: never trained, never checkpointed
         self._bad_steps = self._skipped_steps = 0
-        self.handle = Policy(policy, temperature, logprob_chunk_size)  # the policy as the data module sees it
+        self.handle = Policy(policy, temperature, scoring)  # the policy as the data module sees it
         self.val_accuracy = MeanMetric()
 
     # ------------------------------------------------------------------ model
@@ -183,20 +150,16 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
             return
         frozen = self.frozen_dtype or self.compute_dtype
         trust = self.source.trust_remote_code
-        attention = self.attn_implementation
+        attention = self.scoring.attn_implementation
         self.policy = load_policy(
             self.model_dir, frozen, self.trainable_dtype, self.gradient_checkpointing, self.lora, trust, attention
-        )
-        self._fused = self.fused_logprobs and fused_head_allowed(self.policy, self.packing == "on")
-        self._packed = self._fused and (
-            self.packing == "on" or (self.packing == "auto" and varlen_attention(self.policy))
         )
         self.policy.train()  # dropout is disabled at load time, so train mode changes nothing but intent
         mesh = getattr(self, "device_mesh", None)  # set by ModelParallelStrategy: shard with FSDP2
         self._fsdp2 = mesh is not None
         if self._fsdp2:
             shard_fsdp2(self.policy, mesh.device_type, self.compute_dtype)
-        self.handle.bind(self.policy, self.compute_dtype, not self._fsdp2, self._fused, self._packed)
+        self.handle.bind(self.policy, self.compute_dtype, not self._fsdp2)
         if self.loss.needs_reference and not is_peft(self.policy):
             self._reference = (load_reference(self.model_dir, self._reference_dtype(), trust, attention),)
 
@@ -242,9 +205,9 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         """The loss of one micro-batch (its share of the step's) and the policy's token log-probs ``[n, T]``.
 
         The policy's forward with gradient, the reference's without; ``context`` from ``step_context``. With
-        ``log_entropy`` the stats include ``train/entropy`` (the micro-batch's share of the step's mean).
+        ``scoring.entropy`` the stats include ``train/entropy`` (the micro-batch's share of the step's mean).
         """
-        logps, entropy = self.handle.completion_logps(self.policy, batch, self.temperature, self.log_entropy)
+        logps, entropy = self.handle.completion_logps(self.policy, batch, self.temperature, self.scoring.entropy)
         ref = None
         if self.loss.needs_reference:
             with torch.no_grad(), self.reference() as reference:
@@ -368,7 +331,7 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_train_epoch_end(self) -> None:  # noqa: D102
-        every, done = self.export_every_n_epochs, self.current_epoch + 1
+        every, done = self.export_settings.every_n_epochs, self.current_epoch + 1
         if every and done % every == 0 and done != self.trainer.max_epochs:  # the last one is on_fit_end's
             root = self._export_root()
             self.export(root.with_name(f"{root.name}_epoch_{done}"))  # beside the final export, which replaces root
@@ -377,16 +340,16 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         self.export(self._export_root())
 
     def _export_root(self) -> Path:
-        return Path(self.export_dir or Path(self.trainer.log_dir or ".") / "policy")
+        return Path(self.export_settings.dir or Path(self.trainer.log_dir or ".") / "policy")
 
     def export(self, target: Path) -> Path:
-        """Write the policy and tokenizer to ``target``, atomically, in ``export_format``.
+        """Write the policy and tokenizer to ``target``, atomically, in ``export.format``.
 
         ``merged``: a Hugging Face model directory with LoRA merged in; ``adapter``: a peft adapter directory.
         Every process must call it (gathering sharded weights is collective); the global-zero process writes.
         """
         write = getattr(self, "_trainer", None) is None or self.trainer.is_global_zero
-        save = export_adapters if self.export_format == "adapter" else export_policy
+        save = export_adapters if self.export_settings.format == "adapter" else export_policy
         save(self.policy, self.handle.tokenizer, Path(target), write)
         if write:
             log.warning("exported the trained policy to %s", target)

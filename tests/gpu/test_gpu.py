@@ -13,6 +13,7 @@ from conftest import read_scalars, run_amir
 from helpers.qwen_setting import check_qwen_run, qwen_setting_args, tiny_policy
 
 from amir_lightning.models import QWEN25_3B_SHAPE
+from amir_lightning.rollout.policy import ScoringSettings
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 ROOT = Path(__file__).parents[2]
@@ -75,7 +76,11 @@ def test_varlen_packing_matches_padded_sdpa(tmp_path, monkeypatch):
         mask[row, 40 - row * 3 :] = 0  # right padding of the completion
     results = {}
     for attention in ("sdpa", "varlen"):
-        module = AmirGRPOModule(policy=HFModel(str(model_dir)), lora=LoraSettings(r=8), attn_implementation=attention)
+        module = AmirGRPOModule(
+            policy=HFModel(str(model_dir)),
+            lora=LoraSettings(r=8),
+            scoring=ScoringSettings(attn_implementation=attention),
+        )
         module.compute_dtype = torch.bfloat16
         torch.manual_seed(1)  # the same adapters in both: lora_A at creation, lora_B below
         module.configure_model()
@@ -86,10 +91,10 @@ def test_varlen_packing_matches_padded_sdpa(tmp_path, monkeypatch):
         calls.clear()
 
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            logps, _ = completion_logps(module.policy, ids, mask, 20, 0.9, packed=module._packed)
+            logps, _ = completion_logps(module.policy, ids, mask, 20, 0.9, packed=module.handle.packed)
         logps.sum().backward()
         grads = {n: p.grad.float().clone() for n, p in module.policy.named_parameters() if p.grad is not None}
-        results[attention] = (logps.detach().float(), grads, module._packed, len(calls))
+        results[attention] = (logps.detach().float(), grads, module.handle.packed, len(calls))
     (ref, ref_grads, ref_packed, _), (out, grads, packed, kernel_calls) = results["sdpa"], results["varlen"]
     assert not ref_packed and packed and kernel_calls == 2  # 2 layers, one packed row
     torch.testing.assert_close(out, ref, rtol=0, atol=3e-2)

@@ -21,6 +21,7 @@ from amir_lightning.models import HFModel
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages
 from amir_lightning.rollout.batch import Group, agree_on_plan, build_steps, plan_steps
 from amir_lightning.rollout.engine import Completion
+from amir_lightning.rollout.policy import ScoringSettings
 from amir_lightning.systems.module import AmirGRPOModule
 
 G, GROUPS = 4, 4
@@ -112,8 +113,7 @@ def main():
         loss=loss,
         max_grad_norm=args.max_grad_norm,
         optimizer=lambda params: torch.optim.SGD(params, lr=1.0),
-        log_entropy=False,
-        packing=args.packing,
+        scoring=ScoringSettings(entropy=False, packing=args.packing),
     )
     strategy = args.strategy
     if strategy == "fsdp2":

@@ -1,0 +1,74 @@
+"""Writing the trained policy: a Hugging Face model directory (LoRA merged in) or a peft adapter directory.
+
+Both are written atomically (a temporary directory, then a rename), so a reader never sees half an export.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from amir_lightning.helpers.validation import check_number, raise_errors
+from amir_lightning.models.files import atomic_directory
+from amir_lightning.models.loading import full_state_dict, is_peft, is_sharded, merged_state
+
+
+@dataclass
+class ExportSettings:
+    """Where and how the trained policy is written (``model.export``).
+
+    Attributes:
+        dir: Where the policy is written at the end of ``fit`` (default ``<log_dir>/policy``).
+        every_n_epochs: Also export every this many rollouts, to ``<dir>_epoch_<n>`` (``None``: only at the end).
+        format: ``merged`` (a Hugging Face model directory, LoRA merged in: what ``HFModel`` and vLLM load) or
+            ``adapter`` (a peft adapter directory, LoRA only: megabytes instead of the whole model).
+    """
+
+    dir: str | None = None
+    every_n_epochs: int | None = None
+    format: Literal["merged", "adapter"] = "merged"
+
+    def __post_init__(self) -> None:
+        errors: list[str] = []
+        check_number(errors, "model.export.every_n_epochs", self.every_n_epochs, ge=1, optional=True)
+        if self.format not in ("merged", "adapter"):
+            errors.append(f"model.export.format must be merged or adapter, got {self.format!r}")
+        raise_errors(errors)
+
+
+def export_policy(model, tokenizer, target: Path, write: bool = True) -> None:
+    """Save ``model`` (LoRA merged, gathered if sharded) with ``tokenizer`` as a Hugging Face directory, atomically.
+
+    Every process calls it when the model is sharded (the gather is collective); only ``write`` ones save.
+    """
+    with merged_state(model) as named:
+        state = {k: v.detach().cpu().contiguous() for k, v in named}
+    if not write:
+        return
+    base = model.get_base_model() if is_peft(model) else model
+    if is_sharded(base):  # a sharded module cannot save itself: a plain model of its config takes the state
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_config(base.config)
+    with atomic_directory(target) as tmp:
+        base.save_pretrained(tmp, state_dict=state)
+        tokenizer.save_pretrained(tmp)
+
+
+def export_adapters(model, tokenizer, target: Path, write: bool = True) -> None:
+    """Save the LoRA adapters of ``model`` as a peft adapter directory (``PeftModel.from_pretrained`` loads it).
+
+    Every process calls it when the model is sharded (the gather is collective); only ``write`` ones save.
+    """
+    if not is_peft(model):
+        raise ValueError("model.export.format: adapter needs model.lora (the whole policy trains: export merged)")
+    from peft import get_peft_model_state_dict
+
+    state = {k: v.detach().cpu().contiguous() for k, v in full_state_dict(model).items() if "lora_" in k}
+    if not write:
+        return
+    adapters = get_peft_model_state_dict(model, state_dict=state)
+    with atomic_directory(target) as tmp:
+        model.save_pretrained(tmp, state_dict=adapters)
+        tokenizer.save_pretrained(tmp)
