@@ -80,7 +80,8 @@ def run(task: str, method: str, seed: int, out: Path) -> dict[str, list[tuple[in
             args += ["--model.policy.init_args.seed", str(seed)]
         if method.startswith("AMIR-GRPO lambda="):  # the pair term at a fixed, larger weight
             lam = method.split("=", 1)[1]
-            args += ["--model.loss.init_args.lambda_", lam, "--model.loss.init_args.lambda_schedule", "fixed"]
+            args += ["--model.loss.init_args.pair_weight.value", lam]
+            args += ["--model.loss.init_args.pair_weight.schedule", "fixed"]
         env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
         log = out / "runs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -103,15 +104,15 @@ def cost(out: Path, task: str, method: str, seed: int) -> dict:
 
 def settings(task: str) -> dict:
     """The AMIR loss's settings in the task's config, with the defaults it leaves out."""
-    import inspect
+    from dataclasses import asdict
 
-    from amir_lightning.objectives import AmirGRPOLoss
+    from amir_lightning.objectives.amir import PairTermSettings, PairWeightSettings
 
     given = yaml.safe_load((ROOT / "configs" / f"{task}.yaml").read_text())["model"]["loss"]["init_args"]
-    names = ("aggregation", "beta", "lambda_", "lambda_schedule", "lambda_min", "lambda_max", "pair_beta", "margin")
-    names += ("pair_mode", "max_pairs_per_group", "reference_free")
-    defaults = {k: p.default for k, p in inspect.signature(AmirGRPOLoss).parameters.items()}
-    return {k: given.get(k, defaults[k]) for k in names}
+    out = {"aggregation": given.get("aggregation", "grpo"), "kl_coef": given.get("kl_coef", 0.0)}
+    out["pair_term"] = asdict(PairTermSettings(**given.get("pair_term", {})))
+    out["pair_weight"] = asdict(PairWeightSettings(**given.get("pair_weight", {})))
+    return out
 
 
 def band(runs: list[dict], key: str):

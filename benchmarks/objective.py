@@ -126,8 +126,8 @@ def main() -> None:
     for aggregation in ("grpo", "dapo"):
         for on_policy in (True, False):
             losses = {
-                "grpo": GRPOLoss(aggregation=aggregation, beta=0.001),
-                "amir": AmirGRPOLoss(aggregation=aggregation, beta=0.001),
+                "grpo": GRPOLoss(aggregation=aggregation, kl_coef=0.001),
+                "amir": AmirGRPOLoss(aggregation=aggregation, kl_coef=0.001),
                 "autograd": AutogradGRPO(aggregation, beta=0.001),
             }
             t = measure(losses, step, args.group_size, on_policy, args.repeats)

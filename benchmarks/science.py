@@ -94,20 +94,20 @@ def arm_loss(arm: str, aggregation: str, config: Path) -> dict:
     """``model.loss`` of an arm: ``GRPO``, ``AMIR-GRPO`` (the config's adaptive lambda), ``AMIR-GRPO lambda=x``
     or ``AMIR-GRPO sum lambda=x`` (summed, not length-normalised, sequence log-probs in the pair term).
 
-    The arms keep the config's KL weight ``beta``; the pair term's settings are the config's.
+    The arms keep the config's KL weight ``kl_coef``; the pair term's settings are the config's.
     """
     given = dict(yaml.safe_load(config.read_text())["model"]["loss"]["init_args"])
-    beta = given.get("beta", 0.0)
+    kl_coef = given.get("kl_coef", 0.0)
     if arm == "GRPO":
         return {
             "class_path": "amir_lightning.objectives.GRPOLoss",
-            "init_args": {"aggregation": aggregation, "beta": beta},
+            "init_args": {"aggregation": aggregation, "kl_coef": kl_coef},
         }
     init = dict(given, aggregation=aggregation)
     if "=" in arm:
-        init.update(lambda_=float(arm.split("=", 1)[1]), lambda_schedule="fixed")
+        init["pair_weight"] = {"value": float(arm.split("=", 1)[1]), "schedule": "fixed"}
     if " sum " in arm:  # the pair term on summed sequence log-probs (the first official commit's form)
-        init.update(reduction="sum")
+        init["pair_term"] = dict(init.get("pair_term") or {}, reduction="sum")
     return {"class_path": "amir_lightning.objectives.AmirGRPOLoss", "init_args": init}
 
 

@@ -31,6 +31,7 @@ from _common import add_step_arguments, interleaved, machine, median, peak_rss_m
 from amir_lightning.data import ArithmeticPrompts, render_prompt
 from amir_lightning.models import QWEN25_3B_SHAPE, BundledSmolLM2, HFModel, LoraSettings, TinyModel
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages, mine_pairs, sequence_logps
+from amir_lightning.objectives.amir import PairTermSettings, PairWeightSettings
 from amir_lightning.rollout.batch import Group, build_steps, plan_steps
 from amir_lightning.rollout.engine import Completion
 from amir_lightning.rollout.policy import ScoringSettings
@@ -168,7 +169,12 @@ def main() -> None:
     optimizer = torch.optim.AdamW([p for p in module.policy.parameters() if p.requires_grad], lr=1e-12)
     (rollout_step,) = build_steps(plan_steps(groups, 1, args.micro_batch_groups), module.handle.pad_token_id)
     rollout_step = module.transfer_batch_to_device(rollout_step, module.device, 0)
-    grpo, amir = GRPOLoss(), AmirGRPOLoss(lambda_=0.01, lambda_schedule="fixed", margin=0.5)
+    grpo, amir = (
+        GRPOLoss(),
+        AmirGRPOLoss(
+            pair_term=PairTermSettings(margin=0.5), pair_weight=PairWeightSettings(value=0.01, schedule="fixed")
+        ),
+    )
     pairs = int(amir.step_context(rollout_step.lengths, rollout_step.rewards, args.group_size).num_pairs)
     functions = {
         "GRPO": synchronized(lambda: step(module, optimizer, grpo, rollout_step)),

@@ -8,6 +8,7 @@ import torch
 from amir_lightning.callbacks import LengthBiasMonitor, PairMarginMonitor, RolloutSampleLogger
 from amir_lightning.callbacks.length_bias import spearman_per_group
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages
+from amir_lightning.objectives.amir import PairTermSettings, PairWeightSettings
 from amir_lightning.rollout.batch import Group, build_steps, plan_steps
 from amir_lightning.rollout.engine import Completion
 
@@ -86,7 +87,9 @@ def test_pair_margin_monitor_matches_direct_computation():
 def test_pair_margin_monitor_uses_the_amir_loss_mining():
     """top1: the best of each group against its losers, 4 pairs; the median is over those 4 margins."""
     _, step, logps = make_step()
-    logged, stats = run(PairMarginMonitor(histogram=False), AmirGRPOLoss(pair_mode="top1"), step, logps)
+    logged, stats = run(
+        PairMarginMonitor(histogram=False), AmirGRPOLoss(pair_term=PairTermSettings(mode="top1")), step, logps
+    )
     assert stats["amir/num_pairs"] == 4
     # top1 picks the first best: group 1 row 0 over rows 1, 3 (0.1, 0.3); group 2 row 2 over rows 0, 1 (-0.2, -0.1)
     assert math.isclose(logged["amir/pair_margin_median"], -0.1, abs_tol=1e-6)
@@ -95,7 +98,9 @@ def test_pair_margin_monitor_uses_the_amir_loss_mining():
 def test_length_bias_monitor():
     """Correct lengths: group 1 -> 1, 3; group 2 -> 3, 4: mean 2.75. Incorrect: 2, 4, 1, 2: mean 2.25."""
     groups, step, logps = make_step()
-    logged, _ = run(LengthBiasMonitor(histogram=False), AmirGRPOLoss(lambda_=0.05), step, logps)
+    logged, _ = run(
+        LengthBiasMonitor(histogram=False), AmirGRPOLoss(pair_weight=PairWeightSettings(value=0.05)), step, logps
+    )
     assert math.isclose(logged["length/correct_mean"], 2.75) and math.isclose(logged["length/incorrect_mean"], 2.25)
     assert math.isclose(logged["length/gap"], -0.5)
     lengths = torch.arange(1.0, 5.0)
@@ -109,7 +114,12 @@ def test_length_bias_monitor():
     assert math.isclose(logged["length/pair_to_pg"], ratio, rel_tol=1e-6)
     assert "length/long_incorrect_frac" not in logged
     # incorrect completions longer than 2 tokens: group 1 row 3 (4 tokens); group 2 none (1, 2): 1 of 8 completions
-    logged, _ = run(LengthBiasMonitor(histogram=False, long_tokens=2), AmirGRPOLoss(lambda_=0.05), step, logps)
+    logged, _ = run(
+        LengthBiasMonitor(histogram=False, long_tokens=2),
+        AmirGRPOLoss(pair_weight=PairWeightSettings(value=0.05)),
+        step,
+        logps,
+    )
     assert math.isclose(logged["length/long_incorrect_frac"], 1 / 8)
 
 
@@ -122,8 +132,8 @@ def test_length_bias_pair_weight_is_the_pair_terms_gradient():
     groups, step, logps = make_step()
     gen = torch.Generator().manual_seed(0)
     refs = [lp - torch.rand(lp.shape, generator=gen) * b.completion_mask for lp, b in zip(logps, step.micro_batches)]
-    settings = dict(lambda_=0.3, lambda_max=1.0, lambda_schedule="fixed", reference_free=False, pair_beta=0.5)
-    amir, grpo = AmirGRPOLoss(**settings), GRPOLoss()
+    term = PairTermSettings(reference_free=False, beta=0.5)
+    amir, grpo = AmirGRPOLoss(term, PairWeightSettings(value=0.3, max=1.0, schedule="fixed")), GRPOLoss()
     logged, _ = run(LengthBiasMonitor(histogram=False), amir, step, logps, refs)
     contexts = [loss.step_context(step.lengths, step.rewards, G) for loss in (amir, grpo)]
     losers = []

@@ -66,6 +66,8 @@ def test_bad_config_value_names_the_key(tmp_path, capsys):
         (["--model.log_entropy", "false"], "model.log_entropy is now model.scoring.entropy"),
         (["--model.packing", "on"], "model.packing is now model.scoring.packing"),
         (["--model.export_dir", "out"], "model.export_dir is now model.export.dir"),
+        (["--model.loss.init_args.lambda_", "0.1"], "init_args.lambda_ is now model.loss.init_args.pair_weight.value"),
+        (["--model.loss.init_args.beta", "0.1"], "model.loss.init_args.beta is now model.loss.init_args.kl_coef"),
     ],
 )
 def test_moved_keys_name_their_new_place(given, hint, capsys):
@@ -80,6 +82,7 @@ def test_moved_keys_name_their_new_place(given, hint, capsys):
     [
         ("  val_size: 4\n  evaluation: {", "data.val_size is now data.evaluation.val_size"),
         ("  log_entropy: true\n  max_grad_norm:", "model.log_entropy is now model.scoring.entropy"),
+        ("      pair_beta: 0.3\n      pair_term:", "init_args.pair_beta is now model.loss.init_args.pair_term.beta"),
     ],
 )
 def test_a_config_file_with_an_old_key_names_its_new_place(tmp_path, capsys, old_line, hint):

@@ -11,6 +11,7 @@ import torch
 from amir_lightning.data import ArithmeticPrompts
 from amir_lightning.models import HFModel, build_tiny_model
 from amir_lightning.objectives import AmirGRPOLoss
+from amir_lightning.objectives.amir import PairWeightSettings
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rollout import HFEngine, SamplingConfig
 from amir_lightning.rollout.collect import RolloutSettings
@@ -49,7 +50,7 @@ def fit(tmp_path, steps_per_rollout: int, mu: int) -> tuple[Watch, RolloutDataMo
     model_dir = build_tiny_model(tmp_path / "model", seed=5)
     module = AmirGRPOModule(
         policy=HFModel(str(model_dir)),
-        loss=AmirGRPOLoss(lambda_=0.5, lambda_schedule="fixed", beta=0.0),
+        loss=AmirGRPOLoss(kl_coef=0.0, pair_weight=PairWeightSettings(value=0.5, schedule="fixed")),
         optimizer=lambda p: torch.optim.SGD(p, lr=0.5),
         scoring=ScoringSettings(entropy=False),
     )

@@ -36,8 +36,8 @@ def test_degenerate_groups_give_finite_loss_and_gradient(aggregation, case):
         mask[:4] = 0
     adv = group_advantages(rewards, 4)
     for loss in (
-        GRPOLoss(aggregation=aggregation, mask_truncated_completions=True, beta=0.1),
-        AmirGRPOLoss(aggregation=aggregation, mask_truncated_completions=True, beta=0.1),
+        GRPOLoss(aggregation=aggregation, mask_truncated_completions=True, kl_coef=0.1),
+        AmirGRPOLoss(aggregation=aggregation, mask_truncated_completions=True, kl_coef=0.1),
     ):
         out = loss(logps, mask, adv, rewards, 4, ref_token_logps=logps.detach() - 0.1, truncated=truncated)
         (grad,) = torch.autograd.grad(out.loss, logps)

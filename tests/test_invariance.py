@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages
+from amir_lightning.objectives.amir import PairTermSettings, PairWeightSettings
 
 G, B, T = 4, 8, 9
 AGGREGATIONS = ["grpo", "bnpo", "dr_grpo", "dapo"]
@@ -34,21 +35,18 @@ def make_step(seed=0):
 
 
 def make_losses(aggregation):
-    common = dict(aggregation=aggregation, beta=0.05, epsilon_high=0.28, mask_truncated_completions=True)
+    common = dict(aggregation=aggregation, kl_coef=0.05, epsilon_high=0.28, mask_truncated_completions=True)
     return {
         "grpo": GRPOLoss(**common),
         "grpo_seq": GRPOLoss(**common | {"importance_sampling": "sequence"}),
         "grpo_seq_mask": GRPOLoss(**common | {"sampling_correction": "sequence_mask", "sampling_cap": 1.2}),
-        "amir": AmirGRPOLoss(**common, lambda_=0.5, lambda_max=1.0, lambda_schedule="fixed"),
+        "amir": AmirGRPOLoss(**common, pair_weight=PairWeightSettings(value=0.5, max=1.0, schedule="fixed")),
         "amir_ref_top1": AmirGRPOLoss(
             **common,
-            lambda_=0.5,
-            lambda_max=1.0,
-            reference_free=False,
-            pair_mode="top1",
-            reduction="sum",
-            max_pairs_per_group=2,
-            margin=0.25,
+            pair_term=PairTermSettings(
+                reference_free=False, mode="top1", reduction="sum", max_per_group=2, margin=0.25
+            ),
+            pair_weight=PairWeightSettings(value=0.5, max=1.0),
         ),
     }
 
@@ -180,7 +178,7 @@ def test_parity_with_float64_reference(aggregation, sequence_is, correction):
     step["logps"] = step["logps"].requires_grad_(True)
     kwargs = dict(
         aggregation=aggregation,
-        beta=0.05,
+        kl_coef=0.05,
         epsilon=0.2,
         epsilon_high=0.28,
         max_completion_length=12,
@@ -188,7 +186,11 @@ def test_parity_with_float64_reference(aggregation, sequence_is, correction):
         sampling_correction=correction[0],
         sampling_cap=correction[1],
     )
-    loss = AmirGRPOLoss(**kwargs, lambda_=0.3, pair_beta=0.7, lambda_max=1.0, lambda_schedule="fixed")
+    loss = AmirGRPOLoss(
+        **kwargs,
+        pair_term=PairTermSettings(beta=0.7),
+        pair_weight=PairWeightSettings(value=0.3, max=1.0, schedule="fixed"),
+    )
     adv = group_advantages(step["rewards"], G)
     out = loss(
         step["logps"],

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from amir_lightning.objectives import AmirGRPOLoss
+from amir_lightning.objectives.amir import PairWeightSettings
 
 
 def step(loss, pair_grad, pg_scale, num_pairs=3.0, pg_loss=0.0):
@@ -29,7 +30,7 @@ def test_band_rule_hand_computed():
     Then M 0.3: EMA = 0.9 * 0.5 + 0.1 * 0.3 = 0.48, share 0.0125 * 0.19 / 0.48 = 0.00495 -> x1.25 = 0.015625;
     then M 0.05: EMA 0.437, share 0.0068 is inside the band 0.005-0.015: lambda stays.
     """
-    loss = AmirGRPOLoss(lambda_=0.01)
+    loss = AmirGRPOLoss(pair_weight=PairWeightSettings(value=0.01))
     assert abs(step(loss, 0.19, 0.5) - 0.0125) < 1e-12
     assert abs(float(loss.schedule.pg_scale_ema) - 0.5) < 1e-12
     assert abs(step(loss, 0.19, 0.3) - 0.015625) < 1e-12
@@ -37,7 +38,9 @@ def test_band_rule_hand_computed():
 
 
 def test_shrinks_above_band_and_clamps():
-    loss = AmirGRPOLoss(lambda_=0.2, scale_ema=0.0)  # initial lambda above lambda_max is pulled in
+    loss = AmirGRPOLoss(
+        pair_weight=PairWeightSettings(value=0.2, scale_ema=0.0)
+    )  # initial lambda above lambda_max is pulled in
     assert step(loss, 1.0, 0.001) == 0.05
     assert abs(step(loss, 1.0, 0.001) - 0.04) < 1e-12  # ratio 0.05 / 0.001 = 50 > 0.7 -> x0.8
     for _ in range(50):
@@ -46,9 +49,9 @@ def test_shrinks_above_band_and_clamps():
 
 
 def test_no_pairs_or_fixed_schedule_keep_lambda():
-    loss = AmirGRPOLoss(lambda_=0.01)
+    loss = AmirGRPOLoss(pair_weight=PairWeightSettings(value=0.01))
     assert step(loss, 0.0, 0.05, num_pairs=0.0) == 0.01
-    fixed = AmirGRPOLoss(lambda_=0.01, lambda_schedule="fixed")
+    fixed = AmirGRPOLoss(pair_weight=PairWeightSettings(value=0.01, schedule="fixed"))
     assert step(fixed, 0.19, 0.5) == 0.01
 
 
@@ -68,7 +71,7 @@ def test_settles_where_the_official_rule_random_walks():
     Ours converges into the band and then holds lambda fixed; the official rule keeps moving between its bounds.
     """
     rng = random.Random(0)
-    ours, official = AmirGRPOLoss(lambda_=0.01), 0.01
+    ours, official = AmirGRPOLoss(pair_weight=PairWeightSettings(value=0.01)), 0.01
     ours_trace, official_trace = [], []
     for _ in range(200):
         signed = rng.gauss(0.0, 0.01)
@@ -84,9 +87,9 @@ def test_settles_where_the_official_rule_random_walks():
 
 
 def test_state_round_trips_through_state_dict():
-    loss = AmirGRPOLoss(lambda_=0.01)
+    loss = AmirGRPOLoss(pair_weight=PairWeightSettings(value=0.01))
     step(loss, 0.19, 0.5)
-    restored = AmirGRPOLoss(lambda_=0.01)
+    restored = AmirGRPOLoss(pair_weight=PairWeightSettings(value=0.01))
     restored.load_state_dict(loss.state_dict())
     assert float(restored.schedule.lambda_value) == float(loss.schedule.lambda_value) == 0.0125
     assert float(restored.schedule.pg_scale_ema) == 0.5
@@ -107,7 +110,7 @@ def test_on_a_real_runs_statistics_lambda_moves_inside_its_bounds():
         previous = min(0.05, max(0.005, previous * (1.25 if share < 0.3 else 0.8 if share > 0.7 else 1.0)))
         assert previous == 0.05
     for start in (0.05, 0.01):
-        loss = AmirGRPOLoss(lambda_=start)
+        loss = AmirGRPOLoss(pair_weight=PairWeightSettings(value=start))
         trace = [step(loss, s["pair_grad"], s["pg_scale"], s["num_pairs"]) for s in steps]
         assert all(0.005 <= lam <= 0.05 for lam in trace)
         assert sum(0.005 < lam < 0.05 for lam in trace) == len(trace)  # never pinned at a bound
@@ -118,16 +121,16 @@ def test_on_a_real_runs_statistics_lambda_moves_inside_its_bounds():
 def test_on_resume_a_fixed_lambda_is_this_runs_and_an_adaptive_one_continues():
     """A fixed lambda is configuration: the value given to the resumed run wins over the checkpoint's. An adaptive
     lambda is the controller's state: it continues from the checkpoint (lambda_ was only its starting value)."""
-    fixed = AmirGRPOLoss(lambda_=0.3, lambda_schedule="fixed", lambda_max=1.0)
-    resumed = AmirGRPOLoss(lambda_=0.1, lambda_schedule="fixed", lambda_max=1.0)
+    fixed = AmirGRPOLoss(pair_weight=PairWeightSettings(value=0.3, schedule="fixed", max=1.0))
+    resumed = AmirGRPOLoss(pair_weight=PairWeightSettings(value=0.1, schedule="fixed", max=1.0))
     resumed.load_state_dict(fixed.state_dict())
     assert resumed.lambda_now == 0.1
-    adaptive = AmirGRPOLoss(lambda_=0.02)
+    adaptive = AmirGRPOLoss(pair_weight=PairWeightSettings(value=0.02))
     adaptive.end_step({"amir/num_pairs": torch.tensor(3.0), "amir/pair_grad": torch.tensor(0.2),
                        "train/pg_scale": torch.tensor(1.0)})  # fmt: skip
     moved = adaptive.lambda_now
     assert moved != 0.02
-    again = AmirGRPOLoss(lambda_=0.02)
+    again = AmirGRPOLoss(pair_weight=PairWeightSettings(value=0.02))
     again.load_state_dict(adaptive.state_dict())
     assert again.lambda_now == moved
 

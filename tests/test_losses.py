@@ -1,11 +1,13 @@
 """GRPO and AMIR-GRPO losses: hand-computed values for every aggregation mode, clipping, KL, truncation, lambda."""
 
 import math
+import re
 
 import pytest
 import torch
 
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss
+from amir_lightning.objectives.amir import PairTermSettings, PairWeightSettings
 
 # Two completions of one group: lengths 2 and 3 (T = 3), advantages given directly as +2 and -1.
 MASK = torch.tensor([[1, 1, 0], [1, 1, 1]])
@@ -95,12 +97,12 @@ def test_k3_kl_term():
     """
     lp = logps()
     ref = lp.detach() + math.log(2)
-    out = GRPOLoss(beta=0.1)(lp, MASK, ADV, REWARDS, 2, ref_token_logps=ref)
+    out = GRPOLoss(kl_coef=0.1)(lp, MASK, ADV, REWARDS, 2, ref_token_logps=ref)
     k3 = 1 - math.log(2)
     torch.testing.assert_close(out.loss, torch.tensor(-0.5 + 0.1 * k3))
     torch.testing.assert_close(out.stats["train/kl"], torch.tensor(k3))
     with pytest.raises(ValueError, match="ref_token_logps"):
-        GRPOLoss(beta=0.1)(logps(), MASK, ADV, REWARDS, 2)
+        GRPOLoss(kl_coef=0.1)(logps(), MASK, ADV, REWARDS, 2)
 
 
 def test_mask_truncated_completions():
@@ -121,13 +123,15 @@ def test_amir_adds_lambda_times_pair_loss():
     With reduction sum, l = [-3, -4.5], z = 0.2 * 1.5 = 0.3: pair loss = log(1 + e^-0.3) = 0.554355, implicit
     accuracy 1; the logged margin stays the length-normalised one (0).
     """
-    loss = AmirGRPOLoss(lambda_=0.1, lambda_schedule="fixed")
+    loss = AmirGRPOLoss(pair_weight=PairWeightSettings(value=0.1, schedule="fixed"))
     out = loss(logps(), MASK, ADV, REWARDS, 2)
     torch.testing.assert_close(out.loss, torch.tensor(-0.5 + 0.1 * math.log(2)))
     assert out.stats["amir/num_pairs"] == 1 and out.stats["amir/implicit_acc"] == 0
     assert out.stats["amir/pair_acc"] == 0 and out.stats["amir/pair_margin"] == 0
     assert loss.step_context(MASK.sum(-1), REWARDS, 2).lambda_ == 0.1
-    out = AmirGRPOLoss(lambda_=0.1, reduction="sum", lambda_schedule="fixed")(logps(), MASK, ADV, REWARDS, 2)
+    out = AmirGRPOLoss(
+        pair_term=PairTermSettings(reduction="sum"), pair_weight=PairWeightSettings(value=0.1, schedule="fixed")
+    )(logps(), MASK, ADV, REWARDS, 2)
     torch.testing.assert_close(out.stats["amir/pair_loss"], torch.tensor(math.log1p(math.exp(-0.3))))
     assert out.stats["amir/implicit_acc"] == 1 and out.stats["amir/pair_margin"] == 0
 
@@ -135,7 +139,10 @@ def test_amir_adds_lambda_times_pair_loss():
 def test_amir_with_reference():
     """reference_free=False: ref mean logps [-1, -2] -> z = 0.2 * ((-1.5 + 1) - (-1.5 + 2)) = -0.2."""
     ref = torch.tensor([[-1.0, -1.0, 0.0], [-2.0, -2.0, -2.0]])
-    loss = AmirGRPOLoss(lambda_=1.0, reference_free=False, lambda_schedule="fixed", lambda_max=1.0)
+    loss = AmirGRPOLoss(
+        pair_term=PairTermSettings(reference_free=False),
+        pair_weight=PairWeightSettings(value=1.0, schedule="fixed", max=1.0),
+    )
     out = loss(logps(), MASK, ADV, REWARDS, 2, ref_token_logps=ref)
     torch.testing.assert_close(out.stats["amir/pair_loss"], torch.tensor(math.log1p(math.exp(0.2))))
     assert loss.needs_reference and not AmirGRPOLoss().needs_reference
@@ -145,7 +152,7 @@ def test_amir_with_reference():
 
 def test_amir_without_pairs_equals_grpo():
     rewards = torch.tensor([1.0, 1.0])
-    a = AmirGRPOLoss(lambda_=0.05)(logps(), MASK, ADV, rewards, 2)
+    a = AmirGRPOLoss(pair_weight=PairWeightSettings(value=0.05))(logps(), MASK, ADV, rewards, 2)
     g = GRPOLoss()(logps(), MASK, ADV, rewards, 2)
     torch.testing.assert_close(a.loss, g.loss)
     assert a.stats["amir/num_pairs"] == 0
@@ -156,7 +163,7 @@ def test_amir_without_pairs_equals_grpo():
     [
         {"aggregation": "mean"},
         {"epsilon": 1.5},
-        {"beta": -1.0},
+        {"kl_coef": -1.0},
         {"importance_sampling": "tokens"},
         {"max_completion_length": 0},
     ],
@@ -167,12 +174,18 @@ def test_grpo_rejects_bad_arguments(kwargs):
 
 
 @pytest.mark.parametrize(
-    "kwargs",
-    [{"margin": -1.0}, {"pair_beta": 0.0}, {"pair_mode": "topk"}, {"lambda_min": 0.1, "lambda_max": 0.01}],
+    ("settings", "kwargs", "message"),
+    [
+        (PairTermSettings, {"margin": -1.0}, "pair_term.margin must be >= 0"),
+        (PairTermSettings, {"beta": 0.0}, "pair_term.beta must be > 0"),
+        (PairTermSettings, {"mode": "topk"}, "pair_term.mode must be 'all' or 'top1'"),
+        (PairWeightSettings, {"min": 0.1, "max": 0.01}, "pair_weight: need 0 < min <= max"),
+        (PairWeightSettings, {"grow": 0.9}, "pair_weight: need grow > 1"),
+    ],
 )
-def test_amir_rejects_bad_arguments(kwargs):
-    with pytest.raises(ValueError, match=next(iter(kwargs))):
-        AmirGRPOLoss(**kwargs)
+def test_amir_rejects_bad_arguments(settings, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        settings(**kwargs)
 
 
 @pytest.mark.parametrize("aggregation", ["bnpo", "dapo", "grpo"])

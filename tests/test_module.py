@@ -5,6 +5,7 @@ import torch
 
 from amir_lightning.models import HFModel, build_tiny_model
 from amir_lightning.objectives import AmirGRPOLoss, group_advantages
+from amir_lightning.objectives.amir import PairWeightSettings
 from amir_lightning.rollout.batch import Group, build_steps, fit_plan, make_batch, plan_steps
 from amir_lightning.rollout.engine import Completion
 from amir_lightning.rollout.policy import ScoringSettings
@@ -18,7 +19,7 @@ def module(tmp_path_factory):
     model_dir = build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=2)
     mod = AmirGRPOModule(
         policy=HFModel(str(model_dir)),
-        loss=AmirGRPOLoss(lambda_=0.5, lambda_max=1.0, lambda_schedule="fixed", beta=0.0),
+        loss=AmirGRPOLoss(kl_coef=0.0, pair_weight=PairWeightSettings(value=0.5, max=1.0, schedule="fixed")),
         temperature=0.9,
     )
     mod.configure_model()

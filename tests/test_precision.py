@@ -121,7 +121,7 @@ def test_the_reference_copy_scores_as_the_policy_at_step_zero(model_dir, precisi
     """Full fine-tuning with a KL term: the frozen reference copy and the policy hold the same weights at step 0, so
     their log-probs are the same (a bf16 copy under a float32 policy's autocast differed: a KL floor at step 0)."""
     module = AmirGRPOModule(
-        policy=HFModel(str(model_dir)), loss=GRPOLoss(beta=0.04), scoring=ScoringSettings(entropy=False)
+        policy=HFModel(str(model_dir)), loss=GRPOLoss(kl_coef=0.04), scoring=ScoringSettings(entropy=False)
     )
     module.compute_dtype = compute_dtype(precision)
     module.configure_model()

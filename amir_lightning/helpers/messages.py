@@ -38,14 +38,43 @@ MOVED_KEYS = {
     "model.export_dir": "model.export.dir",
     "model.export_every_n_epochs": "model.export.every_n_epochs",
     "model.export_format": "model.export.format",
+    "model.loss.init_args.beta": "model.loss.init_args.kl_coef",
+    **{
+        f"model.loss.init_args.{old}": f"model.loss.init_args.pair_term.{new}"
+        for old, new in (
+            ("pair_beta", "beta"),
+            ("margin", "margin"),
+            ("pair_mode", "mode"),
+            ("max_pairs_per_group", "max_per_group"),
+            ("reduction", "reduction"),
+            ("reference_free", "reference_free"),
+        )
+    },  # fmt: skip
+    **{
+        f"model.loss.init_args.{old}": f"model.loss.init_args.pair_weight.{new}"
+        for old, new in (
+            ("lambda_", "value"),
+            ("lambda_schedule", "schedule"),
+            ("lambda_min", "min"),
+            ("lambda_max", "max"),
+            ("ratio_low", "share_low"),
+            ("ratio_high", "share_high"),
+            ("lambda_up", "grow"),
+            ("lambda_down", "shrink"),
+            ("scale_ema", "scale_ema"),
+        )
+    },  # fmt: skip
 }
 
 
 def moved_key_hint(text: str) -> str:
     """`` (data.X is now data.group.X)`` for an old key named in ``text``, else ``""``."""
     for old, new in MOVED_KEYS.items():
-        section, name = old.split(".", 1)
-        if re.search(rf"(--{section}\.{name}\b|option '{name}'|\b{section}\.{name}\b)", text):
+        parent, _, name = old.partition(".init_args.") if ".init_args." in old else old.rpartition(".")
+        dotted = re.escape(old)
+        # the command line (--key), a config file (the key, or the option of its group), a component's arguments
+        if re.search(rf"(--{dotted}\b|\b{dotted}\b|option '{re.escape(name)}'|Parser key \"{re.escape(parent)}\".*"
+                     rf"[Oo]ption '{re.escape(name)}' is not accepted)", text, re.DOTALL):  # fmt: skip
             return f" ({old} is now {new})"
     return ""
 

@@ -1,7 +1,7 @@
 """GRPO's clipped policy-gradient objective with TRL GRPOTrainer's aggregation modes (arXiv 2402.03300).
 
     rho_i,t = exp(logp_i,t - old_i,t)                (token)   or  exp(mean_t(logp_i - old_i))  (sequence, GSPO)
-    c_i,t   = -min(rho A_i, clip(rho, 1 - eps, 1 + eps_high) A_i) + beta * k3_i,t
+    c_i,t   = -min(rho A_i, clip(rho, 1 - eps, 1 + eps_high) A_i) + kl_coef * k3_i,t
     k3      = exp(ref - logp) - (ref - logp) - 1
 
 Aggregation of the per-token loss ``c`` over one optimisation step of N completions:
@@ -66,7 +66,8 @@ class GRPOLoss(nn.Module):
         epsilon_high: Upper clip range ``rho <= 1 + epsilon_high`` (DAPO's clip-higher); defaults to ``epsilon``.
         importance_sampling: ``token`` ratios (GRPO) or one ``sequence`` ratio per completion (GSPO). On-policy
             (``old_token_logps=None``) both give the same gradient.
-        beta: Coefficient of the k3 KL penalty to the reference policy; 0 needs no reference model.
+        kl_coef: Coefficient of the k3 KL penalty to the reference policy (TRL's ``beta``); 0 needs no reference
+            model.
         mask_truncated_completions: Drop completions that hit the length limit from the policy-gradient term.
         max_completion_length: ``L`` of ``dr_grpo``: a constant, the completion length limit (``amir fit`` sets it
             to ``data.sampling.max_new_tokens`` unless given; training without it is an error). ``None`` in a
@@ -81,7 +82,7 @@ class GRPOLoss(nn.Module):
         epsilon: float = 0.2,
         epsilon_high: float | None = None,
         importance_sampling: ImportanceSampling = "token",
-        beta: float = 0.0,
+        kl_coef: float = 0.0,
         mask_truncated_completions: bool = False,
         max_completion_length: int | None = None,
         sampling_correction: SamplingCorrection = "token_truncate",
@@ -96,7 +97,7 @@ class GRPOLoss(nn.Module):
         if not 0 <= epsilon < 1:
             errors.append(f"{_KEY}.epsilon must be in [0, 1), got {epsilon}")
         check_number(errors, f"{_KEY}.epsilon_high", epsilon_high, ge=0, optional=True)
-        check_number(errors, f"{_KEY}.beta (KL coefficient)", beta, ge=0)
+        check_number(errors, f"{_KEY}.kl_coef", kl_coef, ge=0)
         check_number(errors, f"{_KEY}.max_completion_length", max_completion_length, ge=1, optional=True)
         corrections = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
         if sampling_correction not in corrections:
@@ -110,7 +111,7 @@ class GRPOLoss(nn.Module):
         self.epsilon = epsilon
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
         self.importance_sampling = importance_sampling
-        self.beta = beta
+        self.kl_coef = kl_coef
         self.mask_truncated_completions = mask_truncated_completions
         self.max_completion_length = max_completion_length
 
@@ -121,7 +122,7 @@ class GRPOLoss(nn.Module):
 
     def reference_uses(self) -> list[str]:
         """The settings that need reference log-probs."""
-        return ["beta != 0"] if self.beta != 0.0 else []
+        return ["kl_coef != 0"] if self.kl_coef != 0.0 else []
 
     @property
     def lambda_now(self) -> float:
@@ -255,10 +256,10 @@ class GRPOLoss(nn.Module):
             stats["train/clip_frac_high"] = (clipped.sum(-1) * (advantages > 0)).sum() / token_norm
             # Magnitude of the policy-gradient weights; the signed loss is ~0 on-policy (the official lambda uses it).
             stats["train/pg_scale"] = (weights * token_loss.sum(-1) * -adv.squeeze(1).sign()).sum()
-        if self.beta != 0.0:
+        if self.kl_coef != 0.0:
             delta = ref_token_logps.to(token_logps.dtype) - token_logps  # [N, T]
             kl = (weights * ((delta.exp() - delta - 1.0) * mask).sum(-1)).sum()  # k3, not importance-weighted
-            loss = loss + self.beta * kl
+            loss = loss + self.kl_coef * kl
             stats["train/kl"] = kl.detach()
         stats["train/loss"] = loss.detach()
         rows = RowDiagnostics(

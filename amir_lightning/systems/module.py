@@ -157,9 +157,9 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         self.policy.train()  # dropout is disabled at load time, so train mode changes nothing but intent
         mesh = getattr(self, "device_mesh", None)  # set by ModelParallelStrategy: shard with FSDP2
         self._fsdp2 = mesh is not None
+        self.handle.bind(self.policy, self.compute_dtype, not self._fsdp2)  # its head checks run on the whole model
         if self._fsdp2:
-            shard_fsdp2(self.policy, mesh.device_type, self.compute_dtype)
-        self.handle.bind(self.policy, self.compute_dtype, not self._fsdp2)
+            shard_fsdp2(self.policy, mesh.device_type, self.compute_dtype)  # in place: the Policy keeps the same one
         if self.loss.needs_reference and not is_peft(self.policy):
             self._reference = (load_reference(self.model_dir, self._reference_dtype(), trust, attention),)
 

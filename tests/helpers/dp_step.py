@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from amir_lightning.helpers.distributed import all_reduce
 from amir_lightning.models import HFModel
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages
+from amir_lightning.objectives.amir import PairWeightSettings
 from amir_lightning.rollout.batch import Group, agree_on_plan, build_steps, plan_steps
 from amir_lightning.rollout.engine import Completion
 from amir_lightning.rollout.policy import ScoringSettings
@@ -105,7 +106,9 @@ def main():
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.loss == "amir":
-        loss = AmirGRPOLoss(aggregation=args.aggregation, lambda_=0.5, lambda_max=1.0, lambda_schedule="fixed")
+        loss = AmirGRPOLoss(
+            aggregation=args.aggregation, pair_weight=PairWeightSettings(value=0.5, max=1.0, schedule="fixed")
+        )
     else:
         loss = GRPOLoss(aggregation=args.aggregation)
     module = AmirGRPOModule(
