@@ -230,7 +230,7 @@ def test_a_stream_leaves_out_excluded_prompts_and_keeps_the_others_order():
 
 
 def test_the_rollout_line_says_how_long_the_run_has_left():
-    from amir_lightning.systems.datamodule import time_left
+    from amir_lightning.systems.progress import time_left
 
     assert time_left([100.0], 1, 30) == ""  # one rollout: no pace yet
     assert time_left([100.0, 110.0, 130.0], 3, 30) == "; 15 s per rollout, 7 min left"

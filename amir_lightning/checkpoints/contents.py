@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from amir_lightning.checkpoints.checks import check_base_model, check_compatible
-from amir_lightning.models.loading import base_identity, is_peft
+from amir_lightning.models.loading import base_identity, is_peft, policy_shapes
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,16 @@ class TrainableCheckpoint:
         return {
             f"policy.{name}" for name, p in self.policy.named_parameters(remove_duplicate=False) if not p.requires_grad
         }
+
+    def expected_shapes(self) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+        """This module's state as shapes, without loading the policy, and the names a checkpoint may leave out.
+
+        The state: policy weights and loss buffers; left out: the frozen base weights of a LoRA policy.
+        """
+        built, frozen = policy_shapes(self.model_dir, self.lora, self.source.trust_remote_code)
+        shapes = {f"policy.{name}": shape for name, shape in built.items()}
+        own = shapes | {k: tuple(v.shape) for k, v in self.state_dict().items() if not k.startswith("policy.")}
+        return own, {f"policy.{name}" for name in frozen}
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The module's state without the frozen base weights of a LoRA policy: checkpoints hold what trains.

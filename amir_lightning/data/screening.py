@@ -71,3 +71,15 @@ def lost_characters(tokenizer, prompt: Prompt) -> str:
         kept = "".join(tokenizer.decode(ids, skip_special_tokens=True).split())
         lost += "".join(sorted(set("".join(text.split())) - set(kept)))
     return lost
+
+
+def check_references(source: PromptSource, answered: int, reward) -> None:
+    """A reward that grades against reference answers (``reward``, else ``None``) needs a source with some."""
+    if reward is None or answered or not len(source):
+        return
+    columns = ", ".join(sorted(source[0].row)) or "none"
+    raise ValueError(
+        f"data.rewards: {type(reward).__name__} grades against reference answers, but no training prompt of "
+        f"{source.describe()} has one (its rows have the columns: {columns}); name the answer column with "
+        "data.prompts.init_args.answer_key"
+    )

@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
 
 from amir_lightning.data.base import Prompt, PromptSource
-from amir_lightning.data.screening import screen
+from amir_lightning.data.screening import check_references, screen
 from amir_lightning.data.stream import PromptStream
 from amir_lightning.data.templates import render_prompts
 from amir_lightning.evaluation.evaluator import EvaluationSettings, Evaluator
@@ -33,33 +33,13 @@ from amir_lightning.rollout.collect import RewardGuard, RolloutSettings, collect
 from amir_lightning.rollout.engine import RolloutEngine, SamplingConfig
 from amir_lightning.rollout.policy import Policy
 from amir_lightning.rollout.sync import SyncCheck, SyncSettings
+from amir_lightning.systems.progress import time_left
 
 log = logging.getLogger(__name__)
 
 
 def _identity(batch):
     return batch
-
-
-def time_left(logged_at: list[float], done: int, total: int | None) -> str:
-    """``"; 42 s per rollout, 1 h 10 min left"`` from when the rollouts of this process were logged ("" at first)."""
-    if len(logged_at) < 2:
-        return ""
-    per = (logged_at[-1] - logged_at[0]) / (len(logged_at) - 1)
-    text = f"; {_duration(per)} per rollout"
-    if total and total > 0:
-        text += f", {_duration(per * max(total - done, 0))} left"
-    return text
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    minutes = seconds / 60
-    if minutes < 90:
-        return f"{minutes:.0f} min"
-    hours = minutes / 60
-    return f"{hours:.1f} h" if hours < 48 else f"{hours / 24:.1f} d"
 
 
 class RolloutDataModule(LightningDataModule):
@@ -248,7 +228,7 @@ class RolloutDataModule(LightningDataModule):
             return
         self._screened = True
         found = screen(source, self.tokenizer, self.system_prompt, self.prompt_limit, self.trainer.is_global_zero)
-        self._check_references(source, found.answered)
+        check_references(source, found.answered, next((r for r in self.rewards if r.needs_reference), None))
         if found.lost and self.trainer.is_global_zero:
             log.warning(
                 "%d of %d training prompts have characters the tokenizer cannot encode (dropped, or turned into its "
@@ -274,18 +254,6 @@ class RolloutDataModule(LightningDataModule):
         if self.trainer.is_global_zero:
             log.warning("skipping %d of %d training prompts that cannot be used: %s; %s", len(found.bad), len(source),
                         first, limit)  # fmt: skip
-
-    def _check_references(self, source: PromptSource, answered: int) -> None:
-        """A reward that grades against reference answers needs a source with some."""
-        needs = next((r for r in self.rewards if r.needs_reference), None)
-        if needs is None or answered or not len(source):
-            return
-        columns = ", ".join(sorted(source[0].row)) or "none"
-        raise ValueError(
-            f"data.rewards: {type(needs).__name__} grades against reference answers, but no training prompt of "
-            f"{source.describe()} has one (its rows have the columns: {columns}); name the answer column with "
-            "data.prompts.init_args.answer_key"
-        )
 
     def screen_evaluation_prompts(self, stage: str) -> None:
         """Render the prompts evaluation will use before the engine starts; one over ``prompt_limit`` is an error.

@@ -32,7 +32,6 @@ from amir_lightning.models.loading import (
     is_peft,
     load_policy,
     load_reference,
-    policy_shapes,
     shard_fsdp2,
 )
 from amir_lightning.models.sources import ModelSource
@@ -125,16 +124,6 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
     def model_dir(self) -> Path:
         """Local directory of the initial policy (resolved, downloaded or built once, by rank 0 first)."""
         return self.handle.model_dir
-
-    def expected_shapes(self) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-        """This module's state as shapes, without loading the policy, and the names a checkpoint may leave out.
-
-        The state: policy weights and loss buffers; left out: the frozen base weights of a LoRA policy.
-        """
-        built, frozen = policy_shapes(self.model_dir, self.lora, self.source.trust_remote_code)
-        shapes = {f"policy.{name}": shape for name, shape in built.items()}
-        own = shapes | {k: tuple(v.shape) for k, v in self.state_dict().items() if not k.startswith("policy.")}
-        return own, {f"policy.{name}" for name in frozen}
 
     def setup(self, stage: str) -> None:  # noqa: D102
         check_strategy(self.trainer.strategy)

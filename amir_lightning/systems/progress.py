@@ -1,4 +1,7 @@
-"""One progress bar for the whole run: rollouts done of the run's, the time left, the last reward and loss."""
+"""The run's progress: one bar for the whole run, and the pace in each rollout's log line.
+
+The bar shows the rollouts done of the run's, the time left, the last reward and loss (``RunProgressBar``).
+"""
 
 from __future__ import annotations
 
@@ -47,3 +50,24 @@ class RunProgressBar(TQDMProgressBar):
         metrics = trainer.callback_metrics
         names = {"reward": "rollout/reward_mean", "loss": "train/loss"}
         return {short: f"{float(metrics[key]):.3g}" for short, key in names.items() if key in metrics} | items
+
+
+def time_left(logged_at: list[float], done: int, total: int | None) -> str:
+    """``"; 42 s per rollout, 1 h 10 min left"`` from when the rollouts of this process were logged ("" at first)."""
+    if len(logged_at) < 2:
+        return ""
+    per = (logged_at[-1] - logged_at[0]) / (len(logged_at) - 1)
+    text = f"; {_duration(per)} per rollout"
+    if total and total > 0:
+        text += f", {_duration(per * max(total - done, 0))} left"
+    return text
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    minutes = seconds / 60
+    if minutes < 90:
+        return f"{minutes:.0f} min"
+    hours = minutes / 60
+    return f"{hours:.1f} h" if hours < 48 else f"{hours / 24:.1f} d"
