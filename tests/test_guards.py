@@ -125,10 +125,10 @@ def test_non_finite_step_is_skipped_and_counted(tmp_path, monkeypatch):
     model_dir = build_tiny_model(tmp_path / "model", seed=4)
     start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     module, trainer = fit(model_dir, epochs=1, poisoned=[0])
-    assert trainer.global_step == 0 and module._skipped_steps == 1  # the optimiser never stepped
+    assert trainer.global_step == 0 and module.bad_steps.skipped == 1  # the optimiser never stepped
     assert all(torch.equal(v, start[k]) for k, v in module.policy.state_dict().items())
     module, trainer = fit(model_dir, epochs=3, poisoned=[1])
-    assert trainer.global_step == 2 and module._skipped_steps == 1
+    assert trainer.global_step == 2 and module.bad_steps.skipped == 1
     assert all(torch.isfinite(p).all() for p in module.policy.parameters())
 
 

@@ -46,7 +46,7 @@ class TrainableCheckpoint:
     """What a checkpoint of the policy module holds: what trains, and what a resume must check.
 
     A mixin of ``AmirGRPOModule`` (before ``LightningModule``): it reads the module's ``policy``, ``lora``,
-    ``source``, ``model_dir``, ``trainer`` and ``_skipped_steps``. The module's ``state_dict`` (hence every
+    ``source``, ``model_dir``, ``trainer`` and ``bad_steps``. The module's ``state_dict`` (hence every
     checkpoint, single-file or distributed) leaves out the frozen base weights of a LoRA policy; a resume checks the
     base model's identity and the weights' shapes before loading.
     """
@@ -107,7 +107,7 @@ class TrainableCheckpoint:
         """Add the random states, the skipped-step count and the base model's identity under ``amir``."""
         checkpoint["amir"] = {
             "random_states": random_states(),
-            "skipped_steps": self._skipped_steps,
+            "skipped_steps": self.bad_steps.skipped,
             "base_model": self.base_model(),
         }
 
@@ -120,4 +120,4 @@ class TrainableCheckpoint:
             check_compatible(own, checkpoint["state_dict"], path, optional=self.frozen_weights())
         if "amir" in checkpoint:
             restore_random_states(checkpoint["amir"]["random_states"])
-            self._skipped_steps = checkpoint["amir"]["skipped_steps"]
+            self.bad_steps.skipped = checkpoint["amir"]["skipped_steps"]

@@ -10,7 +10,6 @@ of whole groups, and the optimiser steps after the step's last micro-batch, what
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +17,6 @@ from pathlib import Path
 import torch
 from lightning import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
 from amir_lightning.checkpoints.contents import TrainableCheckpoint
@@ -43,6 +41,7 @@ from amir_lightning.objectives import (
 )
 from amir_lightning.rollout.batch import RolloutBatch, RolloutStep
 from amir_lightning.rollout.policy import Policy, ScoringSettings
+from amir_lightning.systems.optimisation import BadStepGuard, clip_global_norm, parameter_groups
 from amir_lightning.systems.precision import check_strategy, dtype_by_name, take_over_precision
 from amir_lightning.systems.summary import planned_steps, run_summary
 
@@ -112,10 +111,9 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         if export.format == "adapter" and lora is None:
             errors.append("model.export.format: adapter needs model.lora (the whole policy trains: export merged)")
         raise_errors(errors)
-        self.max_bad_steps = max_bad_steps
+        self.bad_steps = BadStepGuard(max_bad_steps)
         self.policy = None
         self._reference: tuple = ()  # not a registered submodule: never trained, never checkpointed
-        self._bad_steps = self._skipped_steps = 0
         self.handle = Policy(policy, temperature, scoring)  # the policy as the data module sees it
         self.val_accuracy = MeanMetric()
 
@@ -244,17 +242,14 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
 
     def _optimizer_step(self, context: StepContext, stats: dict[str, torch.Tensor], bad: bool) -> None:
         optimizer = self.optimizers()
-        params = [p for p in self.policy.parameters() if p.grad is not None]
-        # The global norm under every strategy: DDP's gradients are already averaged, and FSDP2's are DTensor
-        # shards whose norm torch reduces over the mesh (tests/test_distributed.py pins both).
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or math.inf)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        grad_norm = clip_global_norm(self.policy, self.max_grad_norm)
         bad = bool(all_reduce(torch.tensor([float(bad or not torch.isfinite(grad_norm))]), "max", self.device)[0])
         if bad:  # never apply a NaN or inf gradient
             optimizer.zero_grad(set_to_none=True)
-            self._skip_step()
+            self.bad_steps.skip(self.global_step)
+            log_metrics(self.trainer, {"train/skipped_steps": self.bad_steps.skipped})
             return
-        self._bad_steps = 0
+        self.bad_steps.applied()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler = self.lr_schedulers()
@@ -266,23 +261,8 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
             logged["amir/lambda"] = context.lambda_  # the step's lambda (the schedule has set the next one)
         logged["train/grad_norm"] = grad_norm.detach().float()
         logged["train/lr"] = optimizer.param_groups[0]["lr"]
-        logged["train/skipped_steps"] = self._skipped_steps
+        logged["train/skipped_steps"] = self.bad_steps.skipped
         log_metrics(self.trainer, logged)
-
-    def _skip_step(self) -> None:
-        self._bad_steps += 1
-        self._skipped_steps += 1
-        log_metrics(self.trainer, {"train/skipped_steps": self._skipped_steps})
-        if self._bad_steps >= self.max_bad_steps:
-            raise FloatingPointError(
-                f"{self._bad_steps} optimisation steps in a row had a non-finite loss or gradient (model.max_bad_steps="
-                f"{self.max_bad_steps}); stopped at step {self.global_step} before applying any. Lower the learning "
-                "rate, check the rewards, or resume from the last checkpoint."
-            )
-        rank_zero_warn(
-            f"skipped optimisation step {self.global_step}: non-finite loss or gradient "
-            f"({self._bad_steps} in a row, model.max_bad_steps={self.max_bad_steps})"
-        )
 
     # ------------------------------------------------------------------ evaluation
     def validation_step(self, batch: dict, batch_idx: int) -> None:  # noqa: D102
@@ -307,11 +287,7 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
 
     # ------------------------------------------------------------------ optimisation and export
     def configure_optimizers(self):  # noqa: D102
-        # Biases and norm weights (the 1-D parameters) take no weight decay, as in Hugging Face's Trainer.
-        trainable = [p for p in self.policy.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in trainable if p.ndim >= 2]}, {"params": [p for p in trainable if p.ndim < 2]}]
-        groups[1]["weight_decay"] = 0.0
-        optimizer = self.optimizer_factory([g for g in groups if g["params"]])
+        optimizer = self.optimizer_factory(parameter_groups(self.policy))  # no weight decay on biases and norms
         if self.scheduler_factory is None:
             return optimizer
         scheduler = self.scheduler_factory(optimizer)
