@@ -7,9 +7,11 @@ a rollout and builds the steps, with the old policy's log-probs on every micro-b
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from amir_lightning.data import ArithmeticPrompts
 from amir_lightning.models import HFModel, build_tiny_model
+from amir_lightning.models.export import ExportSettings
 from amir_lightning.objectives import AmirGRPOLoss
 from amir_lightning.objectives.amir import PairWeightSettings
 from amir_lightning.rewards.base import Reward
@@ -46,17 +48,32 @@ class Watch(L.Callback):
         self.rollouts.add(id(batch.rollout))
 
 
-def fit(tmp_path, steps_per_rollout: int, mu: int) -> tuple[Watch, RolloutDataModule, list]:
-    model_dir = build_tiny_model(tmp_path / "model", seed=5)
+class CountingEngine(HFEngine):
+    """HF generate that counts its rollouts and records where the prompt stream was at each."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.calls = 0
+
+    def generate(self, prompts, n, sampling):  # noqa: D102
+        self.calls += 1
+        return super().generate(prompts, n, sampling)
+
+
+def build(tmp_path, steps_per_rollout: int = 1, mu: int = 1) -> tuple[AmirGRPOModule, RolloutDataModule]:
+    model_dir = tmp_path / "model"
+    if not model_dir.exists():
+        build_tiny_model(model_dir, seed=5)
     module = AmirGRPOModule(
         policy=HFModel(str(model_dir)),
         loss=AmirGRPOLoss(kl_coef=0.0, pair_weight=PairWeightSettings(value=0.5, schedule="fixed")),
         optimizer=lambda p: torch.optim.SGD(p, lr=0.5),
         scoring=ScoringSettings(entropy=False),
+        export=ExportSettings(dir=str(tmp_path / "policy")),
     )
     data = RolloutDataModule(
         prompts=ArithmeticPrompts(num_terms=1, template="{expression}="),
-        engine=HFEngine(progress=False),
+        engine=CountingEngine(progress=False),
         rewards=[LengthReward()],
         rollout=RolloutSettings(
             group_size=4, prompts_per_epoch=2, micro_batch_groups=1, steps_per_rollout=steps_per_rollout, mu=mu
@@ -64,18 +81,33 @@ def fit(tmp_path, steps_per_rollout: int, mu: int) -> tuple[Watch, RolloutDataMo
         sampling=SamplingConfig(max_new_tokens=4),
     )
     data.attach(module.handle)
-    watch = Watch()
-    trainer = L.Trainer(
+    return module, data
+
+
+def make_trainer(tmp_path, epochs: int, callbacks: list, checkpoints: bool = False) -> L.Trainer:
+    if checkpoints:
+        callbacks = [
+            *callbacks,
+            ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_on_train_epoch_end=True),
+        ]
+    return L.Trainer(
         accelerator="cpu",
-        max_epochs=1,
+        max_epochs=epochs,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=checkpoints,
         enable_progress_bar=False,
         enable_model_summary=False,
         reload_dataloaders_every_n_epochs=1,
-        callbacks=[watch],
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
         default_root_dir=tmp_path,
     )
+
+
+def fit(tmp_path, steps_per_rollout: int, mu: int) -> tuple[Watch, RolloutDataModule, list]:
+    module, data = build(tmp_path, steps_per_rollout, mu)
+    watch = Watch()
+    trainer = make_trainer(tmp_path, 1, [watch])
     trainer.fit(module, datamodule=data)
     steps = list(trainer.train_dataloader)
     return watch, data, steps
@@ -104,3 +136,23 @@ def test_the_data_module_needs_the_policy_handed_over(tmp_path):
     data.trainer = L.Trainer(accelerator="cpu", logger=False, reload_dataloaders_every_n_epochs=1)
     with pytest.raises(RuntimeError, match=r"call data.attach\(module.handle\) before the trainer runs"):
         data.setup("fit")
+
+
+def test_a_run_resumed_at_the_end_of_a_rollout_runs_only_the_next_one_and_ends_where_an_uninterrupted_run_does(
+    tmp_path,
+):
+    """The data module's own record (the rollout's epoch and its steps started) tells a resumed epoch from a new one.
+
+    Resumed from the checkpoint written at the end of rollout 1 of 2, the run generates once (rollout 2), draws the
+    prompts an uninterrupted run draws there, and ends with its weights, bitwise.
+    """
+    straight_module, straight = build(tmp_path / "straight")
+    make_trainer(tmp_path / "straight", 2, []).fit(straight_module, datamodule=straight)
+    first_module, first = build(tmp_path / "cut")
+    make_trainer(tmp_path / "cut", 1, [], checkpoints=True).fit(first_module, datamodule=first)
+    module, data = build(tmp_path / "cut")
+    make_trainer(tmp_path / "cut", 2, [], checkpoints=True).fit(module, datamodule=data, ckpt_path="last")
+    assert (straight.engine.calls, first.engine.calls, data.engine.calls) == (2, 1, 1)
+    assert data.stream.position == straight.stream.position == 4  # 2 rollouts of 2 prompts
+    for name, weight in straight_module.policy.state_dict().items():
+        assert torch.equal(weight, module.policy.state_dict()[name]), name

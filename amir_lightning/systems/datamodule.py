@@ -116,7 +116,11 @@ class RolloutDataModule(LightningDataModule):
         # a prompt and its completion must fit the engine's context
         self.prompt_limit = min(max_prompt_tokens, room - sampling.max_new_tokens) if room else max_prompt_tokens
         self.bad_prompts, self.skipped_prompts, self._screened = bad_prompts, 0, False
-        self._drawn: tuple[int, int] | None = None  # see state_dict
+        # Where this process is in the run, the data module's own record (state_dict): the epoch of the rollout
+        # last drawn, the stream position before that draw, and how many of its steps have started.
+        self._rollout_epoch: int | None = None
+        self._drawn_at: int | None = None
+        self._steps_started = 0
         self._rollout_times: list[float] = []  # when each rollout of this process's run was logged
         self.sync_check = SyncCheck(sync)
         self.val_prompts, self.benchmarks = val_prompts, list(benchmarks or [])
@@ -160,20 +164,29 @@ class RolloutDataModule(LightningDataModule):
             self.engine.start(self.policy.model_dir, seed=seed, device=device, local_rank=trainer.local_rank)
 
     def state_dict(self) -> dict:
-        """The prompt stream's position and the sync check's probe.
+        """The prompt stream's position, the sync check's probe, and the rollout the run is in.
 
-        A checkpoint written after this rollout's prompts were drawn but before any of its steps ran (SLURM's
+        A checkpoint written after this rollout's prompts were drawn but before any of its steps started (SLURM's
         requeue checkpoint, saved whenever the signal comes, often mid-generation) holds the position before the
         draw: its resume, which runs the rollout again, draws the same prompts, as an uninterrupted run does.
         """
-        cursor = self.stream.position
-        if self._drawn is not None and self._drawn[1] == self.trainer.fit_loop.epoch_loop.batch_progress.total.ready:
-            cursor = self._drawn[0]
-        return {"cursor": cursor, "sync": self.sync_check.state_dict()}
+        drawn_only = self._drawn_at is not None and not self._steps_started
+        cursor = self._drawn_at if drawn_only else self.stream.position
+        rollout = {"epoch": self._rollout_epoch, "steps_started": self._steps_started}
+        return {"cursor": cursor, "sync": self.sync_check.state_dict(), "rollout": rollout}
 
     def load_state_dict(self, state_dict: dict) -> None:  # noqa: D102
         self.stream.position = int(state_dict["cursor"])
         self.sync_check.load_state_dict(state_dict.get("sync", {}))
+        rollout = state_dict.get("rollout", {})
+        self._rollout_epoch, self._steps_started = rollout.get("epoch"), int(rollout.get("steps_started", 0))
+        self._drawn_at = None
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        """Count the steps of this rollout that have started (the data module's record for ``state_dict``)."""
+        if self.trainer.training:
+            self._steps_started += 1
+        return batch
 
     def on_exception(self, exception: BaseException) -> None:
         """Say where a SIGTERM stopped the run and where it resumes from (``amir`` prints it as it exits)."""
@@ -183,7 +196,7 @@ class RolloutDataModule(LightningDataModule):
         if trainer.state.fn != "fit":  # amir test, validate: nothing to resume, run it again
             exception.amir_where = f" during amir {trainer.state.fn.value}"  # type: ignore[attr-defined]
             return
-        done = trainer.fit_loop.epoch_progress.current.completed
+        done = trainer.current_epoch  # rollouts whose epoch completed
         total = f" of {trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
         last = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else ""
         resume = (
@@ -206,8 +219,7 @@ class RolloutDataModule(LightningDataModule):
         and the stream position stays in step everywhere.
         """
         ranks, rank, per_rank = self.trainer.world_size, self.trainer.global_rank, self.settings.prompts_per_epoch
-        batches_run = self.trainer.fit_loop.epoch_loop.batch_progress.total.ready
-        self._drawn = (self.stream.position, batches_run)  # (position before the draw, steps run by then)
+        self._rollout_epoch, self._drawn_at, self._steps_started = self.trainer.current_epoch, self.stream.position, 0
         batch = self.stream.take(per_rank * ranks)
         return batch[rank * per_rank : (rank + 1) * per_rank]
 
@@ -301,13 +313,12 @@ class RolloutDataModule(LightningDataModule):
     # ------------------------------------------------------------------ loaders
     def train_dataloader(self) -> DataLoader:
         """This epoch's rollout as the optimisation steps it feeds (``RolloutStep``), in order."""
-        loop = self.trainer.fit_loop
-        done = loop.epoch_loop.batch_progress.current.ready
-        if loop.epoch_progress.current.started > loop.epoch_progress.current.completed and done:
-            # Resuming from a checkpoint written inside this epoch (at its end, or after its validation): Lightning
-            # reloads only to see that the epoch's batches are done and skips them. A new rollout would be wasted
-            # and skip prompts, so it gets placeholders it never reads (a checkpoint taken in the middle of a
-            # rollout resumes at the next rollout).
+        done = self._steps_started
+        if self._rollout_epoch == self.trainer.current_epoch and done:
+            # Resuming from a checkpoint written inside this epoch, after its rollout's steps started (at its end,
+            # or after its validation): Lightning reloads only to see that the epoch's batches are done and skips
+            # them. A new rollout would be wasted and skip prompts, so it gets placeholders it never reads (a
+            # checkpoint taken in the middle of a rollout resumes at the next rollout).
             return DataLoader([None] * done, batch_size=None, collate_fn=_identity)
         prompts = self.next_prompts()
         prompt_ids = self.tokenize(prompts)
