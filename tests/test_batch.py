@@ -53,7 +53,7 @@ def test_padding_left_prompt_right_completion():
 
 def test_passes_continue_step_indices_share_micro_batches_and_every_step_names_its_rollout():
     rollout = Rollout(groups=make_groups(), metrics={})  # what the data module collected; steps refer to it
-    schedule = build_steps(plan_steps(make_groups(), 2, 2), PAD, mu=3, rollout=rollout)
+    schedule = build_steps(plan_steps(make_groups(), 2, 2), PAD, passes=3, rollout=rollout)
     assert [s.index for s in schedule] == [0, 1, 2, 3, 4, 5]
     # Later passes run the same micro-batch objects: old log-probs set on the first pass's serve every pass.
     assert all(a is b for s, t in zip(schedule[:2], schedule[2:4]) for a, b in zip(s.micro_batches, t.micro_batches))

@@ -66,6 +66,8 @@ def test_bad_config_value_names_the_key(tmp_path, capsys):
         (["--model.log_entropy", "false"], "model.log_entropy is now model.scoring.entropy"),
         (["--model.packing", "on"], "model.packing is now model.scoring.packing"),
         (["--model.export_dir", "out"], "model.export_dir is now model.export.dir"),
+        (["--data.rollout.mu", "2"], "data.rollout.mu is now data.rollout.passes"),
+        (["--data.rollout.prompts_per_epoch", "2"], "prompts_per_epoch is now data.rollout.prompts_per_process"),
         (["--model.loss.init_args.lambda_", "0.1"], "init_args.lambda_ is now model.loss.init_args.pair_weight.value"),
         (["--model.loss.init_args.beta", "0.1"], "model.loss.init_args.beta is now model.loss.init_args.kl_coef"),
     ],

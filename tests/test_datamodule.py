@@ -60,7 +60,7 @@ class CountingEngine(HFEngine):
         return super().generate(prompts, n, sampling)
 
 
-def build(tmp_path, steps_per_rollout: int = 1, mu: int = 1) -> tuple[AmirGRPOModule, RolloutDataModule]:
+def build(tmp_path, steps_per_rollout: int = 1, passes: int = 1) -> tuple[AmirGRPOModule, RolloutDataModule]:
     model_dir = tmp_path / "model"
     if not model_dir.exists():
         build_tiny_model(model_dir, seed=5)
@@ -76,7 +76,11 @@ def build(tmp_path, steps_per_rollout: int = 1, mu: int = 1) -> tuple[AmirGRPOMo
         engine=CountingEngine(progress=False),
         rewards=[LengthReward()],
         rollout=RolloutSettings(
-            group_size=4, prompts_per_epoch=2, micro_batch_groups=1, steps_per_rollout=steps_per_rollout, mu=mu
+            group_size=4,
+            prompts_per_process=2,
+            micro_batch_groups=1,
+            steps_per_rollout=steps_per_rollout,
+            passes=passes,
         ),  # fmt: skip
         sampling=SamplingConfig(max_new_tokens=4),
     )
@@ -104,8 +108,8 @@ def make_trainer(tmp_path, epochs: int, callbacks: list, checkpoints: bool = Fal
     )
 
 
-def fit(tmp_path, steps_per_rollout: int, mu: int) -> tuple[Watch, RolloutDataModule, list]:
-    module, data = build(tmp_path, steps_per_rollout, mu)
+def fit(tmp_path, steps_per_rollout: int, passes: int) -> tuple[Watch, RolloutDataModule, list]:
+    module, data = build(tmp_path, steps_per_rollout, passes)
     watch = Watch()
     trainer = make_trainer(tmp_path, 1, [watch])
     trainer.fit(module, datamodule=data)
@@ -115,7 +119,7 @@ def fit(tmp_path, steps_per_rollout: int, mu: int) -> tuple[Watch, RolloutDataMo
 
 def test_every_step_of_an_off_policy_rollout_takes_the_policy_before_its_first_update(tmp_path):
     """2 steps x 2 passes: the old log-probs of all 4 steps are the policy's before step 0 updated it, exactly."""
-    watch, data, steps = fit(tmp_path, steps_per_rollout=2, mu=2)
+    watch, data, steps = fit(tmp_path, steps_per_rollout=2, passes=2)
     assert sorted(watch.old) == [0, 1, 2, 3]
     for step in steps:
         for batch, old in zip(step.micro_batches, watch.old[step.index], strict=True):
@@ -127,7 +131,7 @@ def test_every_step_of_an_off_policy_rollout_takes_the_policy_before_its_first_u
 
 
 def test_an_on_policy_rollout_has_no_old_log_probs(tmp_path):
-    watch, _, steps = fit(tmp_path, steps_per_rollout=1, mu=1)
+    watch, _, steps = fit(tmp_path, steps_per_rollout=1, passes=1)
     assert list(watch.old) == [0] and watch.old[0] == [None] * len(steps[0].micro_batches)
 
 

@@ -144,7 +144,7 @@ def test_the_lr_schedule_follows_the_runs_length_and_a_resumed_run_stretches_it(
     from amir_lightning.systems.schedules import WarmupCosineLR
     from amir_lightning.systems.summary import planned_steps
 
-    settings = RolloutSettings(prompts_per_epoch=4, steps_per_rollout=2, mu=3)
+    settings = RolloutSettings(prompts_per_process=4, steps_per_rollout=2, passes=3)
     trainer = SimpleNamespace(max_steps=-1, max_epochs=50, datamodule=SimpleNamespace(settings=settings))
     assert planned_steps(trainer) == 300
     trainer.max_steps = 40

@@ -141,7 +141,7 @@ def test_a_trl_reward_function_from_yaml_gets_the_dataset_column(tmp_path):
         "    class_path: amir_lightning.data.JsonlPrompts\n    init_args: {path: digits.jsonl}\n",
     )
     (tmp_path / "mine.yaml").write_text(config)
-    args = ["fit", "--config", "mine.yaml", "--trainer.max_epochs", "2", "--data.rollout.prompts_per_epoch", "4"]
+    args = ["fit", "--config", "mine.yaml", "--trainer.max_epochs", "2", "--data.rollout.prompts_per_process", "4"]
     run_amir(args, tmp_path, console_script=True)
     calls = [json.loads(line) for line in (tmp_path / "seen.jsonl").read_text().splitlines()]
     assert len(calls) == 2  # one call per rollout

@@ -17,15 +17,17 @@ MOVED_KEYS = {
         f"data.{key}": f"data.rollout.{key}"
         for key in (
             "group_size",
-            "prompts_per_epoch",
             "micro_batch_groups",
             "steps_per_rollout",
-            "mu",
             "advantage_scale",
             "drop_zero_std_groups",
             "max_bad_rollouts",
         )
     },
+    "data.prompts_per_epoch": "data.rollout.prompts_per_process",
+    "data.rollout.prompts_per_epoch": "data.rollout.prompts_per_process",
+    "data.mu": "data.rollout.passes",
+    "data.rollout.mu": "data.rollout.passes",
     "data.sync_tolerance": "data.sync.tolerance",
     "data.overlong_prompts": "data.bad_prompts",
     **{f"data.{key}": f"data.evaluation.{key}" for key in ("val_size", "val_samples", "val_sampling")},

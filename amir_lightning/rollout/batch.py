@@ -269,9 +269,9 @@ def agree_on_plan(plan: Plan, steps_per_rollout: int, max_over_processes: Callab
 
 
 def build_steps(
-    plan: Plan, pad_id: int, mu: int = 1, filler: Group | None = None, rollout: Rollout | None = None
+    plan: Plan, pad_id: int, passes: int = 1, filler: Group | None = None, rollout: Rollout | None = None
 ) -> list[RolloutStep]:
-    """The optimisation schedule of a rollout: ``mu`` passes over the steps of ``plan``, padded.
+    """The optimisation schedule of a rollout: ``passes`` passes over the steps of ``plan``, padded.
 
     Empty micro-batches become fillers made of ``filler`` (any group of the rollout). Later passes share the first
     pass's micro-batches (the same objects) and continue its step indices. Every step refers to ``rollout``.
@@ -292,7 +292,7 @@ def build_steps(
                 index=index,
             )
         )
-    later = [replace(step, index=step.index + k * len(steps)) for k in range(1, mu) for step in steps]
+    later = [replace(step, index=step.index + k * len(steps)) for k in range(1, passes) for step in steps]
     for step in steps + later:
         step.rollout = rollout
     return steps + later

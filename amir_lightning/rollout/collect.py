@@ -32,13 +32,14 @@ class RolloutSettings:
 
     Attributes:
         group_size: ``G``, completions per prompt (>= 2).
-        prompts_per_epoch: ``B``, prompts per rollout (one epoch) and process; the global batch is B x processes.
+        prompts_per_process: ``B``, prompts per rollout (one epoch) and process; the global batch is B x processes.
         micro_batch_groups: Groups per micro-batch (gradient accumulation splits a step into micro-batches).
         micro_batch_tokens: When set, replaces ``micro_batch_groups``: whole groups, sorted by length, as many per
             micro-batch as fit in this many padded tokens (rows x width; a larger group goes alone). Processes
             agree on the number of micro-batches of each step (the most any has), splitting their own further.
         steps_per_rollout: Optimisation steps per rollout, each on its share of the groups.
-        mu: Passes over the rollout (PPO-style); > 1 makes later steps off-policy (ratios and clipping act).
+        passes: Passes over the rollout (PPO-style epochs, ``mu`` in GRPO papers); > 1 makes later steps
+            off-policy (ratios and clipping act).
         advantage_scale: ``group``, ``batch`` or ``none`` (see ``group_advantages``).
         drop_zero_std_groups: Skip groups whose rewards are all equal (they carry no policy gradient).
         max_bad_rollouts: Stop after this many rollouts in a row with NaN or inf rewards.
@@ -47,11 +48,11 @@ class RolloutSettings:
     """
 
     group_size: int = 8
-    prompts_per_epoch: int = 16
+    prompts_per_process: int = 16
     micro_batch_groups: int = 2
     micro_batch_tokens: int | None = None
     steps_per_rollout: int = 1
-    mu: int = 1
+    passes: int = 1
     advantage_scale: Literal["group", "batch", "none"] = "group"
     drop_zero_std_groups: bool = False
     max_bad_rollouts: int = 3
@@ -60,22 +61,22 @@ class RolloutSettings:
     def __post_init__(self) -> None:
         errors: list[str] = []
         check_number(errors, "data.rollout.group_size", self.group_size, ge=2)
-        for key in ("prompts_per_epoch", "micro_batch_groups", "steps_per_rollout", "mu", "max_bad_rollouts"):
+        for key in ("prompts_per_process", "micro_batch_groups", "steps_per_rollout", "passes", "max_bad_rollouts"):
             check_number(errors, f"data.rollout.{key}", getattr(self, key), ge=1)
         if self.micro_batch_tokens is not None:
             check_number(errors, "data.rollout.micro_batch_tokens", self.micro_batch_tokens, ge=1)
         check_number(errors, "data.rollout.reward_warn_s", self.reward_warn_s, gt=0)
-        if not errors and self.steps_per_rollout > self.prompts_per_epoch:
+        if not errors and self.steps_per_rollout > self.prompts_per_process:
             errors.append(
-                f"data.rollout.steps_per_rollout ({self.steps_per_rollout}) > data.rollout.prompts_per_epoch "
-                f"({self.prompts_per_epoch}): every step needs at least one group"
+                f"data.rollout.steps_per_rollout ({self.steps_per_rollout}) > data.rollout.prompts_per_process "
+                f"({self.prompts_per_process}): every step needs at least one group"
             )
         raise_errors(errors)
 
     @property
     def off_policy(self) -> bool:
         """Whether a step can see a policy updated since the rollout (it then needs the sampling log-probs)."""
-        return self.mu > 1 or self.steps_per_rollout > 1
+        return self.passes > 1 or self.steps_per_rollout > 1
 
 
 @dataclass

@@ -213,12 +213,12 @@ class RolloutDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------ prompts
     def next_prompts(self) -> list[Prompt]:
-        """This process's ``prompts_per_epoch`` prompts.
+        """This process's ``prompts_per_process`` prompts.
 
         Every process takes the same slice of the stream and keeps its own share, so groups never span processes
         and the stream position stays in step everywhere.
         """
-        ranks, rank, per_rank = self.trainer.world_size, self.trainer.global_rank, self.settings.prompts_per_epoch
+        ranks, rank, per_rank = self.trainer.world_size, self.trainer.global_rank, self.settings.prompts_per_process
         self._rollout_epoch, self._drawn_at, self._steps_started = self.trainer.current_epoch, self.stream.position, 0
         batch = self.stream.take(per_rank * ranks)
         return batch[rank * per_rank : (rank + 1) * per_rank]
@@ -338,7 +338,7 @@ class RolloutDataModule(LightningDataModule):
         groups = rollout.trained_groups(settings.drop_zero_std_groups)
         plan = plan_steps(groups, settings.steps_per_rollout, settings.micro_batch_groups, settings.micro_batch_tokens)
         plan = agree_on_plan(plan, settings.steps_per_rollout, self._max_over_processes)
-        steps = build_steps(plan, self.policy.pad_token_id, settings.mu, filler=rollout.groups[0], rollout=rollout)
+        steps = build_steps(plan, self.policy.pad_token_id, settings.passes, filler=rollout.groups[0], rollout=rollout)
         if len(steps) > 1:  # steps after the first follow an update: their ratios need the sampling policy's logps
             for batch in {id(b): b for step in steps for b in step.micro_batches}.values():
                 batch.old_logps = self.policy.logps(batch)  # the trainer's numerics (the engine's differ slightly)

@@ -2,7 +2,7 @@
 
 ``planned_steps`` is the run's length, which the LR schedule spans. The start-up summary is printed once, by the
 global-zero process, when ``fit`` starts (``AmirGRPOModule.on_fit_start``). A user on an 8-GPU node sees that
-``data.rollout.prompts_per_epoch`` counts per process (8 processes: 8x the batch), and a user on an 80 GB card sees
+``data.rollout.prompts_per_process`` counts per process (8 processes: 8x the batch), and a user on an 80 GB card sees
 that the longest micro-batch's activations do not fit before the run finds out.
 
 The activation estimate is ``1.08 * (10 H + 4 I)`` values per token and decoder layer in the compute dtype (H the
@@ -93,22 +93,22 @@ def planned_steps(trainer) -> int:
             "(trainer.max_epochs and trainer.max_steps unset)"
         )
     settings = getattr(trainer.datamodule, "settings", None)  # RolloutDataModule: steps x passes per rollout
-    per_epoch = settings.steps_per_rollout * settings.mu if settings is not None else 1
+    per_epoch = settings.steps_per_rollout * settings.passes if settings is not None else 1
     return trainer.max_epochs * per_epoch
 
 
 def run_summary(trainer, module, data, device_memory: float | None = None) -> list[str]:
     """The lines of the start-up summary (``device_memory``: see ``estimate_memory``)."""
     processes, settings = trainer.world_size, data.settings
-    per_step = settings.prompts_per_epoch // settings.steps_per_rollout
+    per_step = settings.prompts_per_process // settings.steps_per_rollout
     steps = planned_steps(trainer) if trainer.max_epochs and trainer.max_epochs > 0 else None
     scheduler = getattr(module, "scheduler_factory", None)
     lines = [
         f"run: {processes} process{'es' if processes > 1 else ''} ({type(trainer.strategy).__name__}); every "
         f"optimiser step takes {per_step * processes} prompts x {settings.group_size} completions = "
-        f"{per_step * processes * settings.group_size} completions ({per_step} prompts on each process: "
-        "data.rollout.prompts_per_epoch counts per process); "
-        f"{settings.steps_per_rollout} step(s) x {settings.mu} pass(es) per rollout, "
+        f"{per_step * processes * settings.group_size} completions ({per_step} prompts on each process, "
+        "data.rollout.prompts_per_process); "
+        f"{settings.steps_per_rollout} step(s) x {settings.passes} pass(es) per rollout, "
         + (f"{trainer.max_epochs} rollouts = {steps} optimiser steps" if steps else "no set length")
         + ("; the LR schedule spans them" if scheduler is not None and steps else "")
     ]
