@@ -146,7 +146,7 @@ class LambdaSchedule(nn.Module):
 
     def __init__(self, settings: PairWeightSettings) -> None:
         super().__init__()
-        self.settings, self.schedule = settings, settings.schedule
+        self.settings = settings
         self.register_buffer("lambda_value", torch.tensor(float(settings.value), dtype=torch.float64))
         self.register_buffer("pg_scale_ema", torch.tensor(-1.0, dtype=torch.float64))  # < 0: not yet seen
 
@@ -154,13 +154,13 @@ class LambdaSchedule(nn.Module):
         """A fixed lambda is configuration, not state: on resume this run's value wins over the checkpoint's."""
         given = float(self.lambda_value)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if self.schedule == "fixed":
+        if self.settings.schedule == "fixed":
             self.lambda_value.fill_(given)
 
     @torch.no_grad()
     def update(self, pair_grad: float, pg_scale: float) -> None:
         """One step's update from its pooled pair-gradient mass and policy-gradient magnitude."""
-        if self.schedule == "fixed":
+        if self.settings.schedule == "fixed":
             return
         s = self.settings
         ema = float(self.pg_scale_ema)

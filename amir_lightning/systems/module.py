@@ -103,7 +103,7 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         self.compute_dtype = torch.float32  # set from trainer.precision in setup()
         self._fsdp2 = False  # whether configure_model sharded the policy (FSDP2 then casts for compute)
         self.temperature, self.max_grad_norm = temperature, max_grad_norm
-        self.scoring, self.export_settings = scoring, export
+        self.export_settings = export
         errors: list[str] = []
         check_number(errors, "model.max_grad_norm", max_grad_norm, gt=0, optional=True)
         check_number(errors, "model.temperature", temperature, gt=0)
@@ -137,7 +137,7 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
             return
         frozen = self.frozen_dtype or self.compute_dtype
         trust = self.source.trust_remote_code
-        attention = self.scoring.attn_implementation
+        attention = self.handle.scoring.attn_implementation
         self.policy = load_policy(
             self.model_dir, frozen, self.trainable_dtype, self.gradient_checkpointing, self.lora, trust, attention
         )
@@ -194,7 +194,7 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         The policy's forward with gradient, the reference's without; ``context`` from ``step_context``. With
         ``scoring.entropy`` the stats include ``train/entropy`` (the micro-batch's share of the step's mean).
         """
-        logps, entropy = self.handle.completion_logps(self.policy, batch, self.temperature, self.scoring.entropy)
+        logps, entropy = self.handle.completion_logps(self.policy, batch, self.temperature, self.handle.scoring.entropy)
         ref = None
         if self.loss.needs_reference:
             with torch.no_grad(), self.reference() as reference:
