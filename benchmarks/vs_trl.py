@@ -79,7 +79,8 @@ def main() -> None:
     ours.configure_model()
     groups = make_groups(ours, args.groups, args.group_size)
     batch = make_batch(groups, ours.handle.pad_token_id)  # one micro-batch, like TRL's
-    trainer, trl_optimizer = trl_trainer(ours.model_dir, args.group_size, len(batch.rewards), batch.completion_width)
+    rows, width = len(batch.rewards), batch.completion_width
+    trainer, trl_optimizer = trl_trainer(ours.handle.model_dir, args.group_size, rows, width)
     our_optimizer = torch.optim.AdamW(ours.policy.parameters(), lr=1e-12)
     inputs = trl_inputs(batch)
 

@@ -126,7 +126,7 @@ def test_the_reference_copy_scores_as_the_policy_at_step_zero(model_dir, precisi
     module.compute_dtype = compute_dtype(precision)
     module.configure_model()
     ids = torch.randint(3, 20, (4, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad(), module.handle.compute_context(), module.reference() as reference:
+    with torch.no_grad(), module.handle.compute_context(), module.handle.reference() as reference:
         policy = completion_logps(module.policy, ids, torch.ones_like(ids), 8)[0]
         ref = completion_logps(reference, ids, torch.ones_like(ids), 8)[0]
     torch.testing.assert_close(ref, policy, rtol=0, atol=1e-6)

@@ -57,7 +57,7 @@ class TrainableCheckpoint:
             return None
         source = getattr(self.source, "name_or_path", None) or type(self.source).__name__
         revision = getattr(self.source, "revision", None)
-        return base_identity(self.model_dir, f"{source}@{revision}" if revision else source)
+        return base_identity(self.handle.model_dir, f"{source}@{revision}" if revision else source)
 
     def frozen_weights(self) -> set[str]:
         """State names of the frozen base weights of a LoRA policy (empty without LoRA or before the policy loads)."""
@@ -72,7 +72,7 @@ class TrainableCheckpoint:
 
         The state: policy weights and loss buffers; left out: the frozen base weights of a LoRA policy.
         """
-        built, frozen = policy_shapes(self.model_dir, self.lora, self.source.trust_remote_code)
+        built, frozen = policy_shapes(self.handle.model_dir, self.lora, self.source.trust_remote_code)
         shapes = {f"policy.{name}": shape for name, shape in built.items()}
         own = shapes | {k: tuple(v.shape) for k, v in self.state_dict().items() if not k.startswith("policy.")}
         return own, {f"policy.{name}" for name in frozen}

@@ -1,6 +1,6 @@
 """The ``amir`` process on a terminal: a second Ctrl-C, a closed pipe, and the user's own traceback.
 
-Used by ``cli.py``; nothing here knows of Lightning or of training.
+Used by ``amir_lightning.cli``; nothing here knows of Lightning or of training.
 """
 
 from __future__ import annotations

@@ -36,6 +36,19 @@ class ExportSettings:
             errors.append(f"model.export.format must be merged or adapter, got {self.format!r}")
         raise_errors(errors)
 
+    def root(self, log_dir: str | None) -> Path:
+        """Where the final export goes: ``dir``, or ``<log_dir>/policy``."""
+        return Path(self.dir or Path(log_dir or ".") / "policy")
+
+    def due(self, rollouts_done: int, max_rollouts: int | None) -> bool:
+        """Whether a rollout-end export is due (``every_n_epochs``); the last rollout's is the final export."""
+        every = self.every_n_epochs
+        return bool(every) and rollouts_done % every == 0 and rollouts_done != max_rollouts
+
+    def save(self, model, tokenizer, target: Path, write: bool = True) -> None:
+        """Write ``model`` and ``tokenizer`` to ``target`` in ``format``; every process calls, ``write`` ones save."""
+        (export_adapters if self.format == "adapter" else export_policy)(model, tokenizer, target, write)
+
 
 def export_policy(model, tokenizer, target: Path, write: bool = True) -> None:
     """Save ``model`` (LoRA merged, gathered if sharded) with ``tokenizer`` as a Hugging Face directory, atomically.

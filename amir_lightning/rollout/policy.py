@@ -21,7 +21,7 @@ import torch
 
 from amir_lightning.helpers.distributed import rank_zero_first
 from amir_lightning.helpers.validation import check_number, raise_errors
-from amir_lightning.models.loading import merged_state
+from amir_lightning.models.loading import LoraSettings, is_peft, load_policy, load_reference, merged_state, shard_fsdp2
 from amir_lightning.models.scoring import (
     autocast,
     completion_logps,
@@ -82,10 +82,12 @@ class Policy:
     def __init__(self, source: ModelSource, temperature: float = 1.0, scoring: ScoringSettings | None = None) -> None:
         self.source, self.temperature = source, temperature
         self.scoring = scoring or ScoringSettings()
-        self.model: torch.nn.Module | None = None  # set by ``bind`` once the module has built it
+        self.model: torch.nn.Module | None = None  # set by ``build`` (or ``bind``)
+        self.reference_copy: torch.nn.Module | None = None  # a frozen copy, when the loss needs a reference
         self.compute_dtype = torch.float32
         self.cast_by_autocast = True  # False under FSDP2, which casts the parameters for compute itself
         self.fused = self.packed = False
+        self.sharded = False  # whether ``build`` sharded the policy with FSDP2
 
     @cached_property
     def model_dir(self) -> Path:
@@ -104,6 +106,49 @@ class Policy:
         """Padding id (the EOS id when the tokenizer has no pad token)."""
         tok = self.tokenizer
         return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    def build(
+        self,
+        compute_dtype: torch.dtype,
+        frozen_dtype: torch.dtype | None = None,
+        trainable_dtype: torch.dtype = torch.float32,
+        gradient_checkpointing: bool = False,
+        lora: LoraSettings | None = None,
+        mesh=None,
+        with_reference: bool = False,
+    ) -> torch.nn.Module:
+        """Load the policy from ``model_dir``, decide how it scores (``bind``), and shard it with FSDP2 on ``mesh``.
+
+        Frozen weights (the LoRA base) are stored in ``frozen_dtype``, default the compute dtype; trainable ones in
+        ``trainable_dtype``. ``with_reference``: also load a frozen copy of the initial policy, unless the policy has
+        LoRA adapters (its reference is then the policy with them disabled: no second copy).
+        """
+        trust, attention = self.source.trust_remote_code, self.scoring.attn_implementation
+        frozen = frozen_dtype or compute_dtype
+        model = load_policy(self.model_dir, frozen, trainable_dtype, gradient_checkpointing, lora, trust, attention)
+        model.train()  # dropout is disabled at load time, so train mode changes nothing but intent
+        self.bind(model, compute_dtype, mesh is None)  # its head checks run on the whole model, before sharding
+        if mesh is not None:
+            shard_fsdp2(model, mesh.device_type, compute_dtype)  # in place: ``self.model`` is the sharded one
+            self.sharded = True
+        if with_reference and not is_peft(model):
+            # The copy computes as the policy does at step 0, so it is stored as the policy is. Under autocast a
+            # float32 policy keeps its residual stream and norms in float32 while a bf16 copy rounds them (up to
+            # 0.004 nat per token on a 2-layer tiny model, more with depth: a KL floor and noise in the pair margins
+            # at step 0; tests/test_precision.py). FSDP2 casts the policy's parameters to the compute dtype, so
+            # there the copy is stored in it. ``model.dtype`` set by name wins (half the memory, with that floor).
+            dtype = frozen_dtype or (compute_dtype if mesh is not None else trainable_dtype)
+            self.reference_copy = load_reference(self.model_dir, dtype, trust, attention)
+        return model
+
+    @contextmanager
+    def reference(self) -> Iterator[torch.nn.Module]:
+        """The reference policy: the frozen copy, or the policy with its LoRA adapters disabled."""
+        if self.reference_copy is not None:
+            yield self.reference_copy
+        else:
+            with self.model.disable_adapter():
+                yield self.model
 
     def bind(self, model: torch.nn.Module, compute_dtype: torch.dtype, cast_by_autocast: bool) -> None:
         """Score with ``model``, under autocast to ``compute_dtype`` unless FSDP2 casts (``cast_by_autocast`` off).

@@ -10,8 +10,7 @@ of whole groups, and the optimiser steps after the step's last micro-batch, what
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,24 +23,13 @@ from amir_lightning.evaluation.report import benchmark_report
 from amir_lightning.helpers.distributed import all_reduce, sum_shares, world_size
 from amir_lightning.helpers.tracking import log_metrics
 from amir_lightning.helpers.validation import check_number, raise_errors
-from amir_lightning.models.export import ExportSettings, export_adapters, export_policy
-from amir_lightning.models.loading import (
-    LoraSettings,
-    is_peft,
-    load_policy,
-    load_reference,
-    shard_fsdp2,
-)
+from amir_lightning.models.export import ExportSettings
+from amir_lightning.models.loading import LoraSettings
 from amir_lightning.models.sources import ModelSource
-from amir_lightning.objectives import (
-    AmirGRPOLoss,
-    GRPOLoss,
-    LossOutput,
-    StepContext,
-)
+from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, LossOutput, StepContext
 from amir_lightning.rollout.batch import RolloutBatch, RolloutStep
 from amir_lightning.rollout.policy import Policy, ScoringSettings
-from amir_lightning.systems.optimisation import BadStepGuard, clip_global_norm, parameter_groups
+from amir_lightning.systems.optimisation import BadStepGuard, apply_step, parameter_groups
 from amir_lightning.systems.precision import check_strategy, dtype_by_name, take_over_precision
 from amir_lightning.systems.summary import planned_steps, run_summary
 
@@ -101,7 +89,6 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         self.trainable_dtype = dtype_by_name(trainable_dtype, "model.trainable_dtype")
         self.gradient_checkpointing, self.lora = gradient_checkpointing, lora
         self.compute_dtype = torch.float32  # set from trainer.precision in setup()
-        self._fsdp2 = False  # whether configure_model sharded the policy (FSDP2 then casts for compute)
         self.temperature, self.max_grad_norm = temperature, max_grad_norm
         self.export_settings = export
         errors: list[str] = []
@@ -112,17 +99,11 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
             errors.append("model.export.format: adapter needs model.lora (the whole policy trains: export merged)")
         raise_errors(errors)
         self.bad_steps = BadStepGuard(max_bad_steps)
-        self.policy = None
-        self._reference: tuple = ()  # not a registered submodule: never trained, never checkpointed
+        self.policy = None  # built in configure_model; its reference lives in the Policy, never checkpointed
         self.handle = Policy(policy, temperature, scoring)  # the policy as the data module sees it
         self.val_accuracy = MeanMetric()
 
     # ------------------------------------------------------------------ model
-    @property
-    def model_dir(self) -> Path:
-        """Local directory of the initial policy (resolved, downloaded or built once, by rank 0 first)."""
-        return self.handle.model_dir
-
     def setup(self, stage: str) -> None:  # noqa: D102
         check_strategy(self.trainer.strategy)
         self.compute_dtype = take_over_precision(self.trainer)
@@ -133,59 +114,23 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
             )
 
     def configure_model(self) -> None:  # noqa: D102
-        if self.policy is not None:
-            return
-        frozen = self.frozen_dtype or self.compute_dtype
-        trust = self.source.trust_remote_code
-        attention = self.handle.scoring.attn_implementation
-        self.policy = load_policy(
-            self.model_dir, frozen, self.trainable_dtype, self.gradient_checkpointing, self.lora, trust, attention
-        )
-        self.policy.train()  # dropout is disabled at load time, so train mode changes nothing but intent
-        mesh = getattr(self, "device_mesh", None)  # set by ModelParallelStrategy: shard with FSDP2
-        self._fsdp2 = mesh is not None
-        self.handle.bind(self.policy, self.compute_dtype, not self._fsdp2)  # its head checks run on the whole model
-        if self._fsdp2:
-            shard_fsdp2(self.policy, mesh.device_type, self.compute_dtype)  # in place: the Policy keeps the same one
-        if self.loss.needs_reference and not is_peft(self.policy):
-            self._reference = (load_reference(self.model_dir, self._reference_dtype(), trust, attention),)
-
-    def _reference_dtype(self) -> torch.dtype:
-        """The frozen reference copy computes as the policy does at step 0: stored as the policy is.
-
-        Under autocast a float32 policy keeps its residual stream and norms in float32 while a bf16 copy rounds them
-        (up to 0.004 nat per token on a 2-layer tiny model, more with depth: a KL floor and noise in the pair margins
-        at step 0; tests/test_precision.py). FSDP2 casts the policy's parameters to the compute dtype, so there the
-        copy is stored in it. ``model.dtype`` set by name wins (half the reference's memory, with that floor).
-        """
-        if self.frozen_dtype is not None:
-            return self.frozen_dtype
-        return self.compute_dtype if self._fsdp2 else self.trainable_dtype
+        if self.policy is None:  # ModelParallelStrategy sets device_mesh: shard with FSDP2
+            mesh, reference = getattr(self, "device_mesh", None), self.loss.needs_reference
+            args = self.frozen_dtype, self.trainable_dtype, self.gradient_checkpointing, self.lora, mesh, reference
+            self.policy = self.handle.build(self.compute_dtype, *args)
 
     def on_fit_start(self) -> None:  # noqa: D102
-        for ref in self._reference:
-            ref.to(self.device)
+        if self.handle.reference_copy is not None:
+            self.handle.reference_copy.to(self.device)
         data = getattr(self.trainer, "datamodule", None)
         if self.trainer.is_global_zero and hasattr(data, "settings") and hasattr(data, "prompt_limit"):
             for line in run_summary(self.trainer, self, data):  # the global batch, the length, the memory
                 log.warning(line)
 
-    @contextmanager
-    def reference(self) -> Iterator[torch.nn.Module]:
-        """The reference policy: the frozen copy, or the policy with its LoRA adapters disabled."""
-        if self._reference:
-            yield self._reference[0]
-        else:
-            with self.policy.disable_adapter():
-                yield self.policy
-
     # ------------------------------------------------------------------ training
     def step_context(self, step: RolloutStep) -> StepContext:
         """The context of an optimisation step over all processes (a collective: every process calls it)."""
-
-        def reduce(values: torch.Tensor, op: str) -> torch.Tensor:
-            return all_reduce(values, op, self.device)
-
+        reduce = partial(all_reduce, device=self.device)
         return self.loss.step_context(step.lengths, step.rewards, step.group_size, step.truncated, world_size(), reduce)
 
     def compute_loss(self, batch: RolloutBatch, context: StepContext) -> tuple[LossOutput, torch.Tensor]:
@@ -197,7 +142,7 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         logps, entropy = self.handle.completion_logps(self.policy, batch, self.temperature, self.handle.scoring.entropy)
         ref = None
         if self.loss.needs_reference:
-            with torch.no_grad(), self.reference() as reference:
+            with torch.no_grad(), self.handle.reference() as reference:
                 ref = self.handle.completion_logps(reference, batch, self.temperature)[0]
         out = self.loss(
             logps,
@@ -241,27 +186,16 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         return {"loss": total, "rows": rows}
 
     def _optimizer_step(self, context: StepContext, stats: dict[str, torch.Tensor], bad: bool) -> None:
-        optimizer = self.optimizers()
-        grad_norm = clip_global_norm(self.policy, self.max_grad_norm)
-        bad = bool(all_reduce(torch.tensor([float(bad or not torch.isfinite(grad_norm))]), "max", self.device)[0])
-        if bad:  # never apply a NaN or inf gradient
-            optimizer.zero_grad(set_to_none=True)
-            self.bad_steps.skip(self.global_step)
-            log_metrics(self.trainer, {"train/skipped_steps": self.bad_steps.skipped})
-            return
-        self.bad_steps.applied()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler = self.lr_schedulers()
-        if scheduler is not None:
-            scheduler.step()
-        logged = sum_shares(stats, self.device)  # every stat is its process's share of the step
-        self.loss.end_step(logged)
-        if isinstance(self.loss, AmirGRPOLoss):
-            logged["amir/lambda"] = context.lambda_  # the step's lambda (the schedule has set the next one)
-        logged["train/grad_norm"] = grad_norm.detach().float()
-        logged["train/lr"] = optimizer.param_groups[0]["lr"]
-        logged["train/skipped_steps"] = self.bad_steps.skipped
+        optimizer, guard, norm = self.optimizers(), self.bad_steps, self.max_grad_norm
+        grad_norm = apply_step(self.policy, optimizer, self.lr_schedulers(), norm, bad, guard, self.global_step)
+        logged = {"train/skipped_steps": self.bad_steps.skipped}
+        if grad_norm is not None:  # applied on every process (never a NaN or inf gradient)
+            logged |= sum_shares(stats, self.device)  # every stat is its process's share of the step
+            self.loss.end_step(logged)
+            if isinstance(self.loss, AmirGRPOLoss):
+                logged["amir/lambda"] = context.lambda_  # the step's lambda (the schedule has set the next one)
+            logged["train/grad_norm"] = grad_norm.detach().float()
+            logged["train/lr"] = optimizer.param_groups[0]["lr"]
         log_metrics(self.trainer, logged)
 
     # ------------------------------------------------------------------ evaluation
@@ -296,16 +230,12 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_train_epoch_end(self) -> None:  # noqa: D102
-        every, done = self.export_settings.every_n_epochs, self.current_epoch + 1
-        if every and done % every == 0 and done != self.trainer.max_epochs:  # the last one is on_fit_end's
-            root = self._export_root()
-            self.export(root.with_name(f"{root.name}_epoch_{done}"))  # beside the final export, which replaces root
+        done, root = self.current_epoch + 1, self.export_settings.root(self.trainer.log_dir)
+        if self.export_settings.due(done, self.trainer.max_epochs):  # beside the final export, which replaces root
+            self.export(root.with_name(f"{root.name}_epoch_{done}"))
 
     def on_fit_end(self) -> None:  # noqa: D102
-        self.export(self._export_root())
-
-    def _export_root(self) -> Path:
-        return Path(self.export_settings.dir or Path(self.trainer.log_dir or ".") / "policy")
+        self.export(self.export_settings.root(self.trainer.log_dir))
 
     def export(self, target: Path) -> Path:
         """Write the policy and tokenizer to ``target``, atomically, in ``export.format``.
@@ -314,8 +244,7 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         Every process must call it (gathering sharded weights is collective); the global-zero process writes.
         """
         write = getattr(self, "_trainer", None) is None or self.trainer.is_global_zero
-        save = export_adapters if self.export_settings.format == "adapter" else export_policy
-        save(self.policy, self.handle.tokenizer, Path(target), write)
+        self.export_settings.save(self.policy, self.handle.tokenizer, Path(target), write)
         if write:
             log.warning("exported the trained policy to %s", target)
         return Path(target)

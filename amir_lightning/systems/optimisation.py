@@ -11,6 +11,8 @@ import math
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from amir_lightning.helpers.distributed import all_reduce
+
 
 def parameter_groups(model: torch.nn.Module) -> list[dict]:
     """The trainable parameters in two groups: matrices, and the 1-D ones (biases, norm weights) without decay.
@@ -62,3 +64,32 @@ class BadStepGuard:
             f"skipped optimisation step {step}: non-finite loss or gradient "
             f"({self.in_a_row} in a row, model.max_bad_steps={self.max_bad_steps})"
         )
+
+
+def apply_step(
+    model: torch.nn.Module,
+    optimizer,
+    scheduler,
+    max_grad_norm: float | None,
+    bad: bool,
+    guard: BadStepGuard,
+    step: int,
+) -> torch.Tensor | None:
+    """Clip the gradients, then step ``optimizer`` and ``scheduler``; returns the gradient norm before clipping.
+
+    A step that is ``bad`` (a non-finite loss) on any process, or whose gradient norm is not finite, is skipped on
+    every process (a collective): the gradient is dropped, ``guard`` counts it, and ``None`` is returned.
+    """
+    grad_norm = clip_global_norm(model, max_grad_norm)
+    flag = torch.tensor([float(bad or not torch.isfinite(grad_norm))])
+    bad = bool(all_reduce(flag, "max", next(model.parameters()).device)[0])  # CUDA for NCCL
+    if not bad:
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    if bad:
+        guard.skip(step)
+        return None
+    guard.applied()
+    return grad_norm

@@ -63,8 +63,9 @@ def estimate_memory(module, data, processes: int, device_memory: float | None = 
     trainable = sum(p.numel() for p in module.policy.parameters() if p.requires_grad)
     weights = sum(p.numel() * p.element_size() for p in module.policy.parameters())
     weights += trainable * 4 * 3  # float32 gradients and the two AdamW moments
-    weights += sum(p.numel() * p.element_size() for ref in module._reference for p in ref.parameters())
-    if module._fsdp2:
+    reference = module.handle.reference_copy
+    weights += sum(p.numel() * p.element_size() for p in reference.parameters()) if reference is not None else 0
+    if module.handle.sharded:
         weights /= processes
     rows = settings.micro_batch_groups * settings.group_size
     tokens = settings.micro_batch_tokens or rows * (data.prompt_limit + sampling.max_new_tokens)

@@ -1,41 +1,30 @@
-"""The ``amir`` command: LightningCLI over AmirGRPOModule and RolloutDataModule.
+"""AmirCLI: LightningCLI over AmirGRPOModule and RolloutDataModule, with the links and checks a run needs.
 
-amir fit --config configs/demo.yaml
-amir validate --config configs/demo.yaml
-amir fit --config configs/qwen.yaml --model.loss amir_lightning.objectives.GRPOLoss
+The config is read, checked (a bad key, a checkpoint of another model or a trainer value that cannot work is one
+line before anything loads), linked (the training temperature is the sampling temperature) and turned into the
+trainer, the module and the data module, which ``attach`` joins to the module's policy.
 """
 
 from __future__ import annotations
 
 import copy
-import logging
 import os
-import signal
 import sys
-import warnings
 
 from jsonargparse import lazy_instance
-from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from amir_lightning.checkpoints.checks import check_base_model, check_checkpoint, check_compatible, saved_checkpoint
 from amir_lightning.checkpoints.resume import fit_checkpoints_to_storage, keep_given_model_values, resolve_resume
-from amir_lightning.checkpoints.writing import CheckpointWriteError, install_atomic_checkpoints
-from amir_lightning.helpers.console import PipeSafeStdout, quiet_second_interrupt, user_traceback
+from amir_lightning.checkpoints.writing import install_atomic_checkpoints
 from amir_lightning.helpers.messages import close_option_hint, moved_key_hint, user_message
-from amir_lightning.helpers.preflight import check_config_files, check_trainer
-from amir_lightning.rewards.base import RewardError
-from amir_lightning.rollout.sync import StaleEngineError
+from amir_lightning.helpers.preflight import check_trainer
 from amir_lightning.systems.datamodule import RolloutDataModule
 from amir_lightning.systems.module import AmirGRPOModule
 from amir_lightning.systems.precision import check_strategy
 from amir_lightning.systems.progress import RunProgressBar
-
-log = logging.getLogger(__name__)
 
 TRAINER_DEFAULTS = {
     "reload_dataloaders_every_n_epochs": 1,  # one epoch == one rollout
@@ -44,19 +33,6 @@ TRAINER_DEFAULTS = {
     "log_every_n_steps": 1,
     "logger": lazy_instance(TensorBoardLogger, save_dir="runs"),
 }
-
-
-#: Exceptions that mean "the input is wrong" (configuration, data files, paths, missing extras, a stale engine).
-USER_ERRORS = (
-    ValueError,
-    FileNotFoundError,
-    NotADirectoryError,
-    PermissionError,
-    ModuleNotFoundError,
-    StaleEngineError,
-    CheckpointWriteError,  # the disk, named with the path and the space needed
-    MisconfigurationException,  # Lightning's word for a bad trainer argument
-)
 
 
 def link_completion_length(config) -> None:
@@ -160,49 +136,3 @@ def build_cli(args: ArgsType = None, run: bool = True) -> AmirCLI:
         args=args,
         run=run,
     )
-
-
-def main(args: ArgsType = None) -> None:
-    """Entry point of the ``amir`` console script (LightningCLI subcommands, plus ``amir compare``)."""
-    argv = list(args) if isinstance(args, list | tuple) else (sys.argv[1:] if args is None else None)
-    if argv and argv[0] == "compare":
-        from amir_lightning.evaluation.compare import main as compare_main
-
-        return compare_main(argv[1:])
-    if os.getcwd() not in sys.path:  # `class_path: my_rewards.X` and reward functions from where amir runs
-        sys.path.insert(0, os.getcwd())
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when Ctrl-C is ignored (a background job)
-        quiet_second_interrupt()
-    if not isinstance(sys.stdout, PipeSafeStdout) and sys.stdout is not None:
-        sys.stdout = PipeSafeStdout(sys.stdout)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: fast start, no disk sync
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    # The module's logged values are reduced over processes already (torchmetrics, or sync_dist). Lightning still
-    # asks for sync_dist on one device whenever torch.distributed is up, as the in-process vLLM engine makes it.
-    warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\(", category=PossibleUserWarning)
-    try:
-        check_config_files(argv or [])
-        build_cli(args)
-    except USER_ERRORS as err:
-        # Bad input is reported in one line that names the key or file; AMIR_DEBUG=1 shows the traceback.
-        if os.environ.get("AMIR_DEBUG"):
-            raise
-        prefix = "trainer: " if isinstance(err, MisconfigurationException) else ""
-        sys.stderr.write(f"amir: error: {prefix}{user_message(err)}\n(set AMIR_DEBUG=1 for the traceback)\n")
-        raise SystemExit(2) from None
-    except RewardError as err:  # the user's code: its own traceback, then one line naming the reward
-        if os.environ.get("AMIR_DEBUG"):
-            raise
-        sys.stderr.write(user_traceback(err.__cause__) + f"amir: error: {err}\n")
-        raise SystemExit(1) from None
-    except SIGTERMException as err:  # preemption: a non-zero exit, so schedulers and `amir fit && ...` see it
-        sys.stderr.write(f"amir: stopped by SIGTERM{getattr(err, 'amir_where', '')}\n")
-        raise SystemExit(143) from None
-    except KeyboardInterrupt:  # before or after the trainer runs (Lightning handles Ctrl-C while it does)
-        sys.stderr.write("amir: interrupted\n")
-        raise SystemExit(130) from None
-
-
-if __name__ == "__main__":
-    main()
