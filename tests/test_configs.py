@@ -123,3 +123,16 @@ def test_training_dr_grpo_without_its_length_is_an_error():
     module.trainer = L.Trainer(accelerator="cpu", logger=False)
     with pytest.raises(ValueError, match="max_completion_length must be set for aggregation dr_grpo"):
         module.setup("fit")
+
+
+def test_sleep_mode_without_a_gpu_is_refused_in_one_line(capsys):
+    """vLLM's sleep mode frees GPU memory through its CUDA allocator: asked for on a machine without CUDA, the run
+    stops before any model loads, naming the key."""
+    tiny = str(Path(__file__).parents[1] / "configs" / "tiny.yaml")
+    engine = "{class_path: amir_lightning.rollout.VLLMEngine, init_args: {enable_sleep_mode: true}}"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", tiny, "--data.engine", engine])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "data.engine.init_args.enable_sleep_mode needs a CUDA device" in err and "set it to false" in err
+    assert "Traceback" not in err

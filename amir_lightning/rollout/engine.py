@@ -110,6 +110,9 @@ class RolloutEngine(ABC):
         del columns
         return None
 
+    def sleep(self) -> None:  # noqa: B027 (optional hook)
+        """Release the engine's device memory while the policy trains (the next use takes it back); default: keep it."""
+
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release the engine."""
 

@@ -60,6 +60,10 @@ class VLLMEngine(RolloutEngine):
         enable_prefix_caching: Reuse the KV cache of shared prompt prefixes (the G samples of a group).
         max_num_seqs: Sequences decoded together.
         progress: Show vLLM's progress bar while generating (on the global-zero process only).
+        enable_sleep_mode: Free the engine's GPU memory while the policy trains (CUDA only): after each rollout the
+            engine sleeps (vLLM's level 1: its weights are copied to CPU memory, its KV cache dropped) and it wakes
+            at its next use, before the weight push. Training then has the memory ``gpu_memory_utilization`` held,
+            for a copy of the weights each way per rollout.
     """
 
     def __init__(
@@ -73,9 +77,15 @@ class VLLMEngine(RolloutEngine):
         enable_prefix_caching: bool = True,
         max_num_seqs: int = 256,
         progress: bool = True,
+        enable_sleep_mode: bool = False,
     ) -> None:
         errors: list[str] = []
         key = "data.engine.init_args"
+        if enable_sleep_mode and not torch.cuda.is_available():
+            errors.append(
+                f"{key}.enable_sleep_mode needs a CUDA device: vLLM's sleep mode frees GPU memory through its CUDA "
+                "allocator, and this machine has none (set it to false)"
+            )
         check_number(errors, f"{key}.max_model_len", max_model_len, ge=1)
         check_number(errors, f"{key}.kv_cache_memory_bytes", kv_cache_memory_bytes, gt=0, optional=True)
         check_number(errors, f"{key}.gpu_memory_utilization", gpu_memory_utilization, gt=0, le=1)
@@ -86,6 +96,7 @@ class VLLMEngine(RolloutEngine):
         self.kv_cache_memory_bytes, self.gpu_memory_utilization = kv_cache_memory_bytes, gpu_memory_utilization
         self.enforce_eager, self.tensor_parallel_size = enforce_eager, tensor_parallel_size
         self.enable_prefix_caching, self.max_num_seqs, self.progress = enable_prefix_caching, max_num_seqs, progress
+        self.enable_sleep_mode, self.asleep = enable_sleep_mode, False
         self.llm = None
 
     def start(self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0) -> None:  # noqa: D102
@@ -102,6 +113,7 @@ class VLLMEngine(RolloutEngine):
             enable_prefix_caching=self.enable_prefix_caching,
             max_num_seqs=self.max_num_seqs,
             logprobs_mode="processed_logprobs",  # log-probs of the sampling distribution (after temperature)
+            enable_sleep_mode=self.enable_sleep_mode,
         )
         if world_size() > 1:
             # One engine per process, each on its own prompt shard: vLLM joins the launched processes instead of
@@ -170,6 +182,7 @@ class VLLMEngine(RolloutEngine):
     ) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt
 
+        self.wake()
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         outputs = self.llm.generate(requests, self._params(n, sampling, logprobs=0), use_tqdm=self.progress)
         result = []
@@ -187,15 +200,30 @@ class VLLMEngine(RolloutEngine):
         first = next(stream, None)
         if first is None:
             raise ValueError("load_weights got no tensors: the engine would keep stale weights")
+        self.wake()
         # A lazy stream: merged LoRA weights are computed one matrix at a time as vLLM consumes them.
         weights = itertools.chain([first], ((name, tensor.detach()) for name, tensor in stream))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
 
+    def sleep(self) -> None:
+        """With ``enable_sleep_mode``: free the engine's GPU memory until its next use (vLLM's sleep level 1)."""
+        if self.enable_sleep_mode and self.llm is not None and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        """Take the engine's memory back after ``sleep`` (every use of the engine calls it first)."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
     def weight_layout(self) -> WeightLayout:  # noqa: D102
+        self.wake()
         return _VLLMLayout(*self.llm.collective_rpc(_layout)[0])
 
     def held_weights(self, columns: ColumnSample) -> dict[str, list[Reading]]:  # noqa: D102
+        self.wake()
         per_worker = self.llm.collective_rpc(_read_back, args=(columns,))
         if len(per_worker) == 1:
             return per_worker[0][0]
@@ -213,6 +241,7 @@ class VLLMEngine(RolloutEngine):
     def score(self, prompt: list[int], completion: list[int]) -> list[float]:  # noqa: D102
         from vllm.inputs import TokensPrompt
 
+        self.wake()
         ids = list(prompt) + list(completion)
         params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
         out = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]

@@ -331,6 +331,7 @@ class RolloutDataModule(LightningDataModule):
             return self.generate(ids, n, self.sampling, purpose=0)
 
         rollout = collect_rollout(prompts, prompt_ids, generate, self.rewards, settings, self._sum_over_processes)
+        self.engine.sleep()  # a colocated engine with sleep mode lends its memory to training until the next sync
         rollout.seconds["sync_s"] = sync_s
         rollout.metrics["rollout/sync_s"] = sync_s
         self.reward_guard.check(rollout.metrics)

@@ -101,3 +101,28 @@ def test_varlen_packing_matches_padded_sdpa(tmp_path, monkeypatch):
     for name in ref_grads:
         scale = ref_grads[name].abs().max().item()
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=5e-2 * scale + 1e-6, msg=name)
+
+
+def test_sleep_mode_frees_the_engines_memory_and_wakes_with_its_weights(tmp_path):
+    """A colocated vLLM engine with ``enable_sleep_mode`` gives its GPU memory back after a rollout (its weights go to
+    CPU memory, its KV cache is dropped) and, woken by its next use, samples as before (needs vLLM on the machine)."""
+    pytest.importorskip("vllm")
+    import torch
+
+    from amir_lightning.models import build_tiny_model
+    from amir_lightning.rollout import SamplingConfig, VLLMEngine
+
+    model_dir = build_tiny_model(tmp_path / "model", seed=1)
+    kv_cache = 1024**3
+    engine = VLLMEngine(max_model_len=64, kv_cache_memory_bytes=kv_cache, progress=False, enable_sleep_mode=True)
+    engine.start(model_dir, seed=0)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=8)
+    torch.manual_seed(0)
+    before = engine.generate([[5, 6, 7]], 4, sampling)
+    awake_free = torch.cuda.mem_get_info()[0]
+    engine.sleep()
+    assert engine.asleep and torch.cuda.mem_get_info()[0] - awake_free > 0.9 * kv_cache
+    torch.manual_seed(0)
+    after = engine.generate([[5, 6, 7]], 4, sampling)  # wakes first
+    assert not engine.asleep
+    assert [c.token_ids for c in before[0]] == [c.token_ids for c in after[0]]
