@@ -30,8 +30,9 @@ import torch
 
 from amir_lightning.helpers.distributed import world_size
 from amir_lightning.helpers.validation import check_number, raise_errors
-from amir_lightning.rollout.digest import ColumnSample, Digest, Reading, WeightSlot, tensor_digest
+from amir_lightning.rollout.digest import ColumnSample, Reading
 from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig, WeightLayout
+from amir_lightning.rollout.vllm_worker import VLLMLayout, layout_of, merge_workers, read_back
 
 log = logging.getLogger(__name__)
 
@@ -220,23 +221,11 @@ class VLLMEngine(RolloutEngine):
 
     def weight_layout(self) -> WeightLayout:  # noqa: D102
         self.wake()
-        return _VLLMLayout(*self.llm.collective_rpc(_layout)[0])
+        return VLLMLayout(*self.llm.collective_rpc(layout_of)[0])
 
     def held_weights(self, columns: ColumnSample) -> dict[str, list[Reading]]:  # noqa: D102
         self.wake()
-        per_worker = self.llm.collective_rpc(_read_back, args=(columns,))
-        if len(per_worker) == 1:
-            return per_worker[0][0]
-        # Tensor parallelism (GPU: parameters, whole): a sharded tensor's digest is the sum of its shards'; a
-        # replicated one is read on every worker, and every copy must agree.
-        held: dict[str, list[Reading]] = {}
-        for readings, sharded in per_worker:
-            for key, found in readings.items():
-                if key in sharded and key in held:
-                    held[key] = [Reading(a.digest + b.digest, a.sampled) for a, b in zip(held[key], found)]
-                else:
-                    held.setdefault(key, []).extend(found)
-        return held
+        return merge_workers(self.llm.collective_rpc(read_back, args=(columns,)))
 
     def score(self, prompt: list[int], completion: list[int]) -> list[float]:  # noqa: D102
         from vllm.inputs import TokensPrompt
@@ -250,119 +239,3 @@ class VLLMEngine(RolloutEngine):
 
     def close(self) -> None:  # noqa: D102
         self.llm = None
-
-
-# ---------------------------------------------------------------------- run on the engine's workers (collective_rpc)
-def _named_parameters(model) -> tuple[dict[int, str], dict[str, torch.nn.Parameter]]:
-    """Each parameter's first name (tied ones share a tensor), and every name with its parameter."""
-    first: dict[int, str] = {}
-    every = dict(model.named_parameters(remove_duplicate=False))
-    for name, param in every.items():
-        first.setdefault(id(param), name)
-    return first, every
-
-
-def _layout(worker) -> tuple:
-    """Plain data for ``_VLLMLayout``: the weight mapper, packed modules, aliases, dtypes and readable copies."""
-    model = worker.model_runner.get_model()
-    first, every = _named_parameters(model)
-    model_dtype = worker.model_runner.model_config.dtype
-    loaded = _load_dtypes(model)
-    kernels = {first[id(w)] for w in _kernels(model).values()}
-    whole = {first[id(p)] for p in every.values() if p.numel()}
-    aliases, dtypes, load_dtypes = {}, {}, {}
-    for name, param in every.items():
-        key = first[id(param)]
-        aliases[name] = key
-        dtypes[key] = param.dtype
-        load = loaded.get(key, model_dtype)
-        if load != param.dtype and load.itemsize < param.dtype.itemsize:
-            load_dtypes[key] = load  # loaded narrow, kept wide (vLLM's CPU kernels keep biases in float32)
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    packed = dict(getattr(model, "packed_modules_mapping", None) or {})
-    return mapper, packed, aliases, dtypes, load_dtypes, kernels, whole
-
-
-def _load_dtypes(model) -> dict[str, torch.dtype]:
-    """The dtype each parameter is loaded in (vLLM's record of the checkpoint format, kept for reloading)."""
-    try:
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-    except ImportError:
-        return {}
-    out = {}
-    for module_name, module in model.named_modules():
-        info = LAYERWISE_INFO.get(module)
-        for name, meta in (info.restore_metadata[0] if info is not None else {}).items():
-            out[f"{module_name}.{name}" if module_name else name] = meta.dtype
-    return out
-
-
-def _kernels(model) -> dict[torch.nn.Module, torch.nn.Parameter]:
-    """The modules whose weight vLLM's CPU backend packed into a GEMM kernel (``cpu_linear``), with that weight."""
-    found = {}
-    for module in model.modules():
-        kernel, weight = getattr(module, "cpu_linear", None), getattr(module, "weight", None)
-        if kernel is not None and isinstance(weight, torch.nn.Parameter):
-            found[module] = weight
-    return found
-
-
-@torch.no_grad()
-def _read_back(worker, columns: ColumnSample) -> tuple[dict[str, list[Reading]], set[str]]:
-    """Digests of the weights this worker computes with, and the keys it holds a shard of."""
-    model = worker.model_runner.get_model()
-    first, _ = _named_parameters(model)
-    held: dict[str, list[Reading]] = {}
-    sharded = set()
-    for name, param in model.named_parameters():
-        if getattr(param, "output_dim", None) is not None or getattr(param, "input_dim", None) is not None:
-            sharded.add(name)
-        if param.numel():
-            held.setdefault(name, []).append(Reading(tensor_digest(param)))
-    for module, weight in _kernels(model).items():
-        if id(weight) in first:
-            held.setdefault(first[id(weight)], []).append(Reading(_kernel_digest(module, weight, columns), True))
-    return held, sharded
-
-
-def _kernel_digest(module, weight: torch.nn.Parameter, columns: ColumnSample, rows: int = 512) -> Digest:
-    """The digest of ``columns`` of the weight a CPU GEMM kernel holds: ``kernel(I[cols]) = W[:, cols].T``."""
-    width = getattr(module, "input_size_per_partition", None) or getattr(module, "embedding_dim", None)
-    width = width or weight.shape[-1]
-    total = Digest()
-    for block in columns.pick(width).split(rows):
-        eye = torch.zeros(len(block), width, dtype=weight.dtype, device=weight.device)
-        eye[torch.arange(len(block)), block.to(eye.device)] = 1
-        total = total + tensor_digest(module.cpu_linear(eye, weight, None))  # [block, N]: columns of W
-    return total
-
-
-class _VLLMLayout(WeightLayout):
-    """Hugging Face names -> vLLM's tensors: the model's ``hf_to_vllm_mapper``, else its packed modules."""
-
-    def __init__(
-        self, mapper, packed: dict, aliases: dict, dtypes: dict, load_dtypes: dict, kernels: set, whole: set
-    ) -> None:
-        self.mapper, self.packed, self.aliases = mapper, packed, aliases
-        self.dtypes, self.load_dtypes, self.kernels, self.whole = dtypes, load_dtypes, kernels, whole
-
-    def slot(self, name: str) -> WeightSlot | None:  # noqa: D102
-        target = self.mapper.map_name(name) if self.mapper is not None else name
-        if target is None:
-            return None  # vLLM drops it on load
-        part = ""
-        for fused, pieces in self.packed.items():
-            for piece in pieces:  # q_proj is the q part of qkv_proj, whether or not the mapper renamed it
-                if f".{piece}." in f".{name}" and (f".{fused}." in target or f".{piece}." in target):
-                    target, part = target.replace(f".{piece}.", f".{fused}.", 1), piece
-        key = self.aliases.get(target)
-        if key is None:
-            return None
-        return WeightSlot(
-            key,
-            part,
-            self.dtypes[key],
-            load_dtype=self.load_dtypes.get(key),
-            kernel=key in self.kernels,
-            whole=key in self.whole,
-        )

@@ -1,0 +1,337 @@
+"""vLLM server rollout engine: generation from a vLLM server on its own devices (or CPU cores), over vLLM's own API.
+
+    data:
+      engine:
+        class_path: amir_lightning.rollout.VLLMServerEngine
+        init_args: {devices: "6,7", max_model_len: 2048}     # or url: http://host:8000 for a server you started
+
+The engine starts ``python -m vllm.entrypoints.openai.api_server`` with vLLM's RL routes on
+(``VLLM_SERVER_DEV_MODE=1``) and talks to it over HTTP: ``/v1/completions`` samples (token ids in, token ids and
+per-token sampling log-probs out) and scores the sync probe (``prompt_logprobs``); a weight push is vLLM's own
+update sequence, ``/pause`` (requests in flight finish, the prefix cache is dropped), ``/start_weight_update``,
+``/update_weights``, ``/finish_weight_update`` with the push's number as the weight version, ``/resume``. The
+weights travel as a safetensors file (``/dev/shm`` where there is one) that the server's workers load with
+``FileWeightTransfer`` (``rollout/vllm_worker.py``); the exact sync check reads them back through
+``AmirWorkerExtension``'s methods on ``/collective_rpc``. The trainer never imports vLLM for this engine.
+
+A server started for a ``url`` must run with the same two settings: ``VLLM_SERVER_DEV_MODE=1 AMIR_VLLM_SERVER=1``
+in its environment and ``--weight-transfer-config '{"backend": "amir_file"}' --worker-extension-cls
+amir_lightning.rollout.vllm_worker.AmirWorkerExtension --logprobs-mode processed_logprobs`` (``server_command``
+prints the whole command), on a machine that shares ``transfer_dir`` with the trainer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from amir_lightning.helpers.distributed import world_size
+from amir_lightning.helpers.validation import check_number, raise_errors
+from amir_lightning.rollout.digest import ColumnSample, Reading, WeightSlot
+from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig, WeightLayout
+from amir_lightning.rollout.vllm_worker import FILE_BACKEND, decode, encode, merge_workers
+
+log = logging.getLogger(__name__)
+
+KEY = "data.engine.init_args"
+
+
+class VLLMServerEngine(RolloutEngine):
+    """Generate with a vLLM server in its own process, on its own devices.
+
+    Args:
+        url: Address of a running server (started as the module docstring says); ``None``: start one here.
+        devices: GPUs the started server runs on (``CUDA_VISIBLE_DEVICES``, e.g. ``"6,7"``), away from the
+            trainer's; ``None``: as the environment says.
+        cpu_cores: CPU cores the started server is pinned to (``taskset -c``, e.g. ``"1"``); ``None``: all.
+        threads: Threads of the started server's CPU kernels (``OMP_NUM_THREADS``); ``None``: as the environment.
+        dtype: Model dtype in the server (``auto``: ``bfloat16`` on GPU, ``float32`` on CPU).
+        max_model_len: Longest prompt + completion, in tokens.
+        kv_cache_memory_bytes: KV-cache size (what to set on CPU; 256 MiB there by default).
+        gpu_memory_utilization: Share of each of its GPUs the server may take (it trains nothing there).
+        tensor_parallel_size: GPUs per server.
+        max_num_seqs: Sequences decoded together.
+        enable_prefix_caching: Reuse the KV cache of shared prompt prefixes (the G samples of a group).
+        transfer_dir: Where pushed weights are written for the server to load (``/dev/shm`` when it exists).
+        startup_timeout: Seconds the started server may take to answer.
+        request_timeout: Seconds one request may take (a rollout is one request).
+        log_file: Where the started server's output goes (default: a file beside the pushed weights).
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        devices: str | None = None,
+        cpu_cores: str | None = None,
+        threads: int | None = None,
+        dtype: str = "auto",
+        max_model_len: int = 1024,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        tensor_parallel_size: int = 1,
+        max_num_seqs: int = 256,
+        enable_prefix_caching: bool = True,
+        transfer_dir: str | None = None,
+        startup_timeout: float = 600.0,
+        request_timeout: float = 3600.0,
+        log_file: str | None = None,
+    ) -> None:
+        errors: list[str] = []
+        check_number(errors, f"{KEY}.max_model_len", max_model_len, ge=1)
+        check_number(errors, f"{KEY}.kv_cache_memory_bytes", kv_cache_memory_bytes, gt=0, optional=True)
+        check_number(errors, f"{KEY}.gpu_memory_utilization", gpu_memory_utilization, gt=0, le=1)
+        check_number(errors, f"{KEY}.tensor_parallel_size", tensor_parallel_size, ge=1)
+        check_number(errors, f"{KEY}.max_num_seqs", max_num_seqs, ge=1)
+        check_number(errors, f"{KEY}.threads", threads, ge=1, optional=True)
+        check_number(errors, f"{KEY}.startup_timeout", startup_timeout, gt=0)
+        check_number(errors, f"{KEY}.request_timeout", request_timeout, gt=0)
+        if url is not None and (devices is not None or cpu_cores is not None):
+            errors.append(f"{KEY}: url names a running server; devices and cpu_cores are for one started here")
+        if cpu_cores is not None and shutil.which("taskset") is None:
+            errors.append(f"{KEY}.cpu_cores needs the taskset command (util-linux), which this machine lacks")
+        raise_errors(errors)
+        self.url, self.devices, self.cpu_cores, self.threads = url, devices, cpu_cores, threads
+        self.dtype, self.max_model_len, self.kv_cache_memory_bytes = dtype, max_model_len, kv_cache_memory_bytes
+        self.gpu_memory_utilization, self.tensor_parallel_size = gpu_memory_utilization, tensor_parallel_size
+        self.max_num_seqs, self.enable_prefix_caching = max_num_seqs, enable_prefix_caching
+        self.transfer_dir, self.startup_timeout, self.request_timeout = transfer_dir, startup_timeout, request_timeout
+        self.log_file = log_file
+        self.process: subprocess.Popen | None = None
+        self.pushes = 0  # the weight version the server holds (0: the files it started from)
+        self._slots: dict[str, WeightSlot | None] = {}
+        self._workdir: Path | None = None
+
+    # ------------------------------------------------------------------ the server
+    def server_command(self, model_dir: Path, port: int, seed: int, on_gpu: bool) -> list[str]:
+        """The command line of a server for ``model_dir`` on ``port`` (the environment is ``server_env``'s)."""
+        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+        command += ["--host", "127.0.0.1", "--port", str(port), "--seed", str(seed), "--dtype", dtype]
+        command += ["--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs)]
+        command += ["--tensor-parallel-size", str(self.tensor_parallel_size), "--logprobs-mode", "processed_logprobs"]
+        command += ["--weight-transfer-config", json.dumps({"backend": FILE_BACKEND})]
+        command += ["--worker-extension-cls", "amir_lightning.rollout.vllm_worker.AmirWorkerExtension"]
+        command += ["--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching"]
+        command += ["--disable-uvicorn-access-log"]
+        if on_gpu:
+            command += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        else:  # a seeded request whose prompt is split over steps crashes vLLM's CPU sampler: never split prompts
+            command += ["--enforce-eager", "--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes or 256 * 1024**2)]
+            command += ["--no-enable-chunked-prefill"]
+        if self.kv_cache_memory_bytes and on_gpu:
+            command += ["--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes)]
+        if self.cpu_cores is not None:
+            command = ["taskset", "-c", self.cpu_cores, *command]
+        return command
+
+    def server_env(self) -> dict[str, str]:
+        """The started server's environment: the RL routes on, the transfer backend registered in its workers."""
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", AMIR_VLLM_SERVER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        if self.devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.devices
+        if self.threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        return env
+
+    def start(self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0) -> None:  # noqa: D102
+        del device, local_rank  # the server has devices of its own
+        if world_size() > 1:
+            raise ValueError(
+                f"{KEY}: VLLMServerEngine serves one training process; with several, use VLLMEngine (one engine per "
+                "process) for now"
+            )
+        base = Path(self.transfer_dir or ("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()))
+        self._workdir = Path(tempfile.mkdtemp(prefix="amir_vllm_server_", dir=base))
+        if self.url is None:
+            self.url = self._launch(model_dir, seed)
+        self._wait_until_ready()
+        self._post("/init_weight_transfer_engine", {"init_info": {}})
+        self._started = True
+
+    def _launch(self, model_dir: Path, seed: int) -> str:
+        with socket.socket() as probe:  # a free port on this machine
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        command = self.server_command(model_dir, port, seed, torch.cuda.is_available())
+        log_path = Path(self.log_file) if self.log_file else self._workdir / "server.log"
+        self._log_path = log_path
+        with log_path.open("w") as out:
+            self.process = subprocess.Popen(
+                command, env=self.server_env(), stdout=out, stderr=subprocess.STDOUT, preexec_fn=_end_with_parent
+            )
+        atexit.register(self.close)  # the server ends with the run, however the run ends
+        log.info("started a vLLM server on port %d (its output: %s)", port, log_path)
+        return f"http://127.0.0.1:{port}"
+
+    def _wait_until_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(
+                    f"the vLLM server stopped while starting (exit {self.process.returncode}):\n" + self._log_tail()
+                )
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise TimeoutError(
+                    f"the vLLM server at {self.url} did not answer within {KEY}.startup_timeout "
+                    f"({self.startup_timeout:g} s)" + (":\n" + self._log_tail() if self.process is not None else "")
+                )
+            time.sleep(0.5)
+
+    def _log_tail(self, lines: int = 20) -> str:
+        path = getattr(self, "_log_path", None)
+        if path is None or not Path(path).is_file():
+            return ""
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+
+    def _post(self, route: str, body: dict | None = None) -> dict:
+        data = json.dumps(body or {}).encode()
+        request = urllib.request.Request(
+            f"{self.url}{route}", data=data, headers={"Content-Type": "application/json"}, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.request_timeout) as response:
+                text = response.read()
+        except urllib.error.HTTPError as err:
+            detail = err.read().decode(errors="replace")[:2000]
+            raise RuntimeError(f"the vLLM server at {self.url} refused {route} ({err.code}): {detail}") from None
+        except (urllib.error.URLError, ConnectionError) as err:
+            tail = "\n" + self._log_tail() if self.process is not None else ""
+            raise RuntimeError(f"the vLLM server at {self.url} did not answer {route}: {err}{tail}") from None
+        return json.loads(text) if text else {}
+
+    # ------------------------------------------------------------------ the engine
+    def generate(  # noqa: D102
+        self, prompts: Sequence[list[int]], n: int, sampling: SamplingConfig
+    ) -> list[list[Completion]]:
+        # The caller's random stream picks the seeds: a rollout is a function of the run's seed and its place in the
+        # run (the data module forks and seeds torch's RNG around every generation). vLLM seeds a request's n samples
+        # with seed, seed + 1, ...: each prompt gets its own range, so no two samples share a random stream.
+        base = int(torch.randint(0, 2**30, ()).item())
+        body = {
+            "n": n,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+            "max_tokens": sampling.max_new_tokens,
+            "logprobs": 0,
+            "return_token_ids": True,
+        }
+
+        def one(index: int) -> list[Completion]:
+            choices = self._post("/v1/completions", body | {"prompt": list(prompts[index]), "seed": base + index * n})
+            group = []
+            for choice in sorted(choices["choices"], key=lambda c: c["index"]):
+                logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+                reason = "length" if choice["finish_reason"] == "length" else "stop"
+                group.append(Completion(list(choice["token_ids"]), choice["text"], logprobs, reason))
+            if len(group) != n:
+                raise RuntimeError(f"the vLLM server returned {len(group)} completions for n = {n}")
+            return group
+
+        # Every prompt in flight at once: the server batches them as it would one request.
+        with ThreadPoolExecutor(max_workers=min(len(prompts), 256) or 1) as pool:
+            return list(pool.map(one, range(len(prompts))))
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:  # noqa: D102
+        from safetensors.torch import save_file
+
+        tensors = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in named_tensors}
+        if not tensors:
+            raise ValueError("load_weights got no tensors: the engine would keep stale weights")
+        path = self._workdir / f"push_{self.pushes + 1}.safetensors"
+        save_file(tensors, str(path))
+        del tensors
+        try:
+            self._post("/pause?mode=wait")  # requests in flight finish on the old weights
+            try:
+                self._post("/start_weight_update")
+                self._post("/update_weights", {"update_info": {"path": str(path)}})
+                self._post("/finish_weight_update", {"weight_version": str(self.pushes + 1)})
+                self._post("/reset_prefix_cache")
+            finally:
+                self._post("/resume")
+        finally:
+            path.unlink(missing_ok=True)
+        self.pushes += 1
+
+    def weight_layout(self) -> WeightLayout:  # noqa: D102
+        return _ServerLayout(self)
+
+    def slots(self, names: list[str]) -> dict[str, WeightSlot | None]:
+        """Where the server keeps each of ``names`` (asked once per name: the layout does not change)."""
+        missing = [n for n in names if n not in self._slots]
+        if missing:
+            results = self._post("/collective_rpc", {"method": "amir_weight_slots", "args": [encode(missing)]})
+            self._slots.update(decode(results["results"][0]))
+        return {n: self._slots[n] for n in names}
+
+    def held_weights(self, columns: ColumnSample) -> dict[str, list[Reading]]:  # noqa: D102
+        results = self._post("/collective_rpc", {"method": "amir_held_weights", "args": [encode(columns)]})
+        return merge_workers([decode(r) for r in results["results"]])
+
+    def score(self, prompt: list[int], completion: list[int]) -> list[float]:  # noqa: D102
+        ids = list(prompt) + list(completion)
+        body = {"prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+        entries = self._post("/v1/completions", body)["choices"][0]["prompt_logprobs"][len(prompt) :]
+        return [float(entry[str(token)]["logprob"]) for token, entry in zip(completion, entries)]
+
+    def close(self) -> None:  # noqa: D102
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+    def __del__(self) -> None:
+        if getattr(self, "process", None) is not None:
+            self.close()
+
+
+def _end_with_parent() -> None:
+    """Run in the server's process before it starts: it gets SIGTERM when the training process dies.
+
+    Linux sends it however the trainer ends (SIGKILL too), so no server outlives its run.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class _ServerLayout(WeightLayout):
+    """The server's ``WeightSlot`` of each pushed name, asked of its workers."""
+
+    def __init__(self, engine: VLLMServerEngine) -> None:
+        self.engine = engine
+
+    def slot(self, name: str) -> WeightSlot | None:  # noqa: D102
+        return self.engine.slots([name])[name]

@@ -1,0 +1,264 @@
+"""What runs inside a vLLM engine's workers: reading back the weights they hold, and receiving pushed weights.
+
+Both rollout engines use it: ``VLLMEngine`` calls these functions on its in-process workers through
+``LLM.collective_rpc``; ``VLLMServerEngine``'s server loads ``AmirWorkerExtension`` into its workers
+(``--worker-extension-cls``), whose methods its ``/collective_rpc`` route calls by name, and receives weights through
+``FileWeightTransfer``, a weight-transfer backend for vLLM's RL routes (``/start_weight_update``,
+``/update_weights``, ``/finish_weight_update``) that loads a safetensors file the trainer wrote (``/dev/shm`` where
+there is one). vLLM's own backends (NCCL, CUDA IPC) need CUDA; this one works on any machine where the trainer and
+the server share a file system.
+
+Nothing here imports vLLM at module level; the backend registers itself when this module is imported into a vLLM
+process (the worker extension is imported before the model loads).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from amir_lightning.rollout.digest import ColumnSample, Digest, Reading, WeightSlot, tensor_digest
+from amir_lightning.rollout.engine import WeightLayout
+
+#: The name of ``FileWeightTransfer`` in vLLM's weight-transfer registry (``--weight-transfer-config``).
+FILE_BACKEND = "amir_file"
+
+
+def _named_parameters(model) -> tuple[dict[int, str], dict[str, torch.nn.Parameter]]:
+    """Each parameter's first name (tied ones share a tensor), and every name with its parameter."""
+    first: dict[int, str] = {}
+    every = dict(model.named_parameters(remove_duplicate=False))
+    for name, param in every.items():
+        first.setdefault(id(param), name)
+    return first, every
+
+
+def layout_of(worker) -> tuple:
+    """Plain data for ``VLLMLayout``: the weight mapper, packed modules, aliases, dtypes and readable copies."""
+    model = worker.model_runner.get_model()
+    first, every = _named_parameters(model)
+    model_dtype = worker.model_runner.model_config.dtype
+    loaded = _load_dtypes(model)
+    kernels = {first[id(w)] for w in _kernels(model).values()}
+    whole = {first[id(p)] for p in every.values() if p.numel()}
+    aliases, dtypes, load_dtypes = {}, {}, {}
+    for name, param in every.items():
+        key = first[id(param)]
+        aliases[name] = key
+        dtypes[key] = param.dtype
+        load = loaded.get(key, model_dtype)
+        if load != param.dtype and load.itemsize < param.dtype.itemsize:
+            load_dtypes[key] = load  # loaded narrow, kept wide (vLLM's CPU kernels keep biases in float32)
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    packed = dict(getattr(model, "packed_modules_mapping", None) or {})
+    return mapper, packed, aliases, dtypes, load_dtypes, kernels, whole
+
+
+def _load_dtypes(model) -> dict[str, torch.dtype]:
+    """The dtype each parameter is loaded in (vLLM's record of the checkpoint format, kept for reloading)."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:
+        return {}
+    out = {}
+    for module_name, module in model.named_modules():
+        info = LAYERWISE_INFO.get(module)
+        for name, meta in (info.restore_metadata[0] if info is not None else {}).items():
+            out[f"{module_name}.{name}" if module_name else name] = meta.dtype
+    return out
+
+
+def _kernels(model) -> dict[torch.nn.Module, torch.nn.Parameter]:
+    """The modules whose weight vLLM's CPU backend packed into a GEMM kernel (``cpu_linear``), with that weight."""
+    found = {}
+    for module in model.modules():
+        kernel, weight = getattr(module, "cpu_linear", None), getattr(module, "weight", None)
+        if kernel is not None and isinstance(weight, torch.nn.Parameter):
+            found[module] = weight
+    return found
+
+
+@torch.no_grad()
+def read_back(worker, columns: ColumnSample) -> tuple[dict[str, list[Reading]], set[str]]:
+    """Digests of the weights this worker computes with, and the keys it holds a shard of."""
+    model = worker.model_runner.get_model()
+    first, _ = _named_parameters(model)
+    held: dict[str, list[Reading]] = {}
+    sharded = set()
+    for name, param in model.named_parameters():
+        if getattr(param, "output_dim", None) is not None or getattr(param, "input_dim", None) is not None:
+            sharded.add(name)
+        if param.numel():
+            held.setdefault(name, []).append(Reading(tensor_digest(param)))
+    for module, weight in _kernels(model).items():
+        if id(weight) in first:
+            held.setdefault(first[id(weight)], []).append(Reading(_kernel_digest(module, weight, columns), True))
+    return held, sharded
+
+
+def _kernel_digest(module, weight: torch.nn.Parameter, columns: ColumnSample, rows: int = 512) -> Digest:
+    """The digest of ``columns`` of the weight a CPU GEMM kernel holds: ``kernel(I[cols]) = W[:, cols].T``."""
+    width = getattr(module, "input_size_per_partition", None) or getattr(module, "embedding_dim", None)
+    width = width or weight.shape[-1]
+    total = Digest()
+    for block in columns.pick(width).split(rows):
+        eye = torch.zeros(len(block), width, dtype=weight.dtype, device=weight.device)
+        eye[torch.arange(len(block)), block.to(eye.device)] = 1
+        total = total + tensor_digest(module.cpu_linear(eye, weight, None))  # [block, N]: columns of W
+    return total
+
+
+class VLLMLayout(WeightLayout):
+    """Hugging Face names -> vLLM's tensors: the model's ``hf_to_vllm_mapper``, else its packed modules."""
+
+    def __init__(
+        self, mapper, packed: dict, aliases: dict, dtypes: dict, load_dtypes: dict, kernels: set, whole: set
+    ) -> None:
+        self.mapper, self.packed, self.aliases = mapper, packed, aliases
+        self.dtypes, self.load_dtypes, self.kernels, self.whole = dtypes, load_dtypes, kernels, whole
+
+    def slot(self, name: str) -> WeightSlot | None:  # noqa: D102
+        target = self.mapper.map_name(name) if self.mapper is not None else name
+        if target is None:
+            return None  # vLLM drops it on load
+        part = ""
+        for fused, pieces in self.packed.items():
+            for piece in pieces:  # q_proj is the q part of qkv_proj, whether or not the mapper renamed it
+                if f".{piece}." in f".{name}" and (f".{fused}." in target or f".{piece}." in target):
+                    target, part = target.replace(f".{piece}.", f".{fused}.", 1), piece
+        key = self.aliases.get(target)
+        if key is None:
+            return None
+        return WeightSlot(
+            key,
+            part,
+            self.dtypes[key],
+            load_dtype=self.load_dtypes.get(key),
+            kernel=key in self.kernels,
+            whole=key in self.whole,
+        )
+
+
+def merge_workers(per_worker: list[tuple[dict[str, list[Reading]], set[str]]]) -> dict[str, list[Reading]]:
+    """One engine's readings from its workers' ``read_back``.
+
+    Tensor parallelism (GPU: parameters, whole): a sharded tensor's digest is the sum of its shards'; a replicated
+    one is read on every worker, and every copy must agree.
+    """
+    if len(per_worker) == 1:
+        return per_worker[0][0]
+    held: dict[str, list[Reading]] = {}
+    for readings, sharded in per_worker:
+        for key, found in readings.items():
+            if key in sharded and key in held:
+                held[key] = [Reading(a.digest + b.digest, a.sampled) for a, b in zip(held[key], found)]
+            else:
+                held.setdefault(key, []).extend(found)
+    return held
+
+
+# ---------------------------------------------------------------------- a vLLM server's side
+def encode(value) -> str:
+    """``value`` as text for vLLM's ``/collective_rpc``, which passes strings only (trainer and server are ours)."""
+    return base64.b64encode(pickle.dumps(value)).decode()
+
+
+def decode(text: str):
+    """The value ``encode`` made."""
+    return pickle.loads(base64.b64decode(text))  # noqa: S301 (written by this package, on this machine)
+
+
+class AmirWorkerExtension:
+    """Methods a vLLM server's workers gain (``--worker-extension-cls``), called through ``/collective_rpc``."""
+
+    def amir_weight_slots(self, names: str) -> str:
+        """Where this worker keeps each of the (encoded) Hugging Face ``names``: encoded ``{name: WeightSlot}``."""
+        layout = VLLMLayout(*layout_of(self))
+        return encode({name: layout.slot(name) for name in decode(names)})
+
+    def amir_held_weights(self, columns: str) -> str:
+        """``read_back`` of this worker, encoded."""
+        return encode(read_back(self, decode(columns)))
+
+
+@dataclass
+class FileInit:
+    """``/init_weight_transfer_engine``'s ``init_info`` for ``FileWeightTransfer``: nothing to set up."""
+
+
+@dataclass
+class FileUpdate:
+    """``/update_weights``'s ``update_info`` for ``FileWeightTransfer``.
+
+    Attributes:
+        path: A safetensors file of Hugging Face-named tensors, which the trainer deletes after the update.
+    """
+
+    path: str
+
+
+def file_transfer_class():
+    """``FileWeightTransfer``, built on vLLM's ``WeightTransferEngine`` (imported only inside a vLLM process)."""
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    class FileWeightTransfer(WeightTransferEngine):
+        """Weights from a safetensors file, loaded layer by layer as vLLM's checkpoint-format backends do."""
+
+        init_info_cls, update_info_cls = FileInit, FileUpdate
+        supports_draft_weight_update = False
+
+        def init_transfer_engine(self, init_info) -> None:
+            del init_info
+
+        def start_weight_update(self) -> None:
+            initialize_layerwise_reload(self.model)
+
+        def update_weights(self, update_info: dict) -> None:  # the base class synchronises an accelerator
+            self.receive_weights(self.parse_update_info(update_info))
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+
+        def receive_weights(self, update_info) -> None:
+            from safetensors.torch import load_file
+
+            self.model.load_weights(load_file(update_info.path, device="cpu").items())
+
+        def finish_weight_update(self) -> None:
+            finalize_layerwise_reload(self.model, self.model_config)
+            repack_tied_head(self.model)
+
+        def shutdown(self) -> None:
+            pass
+
+    return FileWeightTransfer
+
+
+def repack_tied_head(model: torch.nn.Module) -> None:
+    """Repack a tied LM head's CPU kernel from the reloaded embedding.
+
+    On CPU the LM head computes the logits from a packed copy of its weight; with tied embeddings a checkpoint-format
+    reload updates the embedding but never the head (it has no weight of its own in the checkpoint), so the logits
+    would keep the old weights. The exact sync check reads that kernel back, and stops such a run.
+    """
+    for module in model.modules():
+        if getattr(module, "cpu_linear", None) is not None and type(module).__name__ == "ParallelLMHead":
+            if module.weight.numel():
+                module.quant_method.process_weights_after_loading(module)
+
+
+def register_file_transfer() -> None:
+    """Add ``FileWeightTransfer`` to vLLM's weight-transfer registry as ``amir_file`` (once per process)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if FILE_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(FILE_BACKEND, file_transfer_class())
+
+
+if "vllm" in sys.modules and os.environ.get("AMIR_VLLM_SERVER"):  # imported into a server's worker
+    register_file_transfer()
