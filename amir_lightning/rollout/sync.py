@@ -210,7 +210,7 @@ class SyncCheck:
                 wrong, verified = pushed.mismatches(held), len(held)
         if pushed is None:
             self._say_unverified(engine)
-        gap = max(abs(a - b) for a, b in zip(*self.scores(policy, engine)))
+        gap = float("nan") if wrong else max(abs(a - b) for a, b in zip(*self.scores(policy, engine)))
         gap, any_wrong = reduce_max([gap, float(bool(wrong))])
         self.syncs += 1
         if any_wrong:

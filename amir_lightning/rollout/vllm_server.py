@@ -294,7 +294,12 @@ class VLLMServerEngine(RolloutEngine):
     def score(self, prompt: list[int], completion: list[int]) -> list[float]:  # noqa: D102
         ids = list(prompt) + list(completion)
         body = {"prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
-        entries = self._post("/v1/completions", body)["choices"][0]["prompt_logprobs"][len(prompt) :]
+        try:
+            entries = self._post("/v1/completions", body)["choices"][0]["prompt_logprobs"][len(prompt) :]
+        except RuntimeError as err:
+            if "Out of range float" not in str(err):
+                raise
+            return [float("nan")] * len(completion)  # the server cannot write an infinite log-prob: not finite
         return [float(entry[str(token)]["logprob"]) for token, entry in zip(completion, entries)]
 
     def close(self) -> None:  # noqa: D102

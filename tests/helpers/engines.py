@@ -7,7 +7,7 @@ PYTHONPATH) and selected by ``class_path``.
 
 import torch
 
-from amir_lightning.rollout import HFEngine, VLLMEngine
+from amir_lightning.rollout import HFEngine, VLLMEngine, VLLMServerEngine
 
 
 def perturb(model, scale, seed):
@@ -114,3 +114,7 @@ class RecordsLocalRank(VLLMEngine):
 
 def _local_rank(worker):
     return worker.local_rank
+
+
+class ServerDropsHalf(_DropsHalf, VLLMServerEngine):
+    """``VLLMServerEngine`` that sends every other pushed tensor to its server."""

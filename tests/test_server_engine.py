@@ -1,0 +1,114 @@
+"""VLLMServerEngine against a real vLLM server on this machine: sampling, the weight push, the exact sync check, and a
+fit that learns with the trainer and the server in two processes."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import read_scalars, run_amir
+from helpers.engines import ServerDropsHalf, SkipsPushes, perturb
+
+from amir_lightning.models import HFModel, build_tiny_model
+from amir_lightning.rollout import SamplingConfig, VLLMServerEngine
+from amir_lightning.rollout.policy import Policy
+from amir_lightning.rollout.sync import StaleEngineError, SyncCheck
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).parents[1]
+SERVER = {"max_model_len": 64, "kv_cache_memory_bytes": 32 * 1024**2, "threads": 1}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=1)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    engine = VLLMServerEngine(**SERVER)
+    engine.start(tiny_dir, seed=0)
+    yield engine
+    engine.close()
+
+
+def policy_of(model_dir) -> Policy:
+    policy = Policy(HFModel(str(model_dir)))
+    policy.build(torch.float32)
+    return policy
+
+
+def hf_logps(model, prompt, completion, temperature):
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1] / temperature
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)
+
+
+def test_server_samples_with_the_policys_logprobs_and_the_callers_seed(server, tiny_dir):
+    """Per-token sampling log-probs are the policy's at the sampling temperature; the caller's random stream fixes
+    the samples (a resumed run draws the same rollout), and different prompts never share a random stream."""
+    policy = policy_of(tiny_dir)
+    sampling = SamplingConfig(temperature=0.7, max_new_tokens=6)
+    prompts = [[5, 6, 7], [8, 9], [5, 6, 7]]
+    torch.manual_seed(3)
+    groups = server.generate(prompts, 4, sampling)
+    torch.manual_seed(3)
+    again = server.generate(prompts, 4, sampling)
+    assert [[c.token_ids for c in g] for g in groups] == [[c.token_ids for c in g] for g in again]
+    assert [c.token_ids for c in groups[0]] != [c.token_ids for c in groups[2]]  # same prompt, own seeds
+    for prompt, group in zip(prompts, groups):
+        assert len(group) == 4
+        for c in group:
+            assert len(c.logprobs) == len(c.token_ids) and c.finish_reason in ("stop", "length")
+            expected = hf_logps(policy.model, prompt, c.token_ids, 0.7)
+            torch.testing.assert_close(torch.tensor(c.logprobs), expected, rtol=0, atol=1e-4)
+
+
+def test_server_holds_exactly_the_pushed_weights_and_a_lost_push_stops_the_run(server, tiny_dir):
+    """Each push goes through vLLM's weight-update routes; the sync check reads every tensor back from the server's
+    workers (the tied LM head's packed kernel too) and finds the pushed values. A push the server never gets, or gets
+    half of, is caught at once."""
+    policy = policy_of(tiny_dir)
+    check = SyncCheck()
+    check.set_probe(policy.tokenizer, policy.tokenizer("12+4=")["input_ids"], "16 = 12 + 4")
+    first = check.push_and_verify(policy, server)
+    assert first.verified > 0 and first.gap < 1e-4
+    for seed in (1, 2):
+        perturb(policy.model, 0.01, seed=seed)  # an optimiser step
+        report = check.push_and_verify(policy, server)
+        assert report.verified == first.verified and report.gap < 1e-4
+    assert server.pushes == 3
+    perturb(policy.model, 0.01, seed=3)
+    with pytest.raises(StaleEngineError, match="holds other weights"):
+        check.push_and_verify(policy, SkipsPushes(server))
+
+
+def test_a_server_that_gets_half_a_push_is_stopped(tiny_dir):
+    policy = policy_of(tiny_dir)
+    engine = ServerDropsHalf(**SERVER)
+    engine.start(tiny_dir, seed=0)
+    try:
+        check = SyncCheck()
+        check.set_probe(policy.tokenizer, policy.tokenizer("12+4=")["input_ids"], "16 = 12 + 4")
+        perturb(policy.model, 0.01, seed=4)
+        with pytest.raises(StaleEngineError, match="holds other weights"):
+            check.push_and_verify(policy, engine)
+        process = engine.process
+    finally:
+        engine.close()
+    assert process.poll() is not None  # the server ended with its engine
+
+
+def test_a_fit_with_the_server_engine_learns_the_tiny_task(tmp_path):
+    """configs/tiny.yaml with its rollouts from a vLLM server in a second process: every sync verified exactly, the
+    copy-a-digit reward rises, and no server outlives the run."""
+    engine = json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": SERVER})
+    args = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.engine", engine]
+    run_amir([*args, "--trainer.max_epochs", "20"], tmp_path)
+    scalars = read_scalars(tmp_path / "runs" / "tiny" / "version_0")
+    reward = scalars["rollout/reward_mean"]
+    assert len(reward) == 20
+    assert sum(reward[-5:]) / 5 > sum(reward[:3]) / 3 + 0.1, reward
+    assert min(scalars["rollout/sync_verified_tensors"]) > 0
+    assert max(scalars["rollout/sync_logp_diff"]) < 1e-4
