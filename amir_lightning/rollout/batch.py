@@ -129,6 +129,8 @@ def make_batch(groups: list[Group], pad_id: int) -> RolloutBatch:
     attention = torch.zeros_like(input_ids)
     completion_mask = torch.zeros((n, completion_width))
     sampling_logps = torch.zeros((n, completion_width))
+    stale = all(c.old_logprobs is not None for _, c in rows)  # sampled by weights the trainer has moved on from
+    old_logps = torch.zeros((n, completion_width)) if stale else None
     for row, (prompt, completion) in enumerate(rows):
         start = prompt_width - len(prompt)
         input_ids[row, start:prompt_width] = torch.tensor(prompt)
@@ -139,6 +141,8 @@ def make_batch(groups: list[Group], pad_id: int) -> RolloutBatch:
             attention[row, prompt_width : prompt_width + length] = 1
             completion_mask[row, :length] = 1.0
             sampling_logps[row, :length] = torch.tensor(completion.logprobs[:length])
+            if old_logps is not None:
+                old_logps[row, :length] = torch.tensor(completion.old_logprobs[:length])
     return RolloutBatch(
         input_ids=input_ids,
         attention_mask=attention,
@@ -149,6 +153,7 @@ def make_batch(groups: list[Group], pad_id: int) -> RolloutBatch:
         correct=torch.cat([_correct(g) for g in groups]).float(),
         sampling_logps=sampling_logps,
         group_size=len(groups[0].completions),
+        old_logps=old_logps,
     )
 
 

@@ -45,6 +45,12 @@ class RolloutSettings:
         max_bad_rollouts: Stop after this many rollouts in a row with NaN or inf rewards.
         reward_warn_s: Say so when a reward has run this many seconds on a rollout, and again as often while it
             runs (a reward that hangs is not silent; ``FunctionReward.timeout_s`` stops the run instead).
+        max_staleness: ``0``: every rollout is sampled from the weights it trains (generation, then training).
+            ``1``: the next rollout is sampled while the policy trains on this one, from the weights this one
+            started with, so each rollout trains one rollout's updates late (its ratios and clipping act, from the
+            trainer's log-probs under the weights that sampled it). Needs an engine in its own process
+            (``VLLMServerEngine``). The last rollout samples one more, never trained but kept in the last
+            checkpoint, so a run resumed to train longer goes on exactly.
     """
 
     group_size: int = 8
@@ -57,6 +63,7 @@ class RolloutSettings:
     drop_zero_std_groups: bool = False
     max_bad_rollouts: int = 3
     reward_warn_s: float = 60.0
+    max_staleness: int = 0
 
     def __post_init__(self) -> None:
         errors: list[str] = []
@@ -66,6 +73,8 @@ class RolloutSettings:
         if self.micro_batch_tokens is not None:
             check_number(errors, "data.rollout.micro_batch_tokens", self.micro_batch_tokens, ge=1)
         check_number(errors, "data.rollout.reward_warn_s", self.reward_warn_s, gt=0)
+        if self.max_staleness not in (0, 1):
+            errors.append(f"data.rollout.max_staleness must be 0 or 1, got {self.max_staleness!r}")
         if not errors and self.steps_per_rollout > self.prompts_per_process:
             errors.append(
                 f"data.rollout.steps_per_rollout ({self.steps_per_rollout}) > data.rollout.prompts_per_process "

@@ -48,12 +48,15 @@ class Completion:
         text: Decoded text (special tokens skipped).
         logprobs: Per-token log-probabilities under the sampling distribution (temperature applied).
         finish_reason: ``stop`` (EOS) or ``length`` (hit ``max_new_tokens``).
+        old_logprobs: The trainer's log-probs of the tokens under the weights that sampled them, when the trainer
+            has moved on since (``data.rollout.max_staleness``); ``None``: the trainer's current weights sampled.
     """
 
     token_ids: list[int]
     text: str
     logprobs: list[float]
     finish_reason: str
+    old_logprobs: list[float] | None = None
 
     @property
     def truncated(self) -> bool:
@@ -71,6 +74,10 @@ class WeightLayout(ABC):
 
 class RolloutEngine(ABC):
     """Generates completions for the trainer and follows its weights."""
+
+    #: Whether the engine generates in a process of its own, so a rollout can be sampled while the policy trains
+    #: (``data.rollout.max_staleness``); its ``generate`` then takes the rollout's ``seed``.
+    runs_apart: bool = False
 
     @abstractmethod
     def start(self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0) -> None:

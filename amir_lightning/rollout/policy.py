@@ -215,11 +215,41 @@ class Policy:
         with self.compute_context(), self.eval_mode():
             return sequence_token_logps(self.model, prompt, completion, self.device)
 
+    def trainable_weights(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of the weights that train (LoRA's adapters only; this process's shards under FSDP2).
+
+        The frozen ones never change, so this is the policy's version: ``swapped`` scores with it later.
+        """
+        return {name: _local(p).detach().to("cpu", copy=True) for name, p in self._trainable()}
+
+    @contextmanager
+    def swapped(self, weights: dict[str, torch.Tensor]) -> Iterator[None]:
+        """The policy with ``weights`` (``trainable_weights``'s) in place of its own, put back on exit."""
+        own = self.trainable_weights()
+        params = dict(self._trainable())
+        with torch.no_grad():
+            for name, value in weights.items():
+                _local(params[name]).copy_(value)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, value in own.items():
+                    _local(params[name]).copy_(value)
+
+    def _trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+
     @contextmanager
     def export_weights(self) -> Iterator[Iterable[tuple[str, torch.Tensor]]]:
         """The policy's full weights under Hugging Face names (LoRA merged in), for the rollout engine."""
         with merged_state(self.model) as named:
             yield named
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This process's part of ``param``: its shard under FSDP2 (a DTensor), else all of it."""
+    return param.to_local() if hasattr(param, "to_local") else param.data
 
 
 def to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:

@@ -52,7 +52,7 @@ KEY = "data.engine.init_args"
 
 
 class VLLMServerEngine(RolloutEngine):
-    """Generate with a vLLM server in its own process, on its own devices.
+    """Generate with a vLLM server in its own process, on its own devices (it can sample while the policy trains).
 
     Args:
         url: Address of a running server (started as the module docstring says); ``None``: start one here.
@@ -116,6 +116,8 @@ class VLLMServerEngine(RolloutEngine):
         self._slots: dict[str, WeightSlot | None] = {}
         self._workdir: Path | None = None
 
+    runs_apart = True
+
     # ------------------------------------------------------------------ the server
     def server_command(self, model_dir: Path, port: int, seed: int, on_gpu: bool) -> list[str]:
         """The command line of a server for ``model_dir`` on ``port`` (the environment is ``server_env``'s)."""
@@ -161,6 +163,7 @@ class VLLMServerEngine(RolloutEngine):
             self.url = self._launch(model_dir, seed)
         self._wait_until_ready()
         self._post("/init_weight_transfer_engine", {"init_info": {}})
+        self._post("/v1/completions", {"prompt": [0], "max_tokens": 1})  # the first request is seconds slower
         self._started = True
 
     def _launch(self, model_dir: Path, seed: int) -> str:
@@ -222,13 +225,16 @@ class VLLMServerEngine(RolloutEngine):
         return json.loads(text) if text else {}
 
     # ------------------------------------------------------------------ the engine
-    def generate(  # noqa: D102
-        self, prompts: Sequence[list[int]], n: int, sampling: SamplingConfig
+    def generate(
+        self, prompts: Sequence[list[int]], n: int, sampling: SamplingConfig, seed: int | None = None
     ) -> list[list[Completion]]:
-        # The caller's random stream picks the seeds: a rollout is a function of the run's seed and its place in the
-        # run (the data module forks and seeds torch's RNG around every generation). vLLM seeds a request's n samples
-        # with seed, seed + 1, ...: each prompt gets its own range, so no two samples share a random stream.
-        base = int(torch.randint(0, 2**30, ()).item())
+        """``n`` completions for each prompt, from ``seed`` (default: drawn from torch's random stream).
+
+        A rollout is then a function of the run's seed and its place in the run (the data module forks and seeds
+        torch's RNG around every generation, or passes the seed when it generates in the background). vLLM seeds a
+        request's n samples with seed, seed + 1, ...: each prompt gets its own range, so no two share a stream.
+        """
+        base = int(torch.randint(0, 2**30, ()).item()) if seed is None else seed % 2**30
         body = {
             "n": n,
             "temperature": sampling.temperature,

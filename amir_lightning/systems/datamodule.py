@@ -28,9 +28,10 @@ from amir_lightning.helpers.tracking import log_metrics
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rewards.base import FunctionReward, Reward
 from amir_lightning.rewards.math import MathAnswerReward
-from amir_lightning.rollout.batch import agree_on_plan, build_steps, plan_steps
-from amir_lightning.rollout.collect import RewardGuard, RolloutSettings, collect_rollout
+from amir_lightning.rollout.batch import Group, agree_on_plan, build_steps, make_batch, plan_steps
+from amir_lightning.rollout.collect import RewardGuard, Rollout, RolloutSettings, collect_rollout
 from amir_lightning.rollout.engine import RolloutEngine, SamplingConfig
+from amir_lightning.rollout.pending import PendingRollout, SavedRollout
 from amir_lightning.rollout.policy import Policy
 from amir_lightning.rollout.sync import SyncCheck, SyncSettings
 from amir_lightning.systems.progress import time_left
@@ -98,6 +99,12 @@ class RolloutDataModule(LightningDataModule):
                 f"data.sampling.max_new_tokens ({sampling.max_new_tokens}) leaves no room for a prompt in "
                 f"data.engine.init_args.max_model_len ({room})"
             )
+        if rollout.max_staleness and not engine.runs_apart:
+            errors.append(
+                f"data.rollout.max_staleness {rollout.max_staleness} needs an engine in its own process "
+                f"(amir_lightning.rollout.VLLMServerEngine): {type(engine).__name__} generates inside the training "
+                "process, so generation and training cannot overlap"
+            )
         raise_errors(errors)
         if sampling.top_p < 1 or sampling.top_k > 0:
             log.warning(
@@ -130,6 +137,10 @@ class RolloutDataModule(LightningDataModule):
         self.synced_at_step: int | None = None
         self._eval_grader: MathAnswerReward | None = None
         self.policy: Policy | None = None  # handed over by the module (attach)
+        # max_staleness 1: the rollout being trained, the one sampling meanwhile, and one a checkpoint brought back
+        self._current: PendingRollout | None = None
+        self._pending: PendingRollout | None = None
+        self._saved: SavedRollout | None = None
 
     def attach(self, policy: Policy) -> None:
         """Take the trained policy: its tokenizer, its files for the engine, its weights and its scoring.
@@ -173,7 +184,23 @@ class RolloutDataModule(LightningDataModule):
         drawn_only = self._drawn_at is not None and not self._steps_started
         cursor = self._drawn_at if drawn_only else self.stream.position
         rollout = {"epoch": self._rollout_epoch, "steps_started": self._steps_started}
-        return {"cursor": cursor, "sync": self.sync_check.state_dict(), "rollout": rollout}
+        state = {"cursor": cursor, "sync": self.sync_check.state_dict(), "rollout": rollout}
+        ahead, cursor = self._rollout_ahead()
+        if ahead is not None:
+            state["pending"] = ahead.state()  # waits for its sampling to finish
+        if cursor is not None:
+            state["cursor"] = cursor
+        return state
+
+    def _rollout_ahead(self) -> tuple[PendingRollout | SavedRollout | None, int | None]:
+        """With ``max_staleness`` 1: the rollout a resumed run trains next, and the stream position it resumes at.
+
+        After this rollout's steps started, that is the one sampling meanwhile; before, this one, which then runs
+        again, drawing its successor again from where it was drawn.
+        """
+        if self._current is not None and not self._steps_started:
+            return self._current, self._pending.drawn_at if self._pending is not None else self.stream.position
+        return self._pending or self._saved, None
 
     def load_state_dict(self, state_dict: dict) -> None:  # noqa: D102
         self.stream.position = int(state_dict["cursor"])
@@ -181,6 +208,9 @@ class RolloutDataModule(LightningDataModule):
         rollout = state_dict.get("rollout", {})
         self._rollout_epoch, self._steps_started = rollout.get("epoch"), int(rollout.get("steps_started", 0))
         self._drawn_at = None
+        pending = state_dict.get("pending")
+        self._saved = SavedRollout.from_state(pending) if pending is not None else None
+        self._current = self._pending = None
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         """Count the steps of this rollout that have started (the data module's record for ``state_dict``)."""
@@ -218,8 +248,11 @@ class RolloutDataModule(LightningDataModule):
         Every process takes the same slice of the stream and keeps its own share, so groups never span processes
         and the stream position stays in step everywhere.
         """
-        ranks, rank, per_rank = self.trainer.world_size, self.trainer.global_rank, self.settings.prompts_per_process
         self._rollout_epoch, self._drawn_at, self._steps_started = self.trainer.current_epoch, self.stream.position, 0
+        return self._draw()
+
+    def _draw(self) -> list[Prompt]:
+        ranks, rank, per_rank = self.trainer.world_size, self.trainer.global_rank, self.settings.prompts_per_process
         batch = self.stream.take(per_rank * ranks)
         return batch[rank * per_rank : (rank + 1) * per_rank]
 
@@ -288,18 +321,23 @@ class RolloutDataModule(LightningDataModule):
         A rollout is then a function of the weights and its place in the run, not of hidden engine state: a resumed
         run draws the same rollouts as an uninterrupted one, and the trainer's random stream is untouched.
         """
-        rank = self.trainer.global_rank
-        seed = ((self.seed * 1_000_003 + self.trainer.global_step) * 65_537 + rank) * 8 + purpose
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed % 2**63)
+            torch.manual_seed(self._seed(purpose))
             return self.engine.generate(prompt_ids, n, sampling)
+
+    def _seed(self, purpose: int) -> int:
+        """The seed of a generation: (seed, optimisation step, rank, purpose)."""
+        rank = self.trainer.global_rank
+        return (((self.seed * 1_000_003 + self.trainer.global_step) * 65_537 + rank) * 8 + purpose) % 2**63
 
     def sync(self, probe_prompt: list[int], probe_answer: str) -> float:
         """Push the policy into the engine (once per optimisation step) and verify it; returns the probe gap.
 
         The first sync fixes the probe (this prompt and its answer) for the rest of the run.
         """
+        if self._pending is not None:  # a rollout sampling in the background finishes on the weights it started with
+            self._pending.wait()
         step = self.trainer.global_step
         if self.synced_at_step == step:
             return 0.0
@@ -320,20 +358,8 @@ class RolloutDataModule(LightningDataModule):
             # them. A new rollout would be wasted and skip prompts, so it gets placeholders it never reads (a
             # checkpoint taken in the middle of a rollout resumes at the next rollout).
             return DataLoader([None] * done, batch_size=None, collate_fn=_identity)
-        prompts = self.next_prompts()
-        prompt_ids = self.tokenize(prompts)
-        start = time.perf_counter()
-        self.sync(prompt_ids[0], prompts[0].answer)
-        sync_s = time.perf_counter() - start
+        rollout = self._rollout_overlapped() if self.settings.max_staleness else self._rollout_in_turn()
         settings = self.settings
-
-        def generate(ids: list[list[int]], n: int):
-            return self.generate(ids, n, self.sampling, purpose=0)
-
-        rollout = collect_rollout(prompts, prompt_ids, generate, self.rewards, settings, self._sum_over_processes)
-        self.engine.sleep()  # a colocated engine with sleep mode lends its memory to training until the next sync
-        rollout.seconds["sync_s"] = sync_s
-        rollout.metrics["rollout/sync_s"] = sync_s
         self.reward_guard.check(rollout.metrics)
         self._log(rollout.metrics)
         groups = rollout.trained_groups(settings.drop_zero_std_groups)
@@ -342,8 +368,109 @@ class RolloutDataModule(LightningDataModule):
         steps = build_steps(plan, self.policy.pad_token_id, settings.passes, filler=rollout.groups[0], rollout=rollout)
         if len(steps) > 1:  # steps after the first follow an update: their ratios need the sampling policy's logps
             for batch in {id(b): b for step in steps for b in step.micro_batches}.values():
-                batch.old_logps = self.policy.logps(batch)  # the trainer's numerics (the engine's differ slightly)
+                if batch.old_logps is None:  # a rollout sampled by older weights has them already
+                    batch.old_logps = self.policy.logps(batch)  # the trainer's numerics (the engine's differ)
         return DataLoader(steps, batch_size=None, collate_fn=_identity)
+
+    def _rollout_in_turn(self) -> Rollout:
+        """Sync, then sample and score this epoch's rollout from the weights it trains (``max_staleness`` 0)."""
+        prompts = self.next_prompts()
+        prompt_ids = self.tokenize(prompts)
+        start = time.perf_counter()
+        self.sync(prompt_ids[0], prompts[0].answer)
+        sync_s = time.perf_counter() - start
+
+        def generate(ids: list[list[int]], n: int):
+            return self.generate(ids, n, self.sampling, purpose=0)
+
+        rollout = collect_rollout(prompts, prompt_ids, generate, self.rewards, self.settings, self._sum_over_processes)
+        self.engine.sleep()  # a colocated engine with sleep mode lends its memory to training until the next sync
+        rollout.seconds["sync_s"] = sync_s
+        rollout.metrics["rollout/sync_s"] = sync_s
+        return rollout
+
+    def _rollout_overlapped(self) -> Rollout:
+        """This epoch's rollout, sampled while the previous one trained; the next one starts sampling here.
+
+        The run's first rollout (and the first after a resume without a saved one) is sampled now, from the weights
+        it trains. Every later one was sampled from the weights its predecessor started with: the trainer scores
+        its tokens under those weights (the old log-probs of its ratios) before its first update.
+        """
+        trainer = self.trainer
+        current = self._pending or self._restore_saved()
+        self._pending = None
+        start = time.perf_counter()
+        if current is None:
+            prompts = self.next_prompts()
+            prompt_ids = self.tokenize(prompts)
+            self.sync(prompt_ids[0], prompts[0].answer)
+            current = PendingRollout(prompts, prompt_ids, self._drawn_at, trainer.global_step, {})
+            current.completions = self.generate(prompt_ids, self.settings.group_size, self.sampling, purpose=0)
+            current.generate_s = time.perf_counter() - start
+        self._rollout_epoch, self._steps_started, self._drawn_at = trainer.current_epoch, 0, None
+        self._current = current
+        completions = current.wait()
+        waited = time.perf_counter() - start
+        # Also after the last rollout: the checkpoint then holds the next one, and a run resumed to train longer
+        # goes on as if it had never stopped.
+        start = time.perf_counter()
+        self._pending = self._sample_ahead()
+        sync_s = time.perf_counter() - start
+        if current.version != trainer.global_step:
+            self._score_under(current)
+
+        def sampled(ids: list[list[int]], n: int):
+            return completions
+
+        rollout = collect_rollout(
+            current.prompts, current.prompt_ids, sampled, self.rewards, self.settings, self._sum_over_processes
+        )
+        tokens = sum(len(c.token_ids) for group in completions for c in group)
+        rollout.seconds.update(generate_s=current.generate_s, sync_s=sync_s, wait_s=waited)
+        rollout.metrics.update(
+            {
+                "rollout/generate_s": current.generate_s,
+                "rollout/tokens_per_s": tokens / max(current.generate_s, 1e-9),
+                "rollout/sync_s": sync_s,
+                "rollout/wait_s": waited,  # the trainer's wait for this rollout (0 when sampling kept up)
+                "rollout/staleness": float(trainer.global_step - current.version),  # updates since its weights
+            }
+        )
+        return rollout
+
+    def _sample_ahead(self) -> PendingRollout:
+        """Push the weights this epoch trains from and start sampling the next rollout from them, in the background."""
+        drawn_at = self.stream.position
+        prompts = self._draw()
+        prompt_ids = self.tokenize(prompts)
+        self.sync(prompt_ids[0], prompts[0].answer)
+        engine, n, sampling, seed = self.engine, self.settings.group_size, self.sampling, self._seed(purpose=2)
+        version, weights = self.trainer.global_step, self.policy.trainable_weights()
+        pending = PendingRollout(prompts, prompt_ids, drawn_at, version, weights)
+        return pending.start(lambda: engine.generate(prompt_ids, n, sampling, seed=seed))
+
+    def _score_under(self, rollout: PendingRollout) -> None:
+        """Each completion's ``old_logprobs``: the trainer's log-probs under the weights that sampled it."""
+        if all(c.old_logprobs is not None for group in rollout.completions for c in group):
+            return  # a checkpoint brought them back
+        zeros = torch.zeros(self.settings.group_size)
+        groups = [Group(ids, comps, zeros, zeros) for ids, comps in zip(rollout.prompt_ids, rollout.completions)]
+        size = self.settings.micro_batch_groups
+        with self.policy.swapped(rollout.weights):
+            for first in range(0, len(groups), size):
+                part = groups[first : first + size]
+                logps = self.policy.logps(make_batch(part, self.policy.pad_token_id))  # [n, T]
+                for row, completion in enumerate(c for g in part for c in g.completions):
+                    completion.old_logprobs = logps[row, : len(completion.token_ids)].tolist()
+
+    def _restore_saved(self) -> PendingRollout | None:
+        """The rollout a checkpoint held, its prompts drawn again from where they were drawn."""
+        saved, self._saved = self._saved, None
+        if saved is None:
+            return None
+        self.stream.position = saved.drawn_at
+        prompts = self._draw()
+        return saved.pending(prompts, self.tokenize(prompts))
 
     def val_dataloader(self) -> DataLoader | list:  # noqa: D102
         batches = self.evaluator().validation_batches(self.val_prompts)

@@ -1,0 +1,119 @@
+"""A rollout sampled in the background while the policy trains (``data.rollout.max_staleness: 1``).
+
+With ``max_staleness`` 1 the data module starts rollout k + 1 on the engine (which runs in its own process) right
+after pushing the weights that rollout k trains from, and trains on rollout k meanwhile. Rollout k + 1 is then
+sampled from weights one rollout older than those it trains: its ``PendingRollout`` keeps those weights (the trainable
+ones, ``Policy.trainable_weights``), so the trainer's log-probs of its tokens under them become the old log-probs of
+the policy ratio (``Completion.old_logprobs``), exactly as for any off-policy step.
+
+A checkpoint holds the pending rollout whole (its completions, its policy version and those weights), so a resumed run
+trains on the same rollout, with the same ratios, as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from amir_lightning.data.base import Prompt
+from amir_lightning.rollout.engine import Completion
+
+
+@dataclass
+class PendingRollout:
+    """A rollout drawn and sampling (or sampled) from an earlier policy version.
+
+    Attributes:
+        prompts: This process's prompts.
+        prompt_ids: Their chat-templated token ids.
+        drawn_at: The prompt stream's position before they were drawn (a resume draws them again from there).
+        version: The optimisation step whose weights sampled it (``trainer.global_step`` at the push).
+        weights: Those weights, the trainable ones (``Policy.trainable_weights``).
+        started: ``time.perf_counter()`` when sampling started.
+    """
+
+    prompts: list[Prompt]
+    prompt_ids: list[list[int]]
+    drawn_at: int
+    version: int
+    weights: dict[str, torch.Tensor]
+    started: float = field(default_factory=time.perf_counter)
+    generate_s: float = 0.0
+    finished_at: float | None = None
+    completions: list[list[Completion]] | None = None
+    _future: Future | None = field(default=None, repr=False)
+
+    def start(self, generate: Callable[[], list[list[Completion]]]) -> PendingRollout:
+        """Run ``generate`` on a thread of its own (it waits on the engine's process, so it holds no core)."""
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="amir-rollout")
+
+        def run() -> list[list[Completion]]:
+            start = time.perf_counter()
+            try:
+                return generate()
+            finally:
+                self.generate_s, self.finished_at = time.perf_counter() - start, time.perf_counter()
+
+        self._future = pool.submit(run)
+        pool.shutdown(wait=False)
+        return self
+
+    def wait(self) -> list[list[Completion]]:
+        """Its completions, once sampled (an error of the engine is raised here, in the training thread)."""
+        if self.completions is None:
+            self.completions = self._future.result()
+            self._future = None
+        return self.completions
+
+    @property
+    def done(self) -> bool:
+        """Whether sampling has finished."""
+        return self.completions is not None or (self._future is not None and self._future.done())
+
+    def state(self) -> dict:
+        """Plain data for a checkpoint (waits for sampling to finish)."""
+        completions = [[asdict(c) for c in group] for group in self.wait()]
+        return {
+            "drawn_at": self.drawn_at,
+            "version": self.version,
+            "weights": self.weights,
+            "generate_s": self.generate_s,
+            "completions": completions,
+        }
+
+
+@dataclass
+class SavedRollout:
+    """A pending rollout as a checkpoint holds it: redrawn from ``drawn_at``, its completions as sampled."""
+
+    drawn_at: int
+    version: int
+    weights: dict[str, torch.Tensor]
+    generate_s: float
+    completions: list[list[Completion]]
+
+    def state(self) -> dict:
+        """What ``from_state`` reads."""
+        completions = [[asdict(c) for c in group] for group in self.completions]
+        return {
+            "drawn_at": self.drawn_at,
+            "version": self.version,
+            "weights": self.weights,
+            "generate_s": self.generate_s,
+            "completions": completions,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict) -> SavedRollout:  # noqa: D102
+        groups = [[Completion(**c) for c in group] for group in state["completions"]]
+        return cls(int(state["drawn_at"]), int(state["version"]), state["weights"], float(state["generate_s"]), groups)
+
+    def pending(self, prompts: list[Prompt], prompt_ids: list[list[int]]) -> PendingRollout:
+        """The pending rollout again, with its prompts drawn anew (the same ones: the stream is deterministic)."""
+        rollout = PendingRollout(prompts, prompt_ids, self.drawn_at, self.version, self.weights)
+        rollout.generate_s, rollout.completions = self.generate_s, self.completions
+        return rollout
