@@ -1,0 +1,136 @@
+"""``data.rollout.max_staleness: 1`` under a real Trainer with a real vLLM server: the next rollout samples while the
+policy trains, every update uses the trainer's log-probs under the weights that sampled its rollout, and a resumed
+run ends where an uninterrupted one does."""
+
+import time
+
+import lightning as L
+import pytest
+import torch
+from test_datamodule import LengthReward, make_trainer
+
+from amir_lightning.data import ArithmeticPrompts
+from amir_lightning.models import HFModel, build_tiny_model
+from amir_lightning.models.export import ExportSettings
+from amir_lightning.objectives import AmirGRPOLoss
+from amir_lightning.objectives.amir import PairWeightSettings
+from amir_lightning.rollout import HFEngine, SamplingConfig, VLLMServerEngine
+from amir_lightning.rollout.collect import RolloutSettings
+from amir_lightning.rollout.policy import ScoringSettings
+from amir_lightning.systems.datamodule import RolloutDataModule
+from amir_lightning.systems.module import AmirGRPOModule
+
+pytestmark = pytest.mark.slow
+
+
+class CountingServer(VLLMServerEngine):
+    """The server engine, counting its rollouts (generations of more than one prompt)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.rollouts = 0
+
+    def generate(self, prompts, n, sampling, seed=None):  # noqa: D102
+        self.rollouts += 1
+        return super().generate(prompts, n, sampling, seed)
+
+
+def build(tmp_path, new_tokens: int = 6) -> tuple[AmirGRPOModule, RolloutDataModule]:
+    model_dir = tmp_path.parent / "model"
+    if not model_dir.exists():
+        build_tiny_model(model_dir, seed=5)
+    module = AmirGRPOModule(
+        policy=HFModel(str(model_dir)),
+        loss=AmirGRPOLoss(kl_coef=0.0, pair_weight=PairWeightSettings(value=0.5, schedule="fixed")),
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.5),
+        scoring=ScoringSettings(entropy=False),
+        export=ExportSettings(dir=str(tmp_path / "policy")),
+    )
+    data = RolloutDataModule(
+        prompts=ArithmeticPrompts(num_terms=1, template="{expression}="),
+        engine=CountingServer(max_model_len=64, kv_cache_memory_bytes=32 * 1024**2, threads=1),
+        rewards=[LengthReward()],
+        rollout=RolloutSettings(group_size=8, prompts_per_process=8, micro_batch_groups=4, max_staleness=1),
+        sampling=SamplingConfig(max_new_tokens=new_tokens),
+    )
+    data.attach(module.handle)
+    return module, data
+
+
+class Watch(L.Callback):
+    """Per epoch: the weights it starts from, its rollout, the one sampling meanwhile, and its steps' times."""
+
+    def __init__(self) -> None:
+        self.weights: list[dict[str, torch.Tensor]] = []
+        self.current, self.ahead, self.steps, self.old = [], [], [], []
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        data = trainer.datamodule
+        self.weights.append(pl_module.handle.trainable_weights())
+        self.current.append(data._current)
+        self.ahead.append(data._pending)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.steps.append([time.perf_counter(), None])
+        self.old.append([b.old_logps.clone() if b.old_logps is not None else None for b in batch.micro_batches])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.steps[-1][1] = time.perf_counter()
+
+
+def test_the_next_rollout_samples_while_the_policy_trains_on_the_weights_that_will_score_it(tmp_path):
+    module, data = build(tmp_path / "run", new_tokens=24)
+    watch = Watch()
+    make_trainer(tmp_path / "run", 4, [watch]).fit(module, datamodule=data)
+    # Rollout e + 1 started sampling before epoch e's step and finished after that step started: they overlapped.
+    watch.ahead[-1].wait()
+    overlapped = [ahead.started < step[0] < ahead.finished_at for ahead, step in zip(watch.ahead, watch.steps)]
+    assert sum(overlapped) >= 2, overlapped
+    # Epoch 0 trains on its own weights; every later rollout was sampled by the weights the epoch before started
+    # with, one optimiser step older than those it trains (one step per rollout here).
+    assert watch.current[0].version == 0 and watch.old[0] == [None] * len(watch.old[0])
+    for epoch in range(1, 4):
+        rollout = watch.current[epoch]
+        assert rollout is watch.ahead[epoch - 1] and rollout.version == epoch - 1
+        for name, value in watch.weights[epoch - 1].items():
+            assert torch.equal(rollout.weights[name], value), name
+        assert all(old is not None for old in watch.old[epoch])
+    # The ratio's old log-probs are the trainer's under those weights, exactly; the policy has moved since.
+    scored = watch.current[3]
+    policy = data.policy
+    from amir_lightning.rollout.batch import Group, make_batch
+
+    zeros = torch.zeros(8)
+    groups = [Group(ids, comps, zeros, zeros) for ids, comps in zip(scored.prompt_ids, scored.completions)]
+    with policy.swapped(watch.weights[2]):
+        sampled_by = [policy.logps(make_batch(groups[i : i + 4], policy.pad_token_id)) for i in (0, 4)]
+    for old, expected in zip(watch.old[3], sampled_by, strict=True):
+        torch.testing.assert_close(old, expected, rtol=0, atol=0)
+    now = policy.logps(make_batch(groups[:4], policy.pad_token_id))
+    assert not torch.allclose(now, sampled_by[0], atol=1e-4)
+    assert data.engine.rollouts == 5  # 4 trained, and the one sampled after the last, for a longer resumed run
+    data.engine.close()
+
+
+def test_a_run_resumed_between_rollouts_ends_where_an_uninterrupted_run_does(tmp_path):
+    """Cut after 2 of 3 rollouts: the checkpoint holds rollout 3, sampled by rollout 2's weights, and the resumed run
+    trains on it (no new generation but the one sampled ahead), ending with the uninterrupted run's weights."""
+    straight_module, straight = build(tmp_path / "straight")
+    make_trainer(tmp_path / "straight", 3, []).fit(straight_module, datamodule=straight)
+    first_module, first = build(tmp_path / "cut")
+    make_trainer(tmp_path / "cut", 2, [], checkpoints=True).fit(first_module, datamodule=first)
+    module, data = build(tmp_path / "cut")
+    make_trainer(tmp_path / "cut", 3, [], checkpoints=True).fit(module, datamodule=data, ckpt_path="last")
+    assert (straight.engine.rollouts, first.engine.rollouts, data.engine.rollouts) == (4, 3, 1)
+    assert data.stream.position == straight.stream.position
+    for name, weight in straight_module.policy.state_dict().items():
+        assert torch.equal(weight, module.policy.state_dict()[name]), name
+    for engine in (straight.engine, first.engine, data.engine):
+        engine.close()
+
+
+def test_an_engine_inside_the_training_process_cannot_overlap():
+    with pytest.raises(ValueError, match="max_staleness 1 needs an engine in its own process"):
+        RolloutDataModule(
+            prompts=ArithmeticPrompts(), engine=HFEngine(progress=False), rollout=RolloutSettings(max_staleness=1)
+        )
