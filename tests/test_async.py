@@ -7,16 +7,12 @@ import time
 import lightning as L
 import pytest
 import torch
-from test_datamodule import LengthReward, make_trainer
+from test_datamodule import build as build_with
+from test_datamodule import make_trainer
 
 from amir_lightning.data import ArithmeticPrompts
-from amir_lightning.models import HFModel, build_tiny_model
-from amir_lightning.models.export import ExportSettings
-from amir_lightning.objectives import AmirGRPOLoss
-from amir_lightning.objectives.amir import PairWeightSettings
-from amir_lightning.rollout import HFEngine, SamplingConfig, VLLMServerEngine
+from amir_lightning.rollout import HFEngine, VLLMServerEngine
 from amir_lightning.rollout.collect import RolloutSettings
-from amir_lightning.rollout.policy import ScoringSettings
 from amir_lightning.systems.datamodule import RolloutDataModule
 from amir_lightning.systems.module import AmirGRPOModule
 
@@ -36,25 +32,10 @@ class CountingServer(VLLMServerEngine):
 
 
 def build(tmp_path, new_tokens: int = 6) -> tuple[AmirGRPOModule, RolloutDataModule]:
-    model_dir = tmp_path.parent / "model"
-    if not model_dir.exists():
-        build_tiny_model(model_dir, seed=5)
-    module = AmirGRPOModule(
-        policy=HFModel(str(model_dir)),
-        loss=AmirGRPOLoss(kl_coef=0.0, pair_weight=PairWeightSettings(value=0.5, schedule="fixed")),
-        optimizer=lambda p: torch.optim.SGD(p, lr=0.5),
-        scoring=ScoringSettings(entropy=False),
-        export=ExportSettings(dir=str(tmp_path / "policy")),
-    )
-    data = RolloutDataModule(
-        prompts=ArithmeticPrompts(num_terms=1, template="{expression}="),
-        engine=CountingServer(max_model_len=64, kv_cache_memory_bytes=32 * 1024**2, threads=1),
-        rewards=[LengthReward()],
-        rollout=RolloutSettings(group_size=8, prompts_per_process=8, micro_batch_groups=4, max_staleness=1),
-        sampling=SamplingConfig(max_new_tokens=new_tokens),
-    )
-    data.attach(module.handle)
-    return module, data
+    """test_datamodule's module and data module, with a vLLM server and 8 prompts x 8 sampled a rollout ahead."""
+    engine = CountingServer(max_model_len=64, kv_cache_memory_bytes=32 * 1024**2, threads=1)
+    rollout = RolloutSettings(group_size=8, prompts_per_process=8, micro_batch_groups=4, max_staleness=1)
+    return build_with(tmp_path, engine=engine, rollout=rollout, new_tokens=new_tokens)
 
 
 class Watch(L.Callback):

@@ -60,7 +60,10 @@ class CountingEngine(HFEngine):
         return super().generate(prompts, n, sampling)
 
 
-def build(tmp_path, steps_per_rollout: int = 1, passes: int = 1) -> tuple[AmirGRPOModule, RolloutDataModule]:
+def build(
+    tmp_path, steps_per_rollout: int = 1, passes: int = 1, engine=None, rollout=None, new_tokens: int = 4
+) -> tuple[AmirGRPOModule, RolloutDataModule]:
+    """The module and the data module of these tests (HF generate, 2 prompts x 4, unless given)."""
     model_dir = tmp_path / "model"
     if not model_dir.exists():
         build_tiny_model(model_dir, seed=5)
@@ -73,16 +76,17 @@ def build(tmp_path, steps_per_rollout: int = 1, passes: int = 1) -> tuple[AmirGR
     )
     data = RolloutDataModule(
         prompts=ArithmeticPrompts(num_terms=1, template="{expression}="),
-        engine=CountingEngine(progress=False),
+        engine=engine or CountingEngine(progress=False),
         rewards=[LengthReward()],
-        rollout=RolloutSettings(
+        rollout=rollout
+        or RolloutSettings(
             group_size=4,
             prompts_per_process=2,
             micro_batch_groups=1,
             steps_per_rollout=steps_per_rollout,
             passes=passes,
         ),  # fmt: skip
-        sampling=SamplingConfig(max_new_tokens=4),
+        sampling=SamplingConfig(max_new_tokens=new_tokens),
     )
     data.attach(module.handle)
     return module, data
