@@ -13,7 +13,10 @@ class ThroughputMonitor(Callback):
     """Per epoch: generation and training throughput, sync time, and each phase's share of the epoch.
 
     Keys: ``throughput/generate_tokens_per_s``, ``throughput/train_tokens_per_s`` (prompt and completion tokens
-    through forward and backward), ``throughput/sync_s``, ``throughput/{sync,generate,score,train}_frac``.
+    through forward and backward), ``throughput/sync_s``, ``throughput/train_s``,
+    ``throughput/{sync,generate,score,train}_frac``. With ``data.rollout.max_staleness`` 1 a rollout samples while
+    the previous one trains, so its generation is off the critical path: ``throughput/wait_s`` is what the trainer
+    waited for it.
     """
 
     def __init__(self) -> None:
@@ -51,4 +54,7 @@ class ThroughputMonitor(Callback):
         logged["throughput/generate_tokens_per_s"] = rollout.tokens / max(timing["generate_s"], 1e-9)
         logged["throughput/train_tokens_per_s"] = self._train_tokens / max(self._train_s, 1e-9)
         logged["throughput/sync_s"] = timing["sync_s"]
+        logged["throughput/train_s"] = self._train_s
+        if "wait_s" in timing:
+            logged["throughput/wait_s"] = timing["wait_s"]
         log_metrics(trainer, logged)
