@@ -44,7 +44,7 @@ from amir_lightning.helpers.distributed import world_size
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rollout.digest import ColumnSample, Reading, WeightSlot
 from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig, WeightLayout
-from amir_lightning.rollout.vllm_worker import FILE_BACKEND, decode, encode, merge_workers
+from amir_lightning.rollout.vllm_worker import FILE_BACKEND, decode, merge_workers
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,9 @@ class VLLMServerEngine(RolloutEngine):
         devices: GPUs the started server runs on (``CUDA_VISIBLE_DEVICES``, e.g. ``"6,7"``), away from the
             trainer's; ``None``: as the environment says.
         cpu_cores: CPU cores the started server is pinned to (``taskset -c``, e.g. ``"1"``); ``None``: all.
+        host: The address the started server listens on: ``127.0.0.1`` (this machine only) or ``0.0.0.0`` when
+            training processes on other nodes share it. Its RL routes take weight updates from anyone who reaches
+            it: keep it on a trusted network.
         threads: Threads of the started server's CPU kernels (``OMP_NUM_THREADS``); ``None``: as the environment.
         dtype: Model dtype in the server (``auto``: ``bfloat16`` on GPU, ``float32`` on CPU).
         max_model_len: Longest prompt + completion, in tokens.
@@ -78,6 +81,7 @@ class VLLMServerEngine(RolloutEngine):
         url: str | None = None,
         devices: str | None = None,
         cpu_cores: str | None = None,
+        host: str = "127.0.0.1",
         threads: int | None = None,
         dtype: str = "auto",
         max_model_len: int = 1024,
@@ -106,6 +110,7 @@ class VLLMServerEngine(RolloutEngine):
             errors.append(f"{KEY}.cpu_cores needs the taskset command (util-linux), which this machine lacks")
         raise_errors(errors)
         self.url, self.devices, self.cpu_cores, self.threads = url, devices, cpu_cores, threads
+        self.host = host
         self.dtype, self.max_model_len, self.kv_cache_memory_bytes = dtype, max_model_len, kv_cache_memory_bytes
         self.gpu_memory_utilization, self.tensor_parallel_size = gpu_memory_utilization, tensor_parallel_size
         self.max_num_seqs, self.enable_prefix_caching = max_num_seqs, enable_prefix_caching
@@ -123,7 +128,7 @@ class VLLMServerEngine(RolloutEngine):
         """The command line of a server for ``model_dir`` on ``port`` (the environment is ``server_env``'s)."""
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
-        command += ["--host", "127.0.0.1", "--port", str(port), "--seed", str(seed), "--dtype", dtype]
+        command += ["--host", self.host, "--port", str(port), "--seed", str(seed), "--dtype", dtype]
         command += ["--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs)]
         command += ["--tensor-parallel-size", str(self.tensor_parallel_size), "--logprobs-mode", "processed_logprobs"]
         command += ["--weight-transfer-config", json.dumps({"backend": FILE_BACKEND})]
@@ -150,25 +155,33 @@ class VLLMServerEngine(RolloutEngine):
             env["OMP_NUM_THREADS"] = str(self.threads)
         return env
 
-    def start(self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0) -> None:  # noqa: D102
+    def start(self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0) -> None:
+        """Start the server (or reach the one at ``url``); with several training processes, the first starts it.
+
+        Every process then sends its own prompts to that one server, which batches them; the first pushes the
+        weights, and every process reads them back for its sync check.
+        """
         del device, local_rank  # the server has devices of its own
-        if world_size() > 1:
-            raise ValueError(
-                f"{KEY}: VLLMServerEngine serves one training process; with several, use VLLMEngine (one engine per "
-                "process) for now"
-            )
         base = Path(self.transfer_dir or ("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()))
         self._workdir = Path(tempfile.mkdtemp(prefix="amir_vllm_server_", dir=base))
-        if self.url is None:
+        if self.url is None and _rank() == 0:
             self.url = self._launch(model_dir, seed)
+        if world_size() > 1:
+            import torch.distributed as dist
+
+            shared = [self.url]
+            dist.broadcast_object_list(shared, src=0)  # where the first process started it
+            self.url = shared[0]
         self._wait_until_ready()
-        self._post("/init_weight_transfer_engine", {"init_info": {}})
-        self._post("/v1/completions", {"prompt": [0], "max_tokens": 1})  # the first request is seconds slower
+        if _rank() == 0:
+            self._post("/init_weight_transfer_engine", {"init_info": {}})
+            self._post("/v1/completions", {"prompt": [0], "max_tokens": 1})  # the first request is seconds slower
+        _barrier()
         self._started = True
 
     def _launch(self, model_dir: Path, seed: int) -> str:
         with socket.socket() as probe:  # a free port on this machine
-            probe.bind(("127.0.0.1", 0))
+            probe.bind((self.host, 0))
             port = probe.getsockname()[1]
         command = self.server_command(model_dir, port, seed, torch.cuda.is_available())
         log_path = Path(self.log_file) if self.log_file else self._workdir / "server.log"
@@ -179,7 +192,8 @@ class VLLMServerEngine(RolloutEngine):
             )
         atexit.register(self.close)  # the server ends with the run, however the run ends
         log.info("started a vLLM server on port %d (its output: %s)", port, log_path)
-        return f"http://127.0.0.1:{port}"
+        reachable = socket.gethostname() if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{reachable}:{port}"
 
     def _wait_until_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
@@ -260,10 +274,23 @@ class VLLMServerEngine(RolloutEngine):
         with ThreadPoolExecutor(max_workers=min(len(prompts), 256) or 1) as pool:
             return list(pool.map(one, range(len(prompts))))
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:  # noqa: D102
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Push the weights through vLLM's update routes, generation paused; the first process pushes for all."""
+        _barrier()  # every process has finished its own generation: nothing samples during the push
+        if _rank() != 0:
+            for _ in named_tensors:  # the export is a collective under FSDP2: take part, keep nothing
+                pass
+            _barrier()  # the first process has pushed: reading back now reads the new weights
+            self.pushes += 1
+            return
+        try:
+            self._push({name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in named_tensors})
+        finally:
+            _barrier()
+
+    def _push(self, tensors: dict[str, torch.Tensor]) -> None:
         from safetensors.torch import save_file
 
-        tensors = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in named_tensors}
         if not tensors:
             raise ValueError("load_weights got no tensors: the engine would keep stale weights")
         path = self._workdir / f"push_{self.pushes + 1}.safetensors"
@@ -289,12 +316,14 @@ class VLLMServerEngine(RolloutEngine):
         """Where the server keeps each of ``names`` (asked once per name: the layout does not change)."""
         missing = [n for n in names if n not in self._slots]
         if missing:
-            results = self._post("/collective_rpc", {"method": "amir_weight_slots", "args": [encode(missing)]})
+            results = self._post("/collective_rpc", {"method": "amir_weight_slots", "args": [json.dumps(missing)]})
             self._slots.update(decode(results["results"][0]))
         return {n: self._slots[n] for n in names}
 
     def held_weights(self, columns: ColumnSample) -> dict[str, list[Reading]]:  # noqa: D102
-        results = self._post("/collective_rpc", {"method": "amir_held_weights", "args": [encode(columns)]})
+        results = self._post(
+            "/collective_rpc", {"method": "amir_held_weights", "args": [json.dumps([columns.seed, columns.count])]}
+        )
         return merge_workers([decode(r) for r in results["results"]])
 
     def score(self, prompt: list[int], completion: list[int]) -> list[float]:  # noqa: D102
@@ -308,7 +337,8 @@ class VLLMServerEngine(RolloutEngine):
             return [float("nan")] * len(completion)  # the server cannot write an infinite log-prob: not finite
         return [float(entry[str(token)]["logprob"]) for token, entry in zip(completion, entries)]
 
-    def close(self) -> None:  # noqa: D102
+    def close(self) -> None:
+        """Stop the server this process started (a server at a given ``url`` keeps running)."""
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
@@ -324,6 +354,19 @@ class VLLMServerEngine(RolloutEngine):
     def __del__(self) -> None:
         if getattr(self, "process", None) is not None:
             self.close()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if world_size() > 1 else 0
+
+
+def _barrier() -> None:
+    if world_size() > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
 
 
 def _end_with_parent() -> None:

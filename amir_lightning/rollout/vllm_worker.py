@@ -15,6 +15,7 @@ process (the worker extension is imported before the model loads).
 from __future__ import annotations
 
 import base64
+import json
 import os
 import pickle
 import sys
@@ -164,26 +165,30 @@ def merge_workers(per_worker: list[tuple[dict[str, list[Reading]], set[str]]]) -
 
 # ---------------------------------------------------------------------- a vLLM server's side
 def encode(value) -> str:
-    """``value`` as text for vLLM's ``/collective_rpc``, which passes strings only (trainer and server are ours)."""
+    """A worker's answer as text for vLLM's ``/collective_rpc``, which returns strings (``decode`` reads it)."""
     return base64.b64encode(pickle.dumps(value)).decode()
 
 
 def decode(text: str):
-    """The value ``encode`` made."""
-    return pickle.loads(base64.b64decode(text))  # noqa: S301 (written by this package, on this machine)
+    """The answer ``encode`` made, read by the trainer from the server it started or was given."""
+    return pickle.loads(base64.b64decode(text))  # noqa: S301 (the server is the trainer's own)
 
 
 class AmirWorkerExtension:
     """Methods a vLLM server's workers gain (``--worker-extension-cls``), called through ``/collective_rpc``."""
 
     def amir_weight_slots(self, names: str) -> str:
-        """Where this worker keeps each of the (encoded) Hugging Face ``names``: encoded ``{name: WeightSlot}``."""
+        """Where this worker keeps each of the Hugging Face ``names`` (a JSON list): encoded ``{name: WeightSlot}``."""
         layout = VLLMLayout(*layout_of(self))
-        return encode({name: layout.slot(name) for name in decode(names)})
+        return encode({name: layout.slot(name) for name in json.loads(names)})
 
     def amir_held_weights(self, columns: str) -> str:
-        """``read_back`` of this worker, encoded."""
-        return encode(read_back(self, decode(columns)))
+        """``read_back`` of this worker on ``columns`` (JSON ``[seed, count]``), encoded.
+
+        Requests carry JSON only: the server never unpickles what a client sends.
+        """
+        seed, count = json.loads(columns)
+        return encode(read_back(self, ColumnSample(int(seed), None if count is None else int(count))))
 
 
 @dataclass
