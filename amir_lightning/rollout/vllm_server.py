@@ -17,7 +17,7 @@ weights travel as a safetensors file (``/dev/shm`` where there is one) that the 
 A server started for a ``url`` must run with the same two settings: ``VLLM_SERVER_DEV_MODE=1 AMIR_VLLM_SERVER=1``
 in its environment and ``--weight-transfer-config '{"backend": "amir_file"}' --worker-extension-cls
 amir_lightning.rollout.vllm_worker.AmirWorkerExtension --logprobs-mode processed_logprobs`` (``server_command``
-prints the whole command), on a machine that shares ``transfer_dir`` with the trainer.
+returns the whole command), on a machine that shares ``transfer_dir`` with the trainer.
 """
 
 from __future__ import annotations
