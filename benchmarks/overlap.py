@@ -1,7 +1,8 @@
 """Generation overlapped with training: the colocated engine, the server engine, and the server a rollout ahead.
 
     python benchmarks/overlap.py --setting demo --seeds 0 1 2     # configs/demo.yaml: 12 rollouts, held-out accuracy
-    python benchmarks/overlap.py --setting long --seeds 0         # generation-heavy: 3 terms, 128 new tokens
+    python benchmarks/overlap.py --setting long --seeds 0         # generation-heavy: 3 terms, 128 new tokens, 5
+                                                                  # rollouts, timing only (no validation)
     python benchmarks/overlap.py --setting tiny --seeds 0         # the tiny model, a minute: checks the script
 
 Three arms on the same task and seeds, one after another:
@@ -53,9 +54,11 @@ SETTINGS = {
         "--data.rollout.drop_zero_std_groups",
         "true",
         "--trainer.max_epochs",
-        "6",
-        "--trainer.check_val_every_n_epoch",
-        "6",
+        "5",
+        "--validate_before_fit",
+        "false",
+        "--trainer.limit_val_batches",
+        "0",
         "--data.engine.init_args.max_model_len",
         "320",
     ],
