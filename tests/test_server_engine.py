@@ -102,9 +102,11 @@ def test_a_server_that_gets_half_a_push_is_stopped(tiny_dir):
 
 def test_a_fit_with_the_server_engine_learns_the_tiny_task(tmp_path):
     """configs/tiny.yaml with its rollouts from a vLLM server in a second process: every sync verified exactly, the
-    copy-a-digit reward rises, and no server outlives the run."""
+    copy-a-digit reward rises, and validation runs before and during the fit (no distributed group exists in the
+    trainer here, unlike with an in-process engine: evaluation still runs under no_grad)."""
     engine = json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": SERVER})
     args = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.engine", engine]
+    args += ["--validate_before_fit", "true", "--trainer.check_val_every_n_epoch", "10"]
     run_amir([*args, "--trainer.max_epochs", "20"], tmp_path)
     scalars = read_scalars(tmp_path / "runs" / "tiny" / "version_0")
     reward = scalars["rollout/reward_mean"]
@@ -112,6 +114,7 @@ def test_a_fit_with_the_server_engine_learns_the_tiny_task(tmp_path):
     assert sum(reward[-5:]) / 5 > sum(reward[:3]) / 3 + 0.1, reward
     assert min(scalars["rollout/sync_verified_tensors"]) > 0
     assert max(scalars["rollout/sync_logp_diff"]) < 1e-4
+    assert len(scalars["val/accuracy"]) == 3  # before the fit, after rollouts 10 and 20
 
 
 def test_two_training_processes_share_one_server_a_rollout_ahead(tmp_path):

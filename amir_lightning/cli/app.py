@@ -30,6 +30,10 @@ TRAINER_DEFAULTS = {
     "reload_dataloaders_every_n_epochs": 1,  # one epoch == one rollout
     "use_distributed_sampler": False,  # each rank builds its own shard of whole groups
     "num_sanity_val_steps": 0,
+    # Evaluation under no_grad, not inference_mode: metric states reset in one evaluation pass would be inference
+    # tensors that the next pass, run under no_grad (as Lightning does whenever a gloo group exists, which an
+    # in-process vLLM engine creates), could not update.
+    "inference_mode": False,
     "log_every_n_steps": 1,
     "logger": lazy_instance(TensorBoardLogger, save_dir="runs"),
 }
