@@ -9,7 +9,8 @@ Three arms on the same task and seeds, one after another:
 
 - ``colocated``: ``VLLMEngine`` in the training process (today's default): generation, then training;
 - ``server``: ``VLLMServerEngine``, generation then training (``data.rollout.max_staleness 0``);
-- ``server_async``: the same server, the next rollout sampling while the policy trains (``max_staleness 1``).
+- ``server_async``: the same server, the next rollout sampling while the policy trains (``max_staleness 1``);
+- ``server_async_current`` (``--arms``): the same, with ``stale_logps: current`` (no pass for the old log-probs).
 
 On a 2-core machine the training process is pinned to core 0 (``taskset -c 0``) and the server to core 1
 (``cpu_cores: "1"``), each with one thread; the colocated arm runs in one process on core 0. Per arm the script
@@ -75,7 +76,9 @@ def engine_args(arm: str, setting: str) -> list[str]:
     if len(os.sched_getaffinity(0)) > 1:
         init["cpu_cores"] = "1"
     engine = json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": init})
-    staleness = ["--data.rollout.max_staleness", "1"] if arm == "server_async" else []
+    staleness = ["--data.rollout.max_staleness", "1"] if arm.startswith("server_async") else []
+    if arm == "server_async_current":
+        staleness += ["--data.rollout.stale_logps", "current"]
     return ["--data.engine", engine, *staleness]
 
 

@@ -115,3 +115,20 @@ def test_an_engine_inside_the_training_process_cannot_overlap():
         RolloutDataModule(
             prompts=ArithmeticPrompts(), engine=HFEngine(progress=False), rollout=RolloutSettings(max_staleness=1)
         )
+
+
+def test_decoupled_old_log_probs_add_no_pass_and_weigh_the_staleness(tmp_path):
+    """``stale_logps: current``: a stale rollout's first step has ratio 1 (no old log-probs, no scoring pass, no kept
+    weights), and the importance weights compare the current policy with the engine that sampled the tokens."""
+    module, data = build(tmp_path / "run")
+    data.settings = RolloutSettings(
+        group_size=8, prompts_per_process=8, micro_batch_groups=4, max_staleness=1, stale_logps="current"
+    )
+    watch = Watch()
+    make_trainer(tmp_path / "run", 3, [watch]).fit(module, datamodule=data)
+    assert [rollout.version for rollout in watch.current] == [0, 0, 1]
+    assert all(old is None for step in watch.old for old in step)
+    assert all(rollout.weights == {} for rollout in watch.current)
+    stale = [c for group in watch.current[2].completions for c in group]
+    assert all(c.old_logprobs is None for c in stale)
+    data.engine.close()

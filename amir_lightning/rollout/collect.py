@@ -51,6 +51,12 @@ class RolloutSettings:
             trainer's log-probs under the weights that sampled it). Needs an engine in its own process
             (``VLLMServerEngine``). The last rollout samples one more, never trained but kept in the last
             checkpoint, so a run resumed to train longer goes on exactly.
+        stale_logps: With ``max_staleness`` 1, the old log-probs of a rollout sampled by older weights. ``sampler``:
+            the trainer's under those weights (kept until then): exact PPO ratios, for one more forward pass over
+            the rollout. ``current``: the trainer's current weights, so the first step's ratio is 1 and no pass is
+            added (decoupled PPO, arXiv 2110.00641); the staleness is then corrected by the engine/trainer importance
+            weights (``model.loss.init_args.sampling_correction``, on by default), which weigh each token by the
+            current policy's probability over the sampling engine's, truncated at ``sampling_cap``.
     """
 
     group_size: int = 8
@@ -64,6 +70,7 @@ class RolloutSettings:
     max_bad_rollouts: int = 3
     reward_warn_s: float = 60.0
     max_staleness: int = 0
+    stale_logps: Literal["sampler", "current"] = "sampler"
 
     def __post_init__(self) -> None:
         errors: list[str] = []
@@ -75,6 +82,8 @@ class RolloutSettings:
         check_number(errors, "data.rollout.reward_warn_s", self.reward_warn_s, gt=0)
         if self.max_staleness not in (0, 1):
             errors.append(f"data.rollout.max_staleness must be 0 or 1, got {self.max_staleness!r}")
+        if self.stale_logps not in ("sampler", "current"):
+            errors.append(f"data.rollout.stale_logps must be sampler or current, got {self.stale_logps!r}")
         if not errors and self.steps_per_rollout > self.prompts_per_process:
             errors.append(
                 f"data.rollout.steps_per_rollout ({self.steps_per_rollout}) > data.rollout.prompts_per_process "

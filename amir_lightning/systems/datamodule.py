@@ -416,7 +416,7 @@ class RolloutDataModule(LightningDataModule):
         start = time.perf_counter()
         self._pending = self._sample_ahead()
         sync_s = time.perf_counter() - start
-        if current.version != trainer.global_step:
+        if current.version != trainer.global_step and self.settings.stale_logps == "sampler":
             self._score_under(current)
 
         def sampled(ids: list[list[int]], n: int):
@@ -445,7 +445,8 @@ class RolloutDataModule(LightningDataModule):
         prompt_ids = self.tokenize(prompts)
         self.sync(prompt_ids[0], prompts[0].answer)
         engine, n, sampling, seed = self.engine, self.settings.group_size, self.sampling, self._seed(purpose=2)
-        version, weights = self.trainer.global_step, self.policy.trainable_weights()
+        keep = self.settings.stale_logps == "sampler"  # the weights that will score it
+        version, weights = self.trainer.global_step, self.policy.trainable_weights() if keep else {}
         pending = PendingRollout(prompts, prompt_ids, drawn_at, version, weights)
         return pending.start(lambda: engine.generate(prompt_ids, n, sampling, seed=seed))
 
