@@ -32,8 +32,11 @@ class PendingRollout:
         prompt_ids: Their chat-templated token ids.
         drawn_at: The prompt stream's position before they were drawn (a resume draws them again from there).
         version: The optimisation step whose weights sampled it (``trainer.global_step`` at the push).
-        weights: Those weights, the trainable ones (``Policy.trainable_weights``).
+        weights: Those weights, the trainable ones (``Policy.trainable_weights``; empty when they are not needed).
         started: ``time.perf_counter()`` when sampling started.
+        generate_s: How long sampling took.
+        finished_at: ``time.perf_counter()`` when sampling finished.
+        completions: What it sampled, once ``wait`` has returned.
     """
 
     prompts: list[Prompt]
@@ -69,21 +72,10 @@ class PendingRollout:
             self._future = None
         return self.completions
 
-    @property
-    def done(self) -> bool:
-        """Whether sampling has finished."""
-        return self.completions is not None or (self._future is not None and self._future.done())
-
     def state(self) -> dict:
         """Plain data for a checkpoint (waits for sampling to finish)."""
-        completions = [[asdict(c) for c in group] for group in self.wait()]
-        return {
-            "drawn_at": self.drawn_at,
-            "version": self.version,
-            "weights": self.weights,
-            "generate_s": self.generate_s,
-            "completions": completions,
-        }
+        completions = self.wait()
+        return SavedRollout(self.drawn_at, self.version, self.weights, self.generate_s, completions).state()
 
 
 @dataclass
