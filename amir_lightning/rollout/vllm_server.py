@@ -49,6 +49,8 @@ from amir_lightning.rollout.vllm_worker import FILE_BACKEND, decode, merge_worke
 log = logging.getLogger(__name__)
 
 KEY = "data.engine.init_args"
+#: Requests to the server go to it directly: a cluster's HTTP proxy settings would send them to the proxy.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class VLLMServerEngine(RolloutEngine):
@@ -203,7 +205,7 @@ class VLLMServerEngine(RolloutEngine):
                     f"the vLLM server stopped while starting (exit {self.process.returncode}):\n" + self._log_tail()
                 )
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                with _DIRECT.open(f"{self.url}/health", timeout=5) as response:
                     if response.status == 200:
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
@@ -228,7 +230,7 @@ class VLLMServerEngine(RolloutEngine):
             f"{self.url}{route}", data=data, headers={"Content-Type": "application/json"}, method="POST"
         )
         try:
-            with urllib.request.urlopen(request, timeout=self.request_timeout) as response:
+            with _DIRECT.open(request, timeout=self.request_timeout) as response:
                 text = response.read()
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:2000]
