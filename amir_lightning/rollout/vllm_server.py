@@ -49,6 +49,9 @@ from amir_lightning.rollout.vllm_worker import FILE_BACKEND, decode, merge_worke
 log = logging.getLogger(__name__)
 
 KEY = "data.engine.init_args"
+#: The training processes' group, which a started server must not join.
+_TRAINER_GROUP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+                  "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
 #: Requests to the server go to it directly: a cluster's HTTP proxy settings would send them to the proxy.
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -151,6 +154,8 @@ class VLLMServerEngine(RolloutEngine):
     def server_env(self) -> dict[str, str]:
         """The started server's environment: the RL routes on, the transfer backend registered in its workers."""
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", AMIR_VLLM_SERVER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        for key in _TRAINER_GROUP:  # the server's workers form a group of their own, not the trainer's
+            env.pop(key, None)
         if self.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.devices
         if self.threads is not None:
