@@ -9,7 +9,7 @@ there is one). vLLM's own backends (NCCL, CUDA IPC) need CUDA; this one works on
 the server share a file system.
 
 Nothing here imports vLLM at module level; the backend registers itself when this module is imported into a vLLM
-process (the worker extension is imported before the model loads).
+server started with ``AMIR_VLLM_SERVER=1`` (the worker extension is imported before the model loads).
 """
 
 from __future__ import annotations
