@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 from test_datamodule import build as build_with
-from test_datamodule import make_trainer
+from test_datamodule import cut_and_resume, make_trainer
 
 from amir_lightning.data import ArithmeticPrompts
 from amir_lightning.rollout import HFEngine, VLLMServerEngine
@@ -96,12 +96,7 @@ def test_the_next_rollout_samples_while_the_policy_trains_on_the_weights_that_wi
 def test_a_run_resumed_between_rollouts_ends_where_an_uninterrupted_run_does(tmp_path):
     """Cut after 2 of 3 rollouts: the checkpoint holds rollout 3, sampled by rollout 2's weights, and the resumed run
     trains on it (no new generation but the one sampled ahead), ending with the uninterrupted run's weights."""
-    straight_module, straight = build(tmp_path / "straight")
-    make_trainer(tmp_path / "straight", 3, []).fit(straight_module, datamodule=straight)
-    first_module, first = build(tmp_path / "cut")
-    make_trainer(tmp_path / "cut", 2, [], checkpoints=True).fit(first_module, datamodule=first)
-    module, data = build(tmp_path / "cut")
-    make_trainer(tmp_path / "cut", 3, [], checkpoints=True).fit(module, datamodule=data, ckpt_path="last")
+    (straight_module, straight), (_, first), (module, data) = cut_and_resume(build, tmp_path, 3)
     assert (straight.engine.rollouts, first.engine.rollouts, data.engine.rollouts) == (4, 3, 1)
     assert data.stream.position == straight.stream.position
     for name, weight in straight_module.policy.state_dict().items():

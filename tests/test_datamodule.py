@@ -112,6 +112,20 @@ def make_trainer(tmp_path, epochs: int, callbacks: list, checkpoints: bool = Fal
     )
 
 
+def cut_and_resume(build, tmp_path, epochs: int) -> list[tuple[AmirGRPOModule, RolloutDataModule]]:
+    """Runs of ``build``'s module and data module: ``epochs`` rollouts straight, then ``epochs - 1`` and a resume of
+    that run's last checkpoint to ``epochs``; their (module, data module) pairs in that order."""
+    straight = build(tmp_path / "straight")
+    make_trainer(tmp_path / "straight", epochs, []).fit(straight[0], datamodule=straight[1])
+    first = build(tmp_path / "cut")
+    make_trainer(tmp_path / "cut", epochs - 1, [], checkpoints=True).fit(first[0], datamodule=first[1])
+    resumed = build(tmp_path / "cut")
+    make_trainer(tmp_path / "cut", epochs, [], checkpoints=True).fit(
+        resumed[0], datamodule=resumed[1], ckpt_path="last"
+    )
+    return [straight, first, resumed]
+
+
 def fit(tmp_path, steps_per_rollout: int, passes: int) -> tuple[Watch, RolloutDataModule, list]:
     module, data = build(tmp_path, steps_per_rollout, passes)
     watch = Watch()
@@ -154,12 +168,7 @@ def test_a_run_resumed_at_the_end_of_a_rollout_runs_only_the_next_one_and_ends_w
     Resumed from the checkpoint written at the end of rollout 1 of 2, the run generates once (rollout 2), draws the
     prompts an uninterrupted run draws there, and ends with its weights, bitwise.
     """
-    straight_module, straight = build(tmp_path / "straight")
-    make_trainer(tmp_path / "straight", 2, []).fit(straight_module, datamodule=straight)
-    first_module, first = build(tmp_path / "cut")
-    make_trainer(tmp_path / "cut", 1, [], checkpoints=True).fit(first_module, datamodule=first)
-    module, data = build(tmp_path / "cut")
-    make_trainer(tmp_path / "cut", 2, [], checkpoints=True).fit(module, datamodule=data, ckpt_path="last")
+    (straight_module, straight), (_, first), (module, data) = cut_and_resume(build, tmp_path, 2)
     assert (straight.engine.calls, first.engine.calls, data.engine.calls) == (2, 1, 1)
     assert data.stream.position == straight.stream.position == 4  # 2 rollouts of 2 prompts
     for name, weight in straight_module.policy.state_dict().items():

@@ -30,7 +30,7 @@ from amir_lightning.models.scoring import (
     varlen_attention,
 )
 from amir_lightning.models.sources import ModelSource
-from amir_lightning.rollout.batch import RolloutBatch
+from amir_lightning.rollout.batch import Group, RolloutBatch, make_batch
 
 
 @dataclass
@@ -236,6 +236,23 @@ class Policy:
             with torch.no_grad():
                 for name, value in own.items():
                     _local(params[name]).copy_(value)
+
+    def score_under(
+        self, weights: dict[str, torch.Tensor], prompt_ids: list[list[int]], completions: list[list], groups: int
+    ) -> None:
+        """Set each completion's ``old_logprobs``: its log-probs under ``weights`` (``trainable_weights``'s).
+
+        ``completions`` are the G completions of each prompt; they are scored ``groups`` prompts' worth at a time.
+        """
+        size = len(completions[0]) if completions else 0
+        zeros = torch.zeros(size)
+        rows = [Group(ids, comps, zeros, zeros) for ids, comps in zip(prompt_ids, completions)]
+        with self.swapped(weights):
+            for first in range(0, len(rows), groups):
+                part = rows[first : first + groups]
+                logps = self.logps(make_batch(part, self.pad_token_id))  # [n, T]
+                for row, completion in enumerate(c for g in part for c in g.completions):
+                    completion.old_logprobs = logps[row, : len(completion.token_ids)].tolist()
 
     def _trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]

@@ -28,7 +28,7 @@ from amir_lightning.helpers.tracking import log_metrics
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rewards.base import FunctionReward, Reward
 from amir_lightning.rewards.math import MathAnswerReward
-from amir_lightning.rollout.batch import Group, agree_on_plan, build_steps, make_batch, plan_steps
+from amir_lightning.rollout.batch import agree_on_plan, build_steps, plan_steps
 from amir_lightning.rollout.collect import RewardGuard, Rollout, RolloutSettings, collect_rollout
 from amir_lightning.rollout.engine import RolloutEngine, SamplingConfig
 from amir_lightning.rollout.pending import PendingRollout, SavedRollout
@@ -416,8 +416,10 @@ class RolloutDataModule(LightningDataModule):
         start = time.perf_counter()
         self._pending = self._sample_ahead()
         sync_s = time.perf_counter() - start
-        if current.version != trainer.global_step and self.settings.stale_logps == "sampler":
-            self._score_under(current)
+        scored = all(c.old_logprobs is not None for group in completions for c in group)  # a checkpoint kept them
+        if current.version != trainer.global_step and self.settings.stale_logps == "sampler" and not scored:
+            groups = self.settings.micro_batch_groups
+            self.policy.score_under(current.weights, current.prompt_ids, completions, groups)
 
         def sampled(ids: list[list[int]], n: int):
             return completions
@@ -449,20 +451,6 @@ class RolloutDataModule(LightningDataModule):
         version, weights = self.trainer.global_step, self.policy.trainable_weights() if keep else {}
         pending = PendingRollout(prompts, prompt_ids, drawn_at, version, weights)
         return pending.start(lambda: engine.generate(prompt_ids, n, sampling, seed=seed))
-
-    def _score_under(self, rollout: PendingRollout) -> None:
-        """Each completion's ``old_logprobs``: the trainer's log-probs under the weights that sampled it."""
-        if all(c.old_logprobs is not None for group in rollout.completions for c in group):
-            return  # a checkpoint brought them back
-        zeros = torch.zeros(self.settings.group_size)
-        groups = [Group(ids, comps, zeros, zeros) for ids, comps in zip(rollout.prompt_ids, rollout.completions)]
-        size = self.settings.micro_batch_groups
-        with self.policy.swapped(rollout.weights):
-            for first in range(0, len(groups), size):
-                part = groups[first : first + size]
-                logps = self.policy.logps(make_batch(part, self.policy.pad_token_id))  # [n, T]
-                for row, completion in enumerate(c for g in part for c in g.completions):
-                    completion.old_logprobs = logps[row, : len(completion.token_ids)].tolist()
 
     def _restore_saved(self) -> PendingRollout | None:
         """The rollout a checkpoint held, its prompts drawn again from where they were drawn."""
