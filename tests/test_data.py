@@ -1,6 +1,7 @@
 """Prompt sources on small local fixtures: JSONL (GSM8K and generic), HF datasets from local files, generators."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from amir_lightning.data import (
     ReasoningGymPrompts,
     render_prompt,
 )
+from amir_lightning.data.base import Prompt
 from amir_lightning.data.stream import PromptStream
 from amir_lightning.models import build_char_tokenizer
 from amir_lightning.rewards.grading import grade_answer, reference_answer
@@ -103,7 +105,7 @@ def test_reasoning_gym_prompts_are_gradable():
 def test_render_prompt_applies_chat_template_and_system_prompt():
     tok = build_char_tokenizer()
     p = ArithmeticPrompts(num_terms=1, template="{expression}=", split="all")[0]
-    ids = render_prompt(tok, p, system_prompt="1")
+    ids = render_prompt(tok, p, "1")
     assert tok.decode(ids) == "1" + p.question
 
 
@@ -137,8 +139,8 @@ def test_conversational_jsonl_keeps_messages_and_its_own_system_turn(tmp_path):
     assert first.messages == ({"role": "user", "content": "3="},) and first.question == "3=" and first.answer == "3"
     assert second.columns["level"] == 2 and second.columns["solution"] == "4"  # every column rides along
     tok = build_char_tokenizer()
-    assert tok.decode(render_prompt(tok, first, system_prompt="1")) == "13="  # data.system_prompt added
-    assert tok.decode(render_prompt(tok, second, system_prompt="1")) == "94="  # the row's own system turn wins
+    assert tok.decode(render_prompt(tok, first, "1")) == "13="  # data.system_prompt added
+    assert tok.decode(render_prompt(tok, second, "1")) == "94="  # the row's own system turn wins
 
 
 def test_prompt_only_jsonl_has_no_reference_and_the_math_reward_does_not_apply(tmp_path):
@@ -202,17 +204,65 @@ def test_a_short_reference_is_preferred_to_a_worked_solution(tmp_path):
     assert prompt.answer == "4" and prompt.columns["solution"] == ["Two and two make 4."]
 
 
-@pytest.mark.parametrize(("top_p", "top_k", "warned"), [(0.9, 0, True), (1.0, 20, True), (1.0, 0, False)])
-def test_truncated_training_sampling_says_what_it_does_to_the_log_probs(top_p, top_k, warned, caplog):
-    """vLLM's sampling log-probs come from the truncated distribution, the trainer's from the full softmax."""
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        ({"top_p": 0.9}, "top_p 0.9"),
+        ({"top_k": 20}, "top_k 20"),
+        ({"min_p": 0.05}, "min_p 0.05"),
+        ({"repetition_penalty": 1.1}, "repetition_penalty 1.1"),
+        ({"generation_kwargs": {"logit_bias": {"5": 2.0}}}, "generation_kwargs.logit_bias"),
+        ({"stop": ["</answer>"], "generation_kwargs": {"ignore_eos": False}}, None),
+        ({}, None),
+    ],
+)
+def test_sampling_that_reshapes_the_distribution_says_what_it_does_to_the_log_probs(given, named, caplog):
+    """vLLM's sampling log-probs come from the distribution it samples (truncated, penalised), the trainer's from the
+    softmax at the temperature; stop strings and ``ignore_eos`` change nothing a token is drawn from."""
     from amir_lightning.data import ArithmeticPrompts
     from amir_lightning.rollout import HFEngine, SamplingConfig
     from amir_lightning.systems.datamodule import RolloutDataModule
 
-    sampling = SamplingConfig(top_p=top_p, top_k=top_k)
+    sampling = SamplingConfig(**given)
     RolloutDataModule(prompts=ArithmeticPrompts(), engine=HFEngine(progress=False), sampling=sampling)
-    said = [r.getMessage() for r in caplog.records if "truncates the distribution" in r.getMessage()]
-    assert len(said) == int(warned) and all("sampling_correction: none" in m for m in said)
+    said = [r.getMessage() for r in caplog.records if "reshapes the distribution" in r.getMessage()]
+    assert len(said) == int(named is not None)
+    assert all(f"({named})" in m and "sampling_correction: none" in m for m in said)
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"min_p": 1.0}, "sampling.min_p must be >= 0 and < 1, got 1"),
+        ({"repetition_penalty": 0.0}, "sampling.repetition_penalty must be > 0, got 0"),
+        ({"stop": "</answer>"}, "sampling.stop must be a list of non-empty strings, got '</answer>'"),
+        ({"generation_kwargs": {"n": 4}}, "generation_kwargs.n is not passed through: the rollout sets it"),
+        ({"generation_kwargs": {"min_p": 0.1}}, "generation_kwargs.min_p is not passed through: set data.sampling"),
+    ],
+)
+def test_a_bad_sampling_setting_names_its_key(given, message):
+    from amir_lightning.rollout import SamplingConfig
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplingConfig(**given)
+
+
+def test_chat_template_variables_need_a_template_and_a_template_must_render(tmp_path):
+    from amir_lightning.data.templates import ChatFormat, read_template
+
+    tok = build_char_tokenizer("0123456789=+")
+    tok.chat_template = None
+    with pytest.raises(ValueError, match=r"data.chat_template_kwargs \(enable_thinking\) has nothing to reach"):
+        ChatFormat(template_kwargs={"enable_thinking": False}).check(tok)
+    ChatFormat().check(tok)  # no template, no variables: the messages' texts
+    with pytest.raises(ValueError, match="data.chat_template does not render a prompt: TemplateSyntaxError"):
+        ChatFormat(template="{% for m in messages %}").check(tok)
+    with pytest.raises(ValueError, match="data.chat_template: 'nothing.jinja' is neither a Jinja template"):
+        read_template("nothing.jinja")
+    (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}={% if x %}+{% endif %}")
+    chat = ChatFormat(template=read_template(str(tmp_path / "t.jinja")), template_kwargs={"x": True})
+    chat.check(tok)
+    assert tok.decode(chat.render(tok, Prompt(question="12", answer=""))) == "12=+"
 
 
 def test_a_stream_leaves_out_excluded_prompts_and_keeps_the_others_order():

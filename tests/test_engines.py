@@ -138,3 +138,80 @@ def test_tensor_parallel_engines_under_several_training_processes_are_refused(ti
     with pytest.raises(ValueError, match="tensor_parallel_size > 1 with several training processes is not supported"):
         engine.start(tiny_dir, seed=0)
     assert not engine.started
+
+
+def reshaped_logps(model, prompt, completion, temperature, min_p=0.0, repetition_penalty=1.0):
+    """Log-probs of ``completion`` under the distribution vLLM and transformers sample from, computed here: the
+    repetition penalty on every token seen so far (prompt and completion), then the temperature, then min_p's cut
+    (below ``min_p`` times the top probability) and renormalisation."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].clone()  # [T, V]
+    for t in range(len(completion)):
+        seen = torch.tensor(sorted(set(prompt + completion[:t])))
+        row = logits[t, seen]
+        logits[t, seen] = torch.where(row > 0, row / repetition_penalty, row * repetition_penalty)
+    probs = torch.softmax(logits / temperature, -1)
+    probs = torch.where(probs >= min_p * probs.max(-1, keepdim=True).values, probs, 0.0)
+    logps = torch.log(probs / probs.sum(-1, keepdim=True))
+    return logps.gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("engine_name", ["vllm", "hf"])
+def test_min_p_and_the_repetition_penalty_reach_the_sampler_and_its_log_probs(engine_name, tiny_dir, vllm_engine):
+    """``data.sampling.min_p`` and ``repetition_penalty`` change what is sampled, and the engines' log-probs are those
+    of the distribution sampled from (what the mismatch correction weighs), on prompts of different lengths."""
+    engine = vllm_engine if engine_name == "vllm" else HFEngine(batch_size=16, progress=False)
+    if engine_name == "hf":
+        engine.start(tiny_dir, seed=0)
+    stub = PolicyStub(tiny_dir)
+    prompts = [stub.tokenizer("3=")["input_ids"], stub.tokenizer("12+4=")["input_ids"]]
+    sampling = SamplingConfig(temperature=0.9, min_p=0.3, repetition_penalty=1.6, max_new_tokens=5)
+    engine.check_sampling(sampling)
+    groups = engine.generate(prompts, n=6, sampling=sampling)
+    plain = 0.0
+    for prompt, group in zip(prompts, groups):
+        for c in group:
+            expected = reshaped_logps(stub.policy, prompt, c.token_ids, 0.9, min_p=0.3, repetition_penalty=1.6)
+            torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
+            plain += (torch.tensor(c.logprobs) - hf_logps(stub.policy, prompt, c.token_ids, 0.9)).abs().max().item()
+    assert plain > 0.1  # the knobs did reshape the distribution: the plain softmax gives other numbers
+
+
+@pytest.mark.parametrize("engine_name", ["vllm", "hf"])
+def test_a_stop_string_ends_the_completion_after_its_tokens_and_the_text_before_it(engine_name, tiny_dir, vllm_engine):
+    engine = vllm_engine if engine_name == "vllm" else HFEngine(batch_size=32, progress=False)
+    if engine_name == "hf":
+        engine.start(tiny_dir, seed=0)
+    stub = PolicyStub(tiny_dir)
+    prompt = stub.tokenizer("3=")["input_ids"]
+    (group,) = engine.generate([prompt], n=32, sampling=SamplingConfig(stop=["5", "77"], max_new_tokens=6))
+    stopped = 0
+    for c in group:
+        full = stub.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        if c.finish_reason == "stop" and c.token_ids[-1] != stub.tokenizer.eos_token_id:
+            stopped += 1
+            assert full.endswith(("5", "77")) and c.text == full.removesuffix("5").removesuffix("77")
+            assert "5" not in full[:-1] and "77" not in full[:-1]
+        else:
+            assert "5" not in full and "77" not in full and c.text == full
+        assert len(c.logprobs) == len(c.token_ids)
+    assert stopped >= 3  # a random tiny model writes a 5 in some of 32 completions
+
+
+@pytest.mark.parametrize(
+    ("sampling", "message"),
+    [
+        (SamplingConfig(generation_kwargs={"min_tokns": 2}), "has no sampling setting 'min_tokns'"),
+        (SamplingConfig(presence_penalty=0.5), "HFEngine has no presence_penalty"),
+    ],
+)
+def test_a_sampling_setting_the_engine_lacks_is_refused_naming_it(sampling, message, tiny_dir, vllm_engine):
+    hf = HFEngine(progress=False)
+    with pytest.raises(ValueError, match=message):
+        hf.check_sampling(sampling)
+    if "min_tokns" in message:
+        with pytest.raises(ValueError, match="vLLM's SamplingParams has no sampling setting 'min_tokns'"):
+            vllm_engine.check_sampling(sampling)
+    else:
+        vllm_engine.check_sampling(sampling)  # vLLM has it

@@ -317,3 +317,31 @@ def test_an_overlong_prompt_is_found_when_the_data_opens(tmp_path, mode):
         and f"1 of 50 training prompts cannot be used: {data}:17 (81 tokens); the limit is 62" in (errors[0])
     )
     assert "Initializing a V1 LLM engine" not in failed.stdout + failed.stderr
+
+
+def test_sampling_knobs_and_chat_template_variables_reach_the_engine(tmp_path):
+    """``--data.sampling.min_p 0.05 --data.chat_template_kwargs '{enable_thinking: false}'``: the training rollouts'
+    vLLM ``SamplingParams`` carry min_p (validation keeps its own sampling), and every prompt vLLM gets was rendered
+    with the variable (the template writes ``==`` after the prompt when thinking is off)."""
+    template = (
+        "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}=={% endif %}"
+    )
+    (tmp_path / "chat.jinja").write_text(template)
+    args = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.max_epochs", "1"]
+    args += ["--data.engine", "engines.RecordsSampling", "--data.engine.init_args.max_model_len", "64"]
+    args += ["--data.engine.init_args.kv_cache_memory_bytes", "33554432", "--data.engine.init_args.progress", "false"]
+    args += ["--data.sampling.min_p", "0.05", "--data.chat_template_kwargs", "{enable_thinking: false}"]
+    args += ["--data.chat_template", "chat.jinja", "--data.sampling.stop", '["99"]']
+    args += ["--data.sampling.generation_kwargs", "{min_tokens: 1}", "--data.evaluation.val_size", "2"]
+    args += ["--trainer.check_val_every_n_epoch", "1"]
+    helpers = str(Path(__file__).parent / "helpers")
+    env = dict(os.environ, PYTHONPATH=helpers + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run_amir(args, tmp_path, env=env)
+    calls = [json.loads(line) for line in (tmp_path / "sampling.jsonl").read_text().splitlines()]
+    training = [c for c in calls if c["min_p"] == 0.05]
+    assert len(training) == 1 and len(training[0]["prompts"]) == 16  # one rollout of 16 prompts
+    assert training[0]["stop"] == ["99"] and training[0]["min_tokens"] == 1 and training[0]["temperature"] == 1.0
+    assert all(c["min_p"] == 0.0 and not c["stop"] for c in calls if c not in training)  # validation sampling
+    prompts = [p for c in calls for p in c["prompts"]]
+    assert len(prompts) > 16 and [p for p in prompts if not p.endswith("===")] == []  # "{expression}=" then "=="

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from amir_lightning.data.base import Prompt, PromptSource
-from amir_lightning.data.templates import render_prompt
+from amir_lightning.data.templates import ChatFormat
 
 
 @dataclass
@@ -29,7 +29,7 @@ class Screening:
     answered: int = 0
 
 
-def screen(source: PromptSource, tokenizer, system_prompt: str | None, limit: int, progress: bool) -> Screening:
+def screen(source: PromptSource, tokenizer, chat: ChatFormat, limit: int, progress: bool) -> Screening:
     """Render every prompt of ``source`` once (a bar over them when ``progress`` and there are many)."""
     indices = range(len(source))
     if progress and len(source) > 2000:
@@ -41,19 +41,19 @@ def screen(source: PromptSource, tokenizer, system_prompt: str | None, limit: in
         prompt = source[index]
         found.answered += bool(prompt.answer.strip())
         where = prompt.meta.get("source", f"{source.describe()}[{index}]")
-        if (reason := unusable(tokenizer, prompt, system_prompt, limit)) is not None:
+        if (reason := unusable(tokenizer, prompt, chat, limit)) is not None:
             found.bad[index] = f"{where} ({reason})"
         elif lost := lost_characters(tokenizer, prompt):
             found.lost.append(f"{where} ({lost!r})")
     return found
 
 
-def unusable(tokenizer, prompt: Prompt, system_prompt: str | None, limit: int) -> str | None:
+def unusable(tokenizer, prompt: Prompt, chat: ChatFormat, limit: int) -> str | None:
     """Why ``prompt`` cannot be trained on; ``None`` when it can."""
     if prompt.messages is not None and any(m["role"] == "user" and not m["content"].strip() for m in prompt.messages):
         return "an empty user message"
     try:
-        ids = render_prompt(tokenizer, prompt, system_prompt)
+        ids = chat.render(tokenizer, prompt)
     except Exception as err:  # noqa: BLE001 - any failure to encode is this row's, named with its cause
         return f"the tokenizer cannot encode it: {type(err).__name__}: {str(err)[:80]}"
     return f"{len(ids)} tokens" if len(ids) > limit else None

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
 from amir_lightning.data.base import Prompt
 
 #: The paper's base template (arXiv 2601.03661's code): reason in <think>, answer in <answer> with a boxed final answer.
@@ -15,38 +19,104 @@ THINK_ANSWER_SYSTEM_PROMPT = (
 )
 
 
-def prompt_messages(prompt: Prompt, system_prompt: str | None = None) -> list[dict[str, str]]:
-    """The chat messages of ``prompt``.
+@dataclass(frozen=True)
+class ChatFormat:
+    """How a prompt becomes the policy's input: a system message, the chat template and its variables.
 
-    A conversational prompt keeps its own messages (a system turn among them replaces ``system_prompt``); otherwise
-    the system prompt, then the question as the user message.
+    Attributes:
+        system_prompt: System message prepended to every prompt that has none of its own.
+        template: A Jinja chat template (text) used instead of the tokenizer's own; ``None``: the tokenizer's.
+        template_kwargs: Variables the template reads, passed to ``apply_chat_template`` (Qwen3's
+            ``enable_thinking: false``, for example).
     """
-    if prompt.messages is not None:
-        own = [dict(m) for m in prompt.messages]
-        has_system = any(m["role"] == "system" for m in own)
-        return own if has_system or not system_prompt else [{"role": "system", "content": system_prompt}, *own]
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return [*messages, {"role": "user", "content": prompt.question}]
+
+    system_prompt: str | None = None
+    template: str | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, chat: ChatFormat | str | None) -> ChatFormat:
+        """``chat`` as a ``ChatFormat`` (a string is a system prompt)."""
+        return chat if isinstance(chat, ChatFormat) else cls(system_prompt=chat)
+
+    def check(self, tokenizer, where: str = "data") -> None:
+        """Stop with one line when there is no chat template for ``template_kwargs`` to reach, or it does not render."""
+        if not (self.template or getattr(tokenizer, "chat_template", None)):
+            if self.template_kwargs:
+                raise ValueError(
+                    f"{where}.chat_template_kwargs ({', '.join(sorted(self.template_kwargs))}) has nothing to reach: "
+                    f"the tokenizer of {getattr(tokenizer, 'name_or_path', 'the policy')} has no chat template "
+                    f"(give one with {where}.chat_template)"
+                )
+            return
+        try:
+            self.render(tokenizer, Prompt(question="1 + 1", answer=""))
+        except Exception as err:  # noqa: BLE001 - a template error is the user's, said in one line
+            raise ValueError(
+                f"{where}.chat_template does not render a prompt: {type(err).__name__}: {err}"
+                if self.template
+                else f"the tokenizer's chat template does not render a prompt: {type(err).__name__}: {err}"
+            ) from None
+
+    def messages(self, prompt: Prompt) -> list[dict[str, str]]:
+        """The chat messages of ``prompt``.
+
+        A conversational prompt keeps its own messages (a system turn among them replaces ``system_prompt``);
+        otherwise the system prompt, then the question as the user message.
+        """
+        system = self.system_prompt
+        if prompt.messages is not None:
+            own = [dict(m) for m in prompt.messages]
+            has_system = any(m["role"] == "system" for m in own)
+            return own if has_system or not system else [{"role": "system", "content": system}, *own]
+        messages = [{"role": "system", "content": system}] if system else []
+        return [*messages, {"role": "user", "content": prompt.question}]
+
+    def render(self, tokenizer, prompt: Prompt) -> list[int]:
+        """Token ids of ``prompt`` in the chat template, ending with the assistant's turn header.
+
+        A tokenizer without a chat template (and none given) gets the messages' texts, one per line.
+        """
+        messages = self.messages(prompt)
+        if self.template or getattr(tokenizer, "chat_template", None):
+            encoded = tokenizer.apply_chat_template(
+                messages, chat_template=self.template, add_generation_prompt=True, tokenize=True, **self.template_kwargs
+            )
+            ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
+            return list(ids)
+        text = "".join(m["content"] + "\n" for m in messages)
+        return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 
-def render_prompt(tokenizer, prompt: Prompt, system_prompt: str | None = None) -> list[int]:
-    """Token ids of ``prompt`` in the tokenizer's chat template, ending with the assistant's turn header."""
-    messages = prompt_messages(prompt, system_prompt)
-    if getattr(tokenizer, "chat_template", None):
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
-        return list(ids)
-    text = "".join(m["content"] + "\n" for m in messages)
-    return tokenizer(text, add_special_tokens=True)["input_ids"]
+def read_template(template: str | None) -> str | None:
+    """A chat template given as Jinja text or as the path of a file that holds it (``.jinja``, ``.j2``, ``.txt``)."""
+    if template is None or "{" in template:
+        return template
+    path = Path(template).expanduser()
+    if not path.is_file():
+        raise ValueError(
+            f"data.chat_template: {template!r} is neither a Jinja template (no '{{') nor a file "
+            f"(looked in {path.resolve().parent})"
+        )
+    return path.read_text(encoding="utf-8")
+
+
+def render_prompt(tokenizer, prompt: Prompt, chat: ChatFormat | str | None = None) -> list[int]:
+    """Token ids of ``prompt`` in the chat template, ending with the assistant's turn header.
+
+    ``chat``: the ``ChatFormat``, or just a system prompt.
+    """
+    return ChatFormat.of(chat).render(tokenizer, prompt)
 
 
 def render_prompts(
-    tokenizer, prompts: list[Prompt], system_prompt: str | None, max_tokens: int, source: str
+    tokenizer, prompts: list[Prompt], chat: ChatFormat | str | None, max_tokens: int, source: str
 ) -> list[list[int]]:
     """``render_prompt`` for each prompt; one longer than ``max_tokens`` is an error naming where it came from."""
     out = []
+    chat = ChatFormat.of(chat)
     for prompt in prompts:
-        ids = render_prompt(tokenizer, prompt, system_prompt)
+        ids = chat.render(tokenizer, prompt)
         if len(ids) > max_tokens:
             raise ValueError(
                 f"prompt from {prompt.meta.get('source', source)} has {len(ids)} tokens after the chat template, "

@@ -4,30 +4,65 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rollout.digest import ColumnSample, Reading, WeightSlot
 
+#: Sampling settings that are fields of ``SamplingConfig``, or that the rollout sets itself: not passed through.
+RESERVED = {
+    "n": "the rollout sets it (data.rollout.group_size)",
+    "seed": "the rollout seeds every generation (data.seed)",
+    "logprobs": "the rollout asks for the sampled tokens' log-probs",
+    "prompt_logprobs": "the rollout asks for the sampled tokens' log-probs",
+    "max_tokens": "set data.sampling.max_new_tokens",
+    "stop_strings": "set data.sampling.stop",
+}
+#: Passed-through settings that change what a token is sampled from (the rest only change when generation stops or
+#: how text is decoded).
+SHAPING = ("logit_bias", "bad_words", "allowed_token_ids", "min_tokens", "no_repeat_ngram_size")
+
 
 @dataclass
 class SamplingConfig:
     """How completions are sampled.
 
+    The trainer's log-probs are those of the policy's softmax at ``temperature``. Every other setting that reshapes
+    the distribution (``top_p``, ``top_k``, ``min_p``, the penalties, ``logit_bias`` ...) makes the engine sample from
+    something else: the engine's log-probs (vLLM's, after all of them) then differ from the trainer's, and the
+    mismatch correction (``model.loss.init_args.sampling_correction``) weighs each token by their ratio. The rollout
+    says so once when it starts (``departures``).
+
     Attributes:
         temperature: Sampling temperature; the trainer's log-probs use the same one.
         top_p: Nucleus sampling threshold (1.0 = off). The trainer's log-probs ignore it, as TRL's do.
         top_k: Top-k truncation (0 = off).
+        min_p: Drop tokens whose probability is below ``min_p`` times the most likely one's (0 = off).
+        repetition_penalty: Divide the logits of tokens already in the prompt or completion by it (1.0 = off).
+        presence_penalty: Subtract it from the logits of tokens already generated (0 = off; vLLM engines only).
+        frequency_penalty: Subtract it times the count of each token generated so far (0 = off; vLLM engines only).
+        stop: Strings that end a completion (``finish_reason`` ``stop``). The tokens that wrote the string stay in
+            the completion the policy trains on; the text the rewards see ends before it (as vLLM's does).
         max_new_tokens: Completion length limit; a completion that reaches it is ``truncated``.
+        generation_kwargs: Any other setting of the engine's sampler, passed as it is: vLLM's ``SamplingParams``
+            fields (``stop_token_ids``, ``min_tokens``, ``logit_bias``, ``ignore_eos`` ...) or, for ``HFEngine``,
+            ``GenerationConfig`` fields. An unknown name stops the run at start, naming it.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] | None = None
     max_new_tokens: int = 256
+    generation_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         errors: list[str] = []
@@ -35,8 +70,58 @@ class SamplingConfig:
         if not 0 < self.top_p <= 1:
             errors.append(f"sampling.top_p must be in (0, 1], got {self.top_p}")
         check_number(errors, "sampling.top_k", self.top_k, ge=0)
+        check_number(errors, "sampling.min_p", self.min_p, ge=0, lt=1)
+        check_number(errors, "sampling.repetition_penalty", self.repetition_penalty, gt=0)
+        check_number(errors, "sampling.presence_penalty", self.presence_penalty, ge=-2, le=2)
+        check_number(errors, "sampling.frequency_penalty", self.frequency_penalty, ge=-2, le=2)
         check_number(errors, "sampling.max_new_tokens", self.max_new_tokens, ge=1)
+        stop = self.stop
+        if stop is not None and (isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop)):
+            errors.append(f"sampling.stop must be a list of non-empty strings, got {stop!r}")
+        for key in self.generation_kwargs or {}:
+            if key in RESERVED or key in {f.name for f in fields(self)}:
+                why = RESERVED.get(key, f"set data.sampling.{key}")
+                errors.append(f"sampling.generation_kwargs.{key} is not passed through: {why}")
         raise_errors(errors)
+
+    def departures(self) -> list[str]:
+        """The settings that make the engine sample from another distribution than the trainer's log-probs score."""
+        given = [
+            f"top_p {self.top_p:g}" if self.top_p < 1 else "",
+            f"top_k {self.top_k}" if self.top_k > 0 else "",
+            f"min_p {self.min_p:g}" if self.min_p > 0 else "",
+            f"repetition_penalty {self.repetition_penalty:g}" if self.repetition_penalty != 1 else "",
+            f"presence_penalty {self.presence_penalty:g}" if self.presence_penalty else "",
+            f"frequency_penalty {self.frequency_penalty:g}" if self.frequency_penalty else "",
+        ]
+        given += [f"generation_kwargs.{k}" for k in self.generation_kwargs or {} if k in SHAPING]
+        return [g for g in given if g]
+
+    def vllm_params(self) -> dict[str, Any]:
+        """These settings as vLLM's ``SamplingParams`` (and its server's completion request) name them."""
+        params = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k if self.top_k > 0 else -1,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "max_tokens": self.max_new_tokens,
+        }
+        if self.stop:
+            params["stop"] = list(self.stop)
+        return params | dict(self.generation_kwargs or {})
+
+
+def check_passed_through(sampling: SamplingConfig, known: set[str], engine: str) -> None:
+    """Stop with one line when ``generation_kwargs`` names a setting the engine's sampler does not have."""
+    unknown = sorted(set(sampling.generation_kwargs or {}) - known)
+    if unknown:
+        raise ValueError(
+            f"data.sampling.generation_kwargs: {engine} has no sampling setting {', '.join(map(repr, unknown))} "
+            f"(it has: {', '.join(sorted(known))})"
+        )
 
 
 @dataclass
@@ -99,6 +184,12 @@ class RolloutEngine(ABC):
     @abstractmethod
     def score(self, prompt: list[int], completion: list[int]) -> list[float]:
         """Log-probabilities (temperature 1) of ``completion`` after ``prompt``: the weight-sync probe."""
+
+    def check_sampling(self, sampling: SamplingConfig) -> None:  # noqa: B027 (optional hook)
+        """Stop with one line, before any rollout, where the engine cannot sample with ``sampling`` as given.
+
+        Called once the engine has started, for the training and the evaluation sampling. Default: anything goes.
+        """
 
     def weight_layout(self) -> WeightLayout | None:
         """Where the engine keeps each pushed tensor, for the exact sync check (``rollout/sync.py``).

@@ -17,7 +17,13 @@ import torch
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.models.scoring import sequence_token_logps
 from amir_lightning.rollout.digest import ColumnSample, Reading, WeightSlot, tensor_digest
-from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig, WeightLayout
+from amir_lightning.rollout.engine import (
+    Completion,
+    RolloutEngine,
+    SamplingConfig,
+    WeightLayout,
+    check_passed_through,
+)
 
 
 class HFEngine(RolloutEngine):
@@ -63,20 +69,32 @@ class HFEngine(RolloutEngine):
         del seed  # sampling uses the global RNG, which the rollout data module seeds before every rollout
         self._started = True
 
+    def check_sampling(self, sampling: SamplingConfig) -> None:  # noqa: D102
+        from transformers import GenerationConfig
+
+        if sampling.presence_penalty or sampling.frequency_penalty:
+            raise ValueError(
+                "data.sampling: HFEngine has no presence_penalty or frequency_penalty (transformers' generate has "
+                "none); set them to 0, or use a vLLM engine"
+            )
+        check_passed_through(sampling, set(GenerationConfig().to_dict()), "transformers' GenerationConfig")
+
     @torch.no_grad()
     def generate(  # noqa: D102
         self, prompts: Sequence[list[int]], n: int, sampling: SamplingConfig
     ) -> list[list[Completion]]:
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(n)]
         out: list[list[Completion]] = [[] for _ in prompts]
-        batches = range(0, len(rows), self.batch_size)
+        if sampling.repetition_penalty != 1:
+            # transformers' penalty counts the padding as seen tokens: a batch holds prompts of one length only
+            rows.sort(key=lambda row: len(row[1]))
+        batches = _chunks(rows, self.batch_size, by_length=sampling.repetition_penalty != 1)
         if self.progress:
             from tqdm.auto import tqdm
 
             batches = tqdm(batches, desc="HF generate", unit="batch", leave=False)
         # Sampling draws from the global RNG, which the rollout data module seeds (forked) before every rollout.
-        for start in batches:
-            chunk = rows[start : start + self.batch_size]
+        for chunk in batches:
             for (index, _), completion in zip(chunk, self._generate_batch([p for _, p in chunk], sampling)):
                 out[index].append(completion)
         return out
@@ -96,7 +114,10 @@ class HFEngine(RolloutEngine):
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,  # 0: off (the global default would be 50)
+            min_p=sampling.min_p or None,
+            repetition_penalty=sampling.repetition_penalty,
             max_new_tokens=sampling.max_new_tokens,
+            **(sampling.generation_kwargs or {}),
             return_dict_in_generate=True,
             output_scores=True,
         )
@@ -109,10 +130,26 @@ class HFEngine(RolloutEngine):
             ids = generated[row].tolist()
             stop = next((t + 1 for t, token in enumerate(ids) if token in eos), None)
             ids = ids[:stop] if stop else ids
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            reason = "stop" if stop else "length"
+            ids, text, stopped = self._cut_at_stop_string(ids, sampling.stop or [])
+            reason = "stop" if stop or stopped else "length"
             completions.append(Completion(ids, text, picked[row, : len(ids)].tolist(), reason))
         return completions
+
+    def _cut_at_stop_string(self, ids: list[int], stop: list[str]) -> tuple[list[int], str, bool]:
+        """``ids`` up to the token that completes the first stop string, and the text before that string.
+
+        As vLLM does: the tokens that wrote the string stay, the text ends before it. Cutting after sampling gives
+        the same completions as stopping would (later tokens never influence earlier ones).
+        """
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if not any(s in text for s in stop):
+            return ids, text, False
+        for end in range(1, len(ids) + 1):
+            prefix = self.tokenizer.decode(ids[:end], skip_special_tokens=True)
+            found = [prefix.find(s) for s in stop if s in prefix]
+            if found:
+                return ids[:end], prefix[: min(found)], True
+        raise AssertionError("unreachable: the whole text holds a stop string")
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:  # noqa: D102
@@ -137,6 +174,16 @@ class HFEngine(RolloutEngine):
     @torch.no_grad()
     def score(self, prompt: list[int], completion: list[int]) -> list[float]:  # noqa: D102
         return sequence_token_logps(self.model, prompt, completion, self.device)
+
+
+def _chunks(rows: list[tuple[int, list[int]]], size: int, by_length: bool) -> list[list[tuple[int, list[int]]]]:
+    """``rows`` in batches of at most ``size``; with ``by_length``, each batch holds prompts of one length."""
+    chunks: list[list[tuple[int, list[int]]]] = []
+    for row in rows:
+        if not chunks or len(chunks[-1]) == size or (by_length and len(chunks[-1][0][1]) != len(row[1])):
+            chunks.append([])
+        chunks[-1].append(row)
+    return chunks
 
 
 class _NamedLayout(WeightLayout):

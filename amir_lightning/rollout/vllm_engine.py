@@ -31,7 +31,13 @@ import torch
 from amir_lightning.helpers.distributed import world_size
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rollout.digest import ColumnSample, Reading
-from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig, WeightLayout
+from amir_lightning.rollout.engine import (
+    Completion,
+    RolloutEngine,
+    SamplingConfig,
+    WeightLayout,
+    check_passed_through,
+)
 from amir_lightning.rollout.vllm_worker import VLLMLayout, layout_of, merge_workers, read_back
 
 log = logging.getLogger(__name__)
@@ -169,14 +175,11 @@ class VLLMEngine(RolloutEngine):
         )
 
     def _params(self, n: int, sampling: SamplingConfig, **extra):
-        return self._vllm.SamplingParams(
-            n=n,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            max_tokens=sampling.max_new_tokens,
-            **extra,
-        )
+        return self._vllm.SamplingParams(n=n, **sampling.vllm_params(), **extra)
+
+    def check_sampling(self, sampling: SamplingConfig) -> None:  # noqa: D102
+        known = {name for name in self._vllm.SamplingParams.__struct_fields__ if not name.startswith("_")}
+        check_passed_through(sampling, known, "vLLM's SamplingParams")
 
     def generate(  # noqa: D102
         self, prompts: Sequence[list[int]], n: int, sampling: SamplingConfig

@@ -43,7 +43,13 @@ import torch
 from amir_lightning.helpers.distributed import world_size
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rollout.digest import ColumnSample, Reading, WeightSlot
-from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig, WeightLayout
+from amir_lightning.rollout.engine import (
+    Completion,
+    RolloutEngine,
+    SamplingConfig,
+    WeightLayout,
+    check_passed_through,
+)
 from amir_lightning.rollout.vllm_worker import FILE_BACKEND, decode, merge_workers
 
 log = logging.getLogger(__name__)
@@ -256,15 +262,7 @@ class VLLMServerEngine(RolloutEngine):
         request's n samples with seed, seed + 1, ...: each prompt gets its own range, so no two share a stream.
         """
         base = int(torch.randint(0, 2**30, ()).item()) if seed is None else seed % 2**30
-        body = {
-            "n": n,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k if sampling.top_k > 0 else -1,
-            "max_tokens": sampling.max_new_tokens,
-            "logprobs": 0,
-            "return_token_ids": True,
-        }
+        body = {"n": n, **sampling.vllm_params(), "logprobs": 0, "return_token_ids": True}
 
         def one(index: int) -> list[Completion]:
             choices = self._post("/v1/completions", body | {"prompt": list(prompts[index]), "seed": base + index * n})
@@ -280,6 +278,13 @@ class VLLMServerEngine(RolloutEngine):
         # Every prompt in flight at once: the server batches them as it would one request.
         with ThreadPoolExecutor(max_workers=min(len(prompts), 256) or 1) as pool:
             return list(pool.map(one, range(len(prompts))))
+
+    def check_sampling(self, sampling: SamplingConfig) -> None:  # noqa: D102
+        try:  # the fields of the server's completion request, where this process has vLLM to read them from
+            from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        except ImportError:
+            return  # the server names an unknown field in its answer to the first request
+        check_passed_through(sampling, set(CompletionRequest.model_fields), "the vLLM server's completion request")
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Push the weights through vLLM's update routes, generation paused; the first process pushes for all."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from lightning import LightningDataModule
@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from amir_lightning.data.base import Prompt, PromptSource
 from amir_lightning.data.screening import check_references, screen
 from amir_lightning.data.stream import PromptStream
-from amir_lightning.data.templates import render_prompts
+from amir_lightning.data.templates import ChatFormat, read_template, render_prompts
 from amir_lightning.evaluation.evaluator import EvaluationSettings, Evaluator
 from amir_lightning.helpers.distributed import all_reduce
 from amir_lightning.helpers.tracking import log_metrics
@@ -54,6 +54,9 @@ class RolloutDataModule(LightningDataModule):
         rollout: Group size, prompts per rollout, micro-batches, steps and passes per rollout, advantage scaling.
         sampling: Sampling settings for training rollouts.
         system_prompt: System message prepended to every prompt (e.g. ``THINK_ANSWER_SYSTEM_PROMPT``).
+        chat_template: A Jinja chat template, or the path of a file holding one, used instead of the tokenizer's
+            (training, evaluation and the sync probe). The exported policy keeps its own.
+        chat_template_kwargs: Variables the chat template reads, e.g. ``{enable_thinking: false}`` for Qwen3.
         shuffle: Shuffle a finite prompt source once per pass over it; start a random one (``is_random``, e.g.
             ``ArithmeticPrompts``) at a seed-dependent index. Off: every seed trains on the same prompt sequence.
         max_prompt_tokens: Longest allowed prompt after the chat template (and at most the engine's
@@ -79,6 +82,8 @@ class RolloutDataModule(LightningDataModule):
         rollout: RolloutSettings = RolloutSettings(),  # noqa: B008 (configs are never mutated)
         sampling: SamplingConfig = SamplingConfig(),  # noqa: B008
         system_prompt: str | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         shuffle: bool = True,
         max_prompt_tokens: int = 512,
         bad_prompts: Literal["skip", "error"] = "skip",
@@ -106,20 +111,20 @@ class RolloutDataModule(LightningDataModule):
                 "process, so generation and training cannot overlap"
             )
         raise_errors(errors)
-        if sampling.top_p < 1 or sampling.top_k > 0:
+        if departures := sampling.departures():
             log.warning(
-                "data.sampling truncates the distribution (top_p %g, top_k %d): the engine's log-probs are those of "
-                "the truncated, renormalised distribution it samples from, the trainer's those of the full softmax "
-                "(as in TRL). Their ratio is the kept probability mass, below 1: the mismatch weights "
-                "(model.loss.init_args.sampling_correction) scale every token down by it and rollout/engine_trainer_kl "
-                "counts it. Keep top_p 1 and top_k 0 for training rollouts, or set sampling_correction: none.",
-                sampling.top_p,
-                sampling.top_k,
+                "data.sampling reshapes the distribution (%s): the engine's log-probs are those of the distribution it "
+                "samples from, the trainer's those of the policy's softmax at the temperature (as in TRL). Their ratio "
+                "weighs every token in the mismatch correction (model.loss.init_args.sampling_correction) and "
+                "rollout/engine_trainer_kl counts it. Keep these off for training rollouts, or set "
+                "sampling_correction: none to train on the samples as if the policy had drawn them.",
+                ", ".join(departures),
             )
         self.prompts, self.engine = prompts, engine
         self.rewards = [r if isinstance(r, Reward) else FunctionReward(r) for r in rewards or [MathAnswerReward()]]
         self.settings, self.sampling = rollout, sampling
-        self.system_prompt, self.max_prompt_tokens = system_prompt, max_prompt_tokens
+        self.chat = ChatFormat(system_prompt, read_template(chat_template), dict(chat_template_kwargs or {}))
+        self.max_prompt_tokens = max_prompt_tokens
         # a prompt and its completion must fit the engine's context
         self.prompt_limit = min(max_prompt_tokens, room - sampling.max_new_tokens) if room else max_prompt_tokens
         self.bad_prompts, self.skipped_prompts, self._screened = bad_prompts, 0, False
@@ -166,6 +171,7 @@ class RolloutDataModule(LightningDataModule):
             raise RuntimeError(
                 "RolloutDataModule has no policy: call data.attach(module.handle) before the trainer runs (amir does)"
             )
+        self.chat.check(self.tokenizer)
         if stage == "fit":
             self.screen_prompts()
         self.screen_evaluation_prompts(stage)
@@ -173,6 +179,8 @@ class RolloutDataModule(LightningDataModule):
             trainer = self.trainer
             seed, device = self.seed + trainer.global_rank, trainer.strategy.root_device
             self.engine.start(self.policy.model_dir, seed=seed, device=device, local_rank=trainer.local_rank)
+        for sampling in (self.sampling, self.evaluation.val_sampling, self.evaluation.sampling):
+            self.engine.check_sampling(sampling)
 
     def state_dict(self) -> dict:
         """The prompt stream's position, the sync check's probe, and the rollout the run is in.
@@ -258,7 +266,7 @@ class RolloutDataModule(LightningDataModule):
 
     def tokenize(self, prompts: list[Prompt]) -> list[list[int]]:
         """Chat-templated token ids; a prompt over the limit (``prompt_limit``) is an error naming it."""
-        return render_prompts(self.tokenizer, prompts, self.system_prompt, self.prompt_limit, self.prompts.describe())
+        return render_prompts(self.tokenizer, prompts, self.chat, self.prompt_limit, self.prompts.describe())
 
     def screen_prompts(self) -> None:
         """Render every prompt of a finite source once; leave out (or stop on) the ones that cannot be used.
@@ -272,7 +280,7 @@ class RolloutDataModule(LightningDataModule):
         if source.is_random or self._screened:
             return
         self._screened = True
-        found = screen(source, self.tokenizer, self.system_prompt, self.prompt_limit, self.trainer.is_global_zero)
+        found = screen(source, self.tokenizer, self.chat, self.prompt_limit, self.trainer.is_global_zero)
         check_references(source, found.answered, next((r for r in self.rewards if r.needs_reference), None))
         if found.lost and self.trainer.is_global_zero:
             log.warning(
@@ -312,7 +320,7 @@ class RolloutDataModule(LightningDataModule):
             sources = [(self.val_prompts, min(size, len(self.val_prompts)))]
         for source, count in sources:
             prompts = [source[i] for i in range(count)]
-            render_prompts(self.tokenizer, prompts, self.system_prompt, self.prompt_limit, source.describe())
+            render_prompts(self.tokenizer, prompts, self.chat, self.prompt_limit, source.describe())
 
     # ------------------------------------------------------------------ the engine
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingConfig, purpose: int):

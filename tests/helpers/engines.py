@@ -118,3 +118,19 @@ def _local_rank(worker):
 
 class ServerDropsHalf(_DropsHalf, VLLMServerEngine):
     """``VLLMServerEngine`` that sends every other pushed tensor to its server."""
+
+
+class RecordsSampling(VLLMEngine):
+    """``VLLMEngine`` that appends what each generation was asked for to ``sampling.jsonl``: the prompts as text and
+    the ``SamplingParams`` vLLM got."""
+
+    def generate(self, prompts, n, sampling):  # noqa: D102
+        import json
+
+        params = self._params(n, sampling)
+        tokenizer = self.llm.get_tokenizer()
+        record = {"prompts": [tokenizer.decode(p) for p in prompts]}
+        record |= {k: getattr(params, k) for k in ("min_p", "repetition_penalty", "stop", "min_tokens", "temperature")}
+        with open("sampling.jsonl", "a") as out:
+            out.write(json.dumps(record) + "\n")
+        return super().generate(prompts, n, sampling)
