@@ -345,3 +345,15 @@ def test_sampling_knobs_and_chat_template_variables_reach_the_engine(tmp_path):
     assert all(c["min_p"] == 0.0 and not c["stop"] for c in calls if c not in training)  # validation sampling
     prompts = [p for c in calls for p in c["prompts"]]
     assert len(prompts) > 16 and [p for p in prompts if not p.endswith("===")] == []  # "{expression}=" then "=="
+
+
+def test_a_reward_model_config_trains(tmp_path):
+    """configs/tiny_reward_model.yaml: the tiny policy scored by a tiny random reward model (built and cached on first
+    use) runs 3 rollouts; the reward model's scores are the rollout's rewards."""
+    config = str(ROOT / "configs" / "tiny_reward_model.yaml")
+    run_amir(["fit", "--config", config, "--trainer.max_epochs", "3"], tmp_path)
+    scalars = read_scalars(tmp_path / "runs" / "tiny_reward_model")
+    scores = scalars["rollout/reward/reward_model"]
+    assert len(scores) == 3 and all(math.isfinite(s) for s in scores)
+    assert scores == pytest.approx(scalars["rollout/reward_mean"], abs=1e-6)  # the only reward, weight 1
+    assert len(set(scores)) == 3  # scores of what each rollout sampled, not a constant

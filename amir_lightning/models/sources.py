@@ -10,6 +10,7 @@ import json
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import Literal
 
 from amir_lightning.models.bundled import cache_root, materialize_smollm2
 from amir_lightning.models.tiny import DEFAULT_ALPHABET, build_tiny_model
@@ -94,6 +95,7 @@ class TinyModel(ModelSource):
         vocab_size: Model vocabulary (default: the tokenizer's); larger gives a real model's embedding size.
         dtype: Dtype the weights are saved in.
         cache_dir: Parent directory (default ``$AMIR_CACHE/models``).
+        head: ``causal_lm`` (a policy) or ``reward`` (a sequence classifier with one output, for ``RewardModel``).
     """
 
     def __init__(
@@ -109,6 +111,7 @@ class TinyModel(ModelSource):
         vocab_size: int | None = None,
         dtype: str = "float32",
         cache_dir: str | None = None,
+        head: Literal["causal_lm", "reward"] = "causal_lm",
     ) -> None:
         self.kwargs = dict(
             alphabet=alphabet,
@@ -122,7 +125,11 @@ class TinyModel(ModelSource):
         )
         # Only non-default extras enter the cache key, so existing caches keep their names.
         self.kwargs.update(
-            {k: v for k, v in (("vocab_size", vocab_size), ("dtype", dtype)) if v not in (None, "float32")}
+            {
+                k: v
+                for k, v in (("vocab_size", vocab_size), ("dtype", dtype), ("head", head))
+                if v not in (None, "float32", "causal_lm")
+            }
         )
         self.cache_dir = cache_dir
 

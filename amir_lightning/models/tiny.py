@@ -64,13 +64,18 @@ def build_tiny_model(
     seed: int = 0,
     vocab_size: int | None = None,
     dtype: str = "float32",
+    head: str = "causal_lm",
 ) -> Path:
     """Write a random Qwen2 and its character tokenizer to ``directory`` (atomically) and return it.
 
     ``vocab_size`` beyond the tokenizer's gives a model with a real model's embedding size (ids past the alphabet
-    decode to nothing); the weights are initialised on a GPU when there is one.
+    decode to nothing); the weights are initialised on a GPU when there is one. ``head``: ``causal_lm`` (a policy)
+    or ``reward`` (a sequence classifier with one output: a reward model, ``RewardModel``).
     """
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Qwen2Config
+
+    if head not in ("causal_lm", "reward"):
+        raise ValueError(f"tiny model head must be causal_lm or reward, got {head!r}")
 
     if hidden_size // num_heads < 32:
         raise ValueError(
@@ -91,10 +96,12 @@ def build_tiny_model(
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        **({"num_labels": 1} if head == "reward" else {}),
     )
     torch.manual_seed(seed)
+    auto = AutoModelForCausalLM if head == "causal_lm" else AutoModelForSequenceClassification
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        model = auto.from_config(config, dtype=getattr(torch, dtype))
     with atomic_directory(Path(directory), replace=False) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -1,9 +1,10 @@
-"""Rewards: sandboxed math correctness, format rewards and plain functions (TRL's signature), summed with weights."""
+"""Rewards: math grading, format rewards, reward models, LLM judges and plain functions (TRL's signature)."""
 
 from amir_lightning.rewards.base import FunctionReward, Reward, RewardInputs
 from amir_lightning.rewards.format import AnswerNumberReward, TagCountReward, ThinkAnswerFormatReward
 from amir_lightning.rewards.length import LengthControlledAnswerReward
 from amir_lightning.rewards.math import MathAnswerReward
+from amir_lightning.rewards.model import RewardModel
 from amir_lightning.rewards.sandbox import SandboxedGrader
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "MathAnswerReward",
     "Reward",
     "RewardInputs",
+    "RewardModel",
     "SandboxedGrader",
     "TagCountReward",
     "ThinkAnswerFormatReward",

@@ -1,0 +1,131 @@
+"""A reward model: a sequence classifier with one output scores the prompt and the completion as a conversation.
+
+    rewards:
+      - class_path: amir_lightning.rewards.RewardModel
+        init_args: {model: Skywork/Skywork-Reward-V2-Qwen3-0.6B, batch_size: 16}
+
+The conversation is the prompt's messages (its own, or the question as the user's message) and the completion as the
+assistant's answer, written with the reward model's own chat template (the one it was trained with), or as the
+texts one per line when it has none. Sequences are scored in batches, left-padded, with position ids that skip the
+padding, so a batch gives the scores each sequence gets alone; the score is the classifier's output at the last
+token. The model loads at the first rollout, on the training process's device (each process scores its own
+completions), and is frozen.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from amir_lightning.helpers.validation import check_number, raise_errors
+from amir_lightning.models.sources import HFModel, ModelSource
+from amir_lightning.rewards.base import Reward
+
+log = logging.getLogger(__name__)
+
+
+class RewardModel(Reward):
+    """Score completions with a sequence-classification reward model (``AutoModelForSequenceClassification``).
+
+    Args:
+        model: A Hugging Face id or directory, or a model source (``HFModel`` with a revision,
+            ``TinyModel`` with ``head: reward`` for tests).
+        batch_size: Sequences scored together.
+        max_length: Longest sequence in tokens; a longer one keeps its end (where the score is read) and is
+            counted in a warning.
+        device: Where the model runs; ``None``: the training process's device (its current CUDA device, else CPU).
+        dtype: ``auto`` (``bfloat16`` on CUDA, ``float32`` on CPU), ``float32`` or ``bfloat16``.
+        weight: Multiplier in the total reward.
+        name: Metric name (default ``reward_model``: ``rollout/reward/reward_model``).
+    """
+
+    def __init__(
+        self,
+        model: str | ModelSource,
+        batch_size: int = 16,
+        max_length: int = 4096,
+        device: str | None = None,
+        dtype: str = "auto",
+        weight: float = 1.0,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(weight, name)
+        errors: list[str] = []
+        check_number(errors, f"data.rewards: {self.name}.batch_size", batch_size, ge=1)
+        check_number(errors, f"data.rewards: {self.name}.max_length", max_length, ge=2)
+        if dtype not in ("auto", "float32", "bfloat16", "float16"):
+            errors.append(f"data.rewards: {self.name}.dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+        raise_errors(errors)
+        self.source = HFModel(model) if isinstance(model, str) else model
+        self.batch_size, self.max_length, self.device, self.dtype = batch_size, max_length, device, dtype
+        self.model = self.tokenizer = None
+
+    def load(self) -> None:
+        """Load the model and its tokenizer (the first ``score`` does)."""
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        path = self.source.resolve()
+        here = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        device = torch.device(self.device or here)
+        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=getattr(torch, dtype))
+        labels = self.model.config.num_labels
+        if labels != 1:
+            raise ValueError(
+                f"data.rewards: {self.name} needs a reward model with one output, and {path} has {labels} "
+                "(num_labels); a classifier with several labels is not a reward model"
+            )
+        # The score is read at the last column of left-padded rows; no id is padding to transformers' pooling.
+        self.model.config.pad_token_id = -1
+        self.model.to(device).eval().requires_grad_(False)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    def text(self, prompt: str | list[dict], completion: str) -> str:
+        """The conversation the model scores, as text: ``prompt`` is the question or the prompt's messages."""
+        messages = [dict(m) for m in prompt] if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        messages.append({"role": "assistant", "content": completion})
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(messages, tokenize=False)
+        return "".join(m["content"] + "\n" for m in messages)
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, its end kept where it is over ``max_length``."""
+        with_template = bool(getattr(self.tokenizer, "chat_template", None))  # the template writes its own BOS
+        ids = [self.tokenizer(t, add_special_tokens=not with_template)["input_ids"] for t in texts]
+        cut = sum(len(row) > self.max_length for row in ids)
+        if cut:
+            log.warning("%s: %d of %d sequences are over max_length %d tokens; their ends were scored",
+                        self.name, cut, len(ids), self.max_length)  # fmt: skip
+        return [row[-self.max_length :] for row in ids]
+
+    @torch.no_grad()
+    def scores(self, rows: list[list[int]]) -> list[float]:
+        """The model's output at the last token of each row, in batches of ``batch_size``."""
+        device = next(self.model.parameters()).device
+        out: list[float] = []
+        for start in range(0, len(rows), self.batch_size):
+            batch = rows[start : start + self.batch_size]
+            width = max(len(r) for r in batch)
+            ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for i, r in enumerate(batch):  # left padding: every row ends at the last column
+                ids[i, width - len(r) :] = torch.tensor(r)
+                mask[i, width - len(r) :] = 1
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as if each row were alone
+            logits = self.model(
+                input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device)
+            ).logits  # [b, 1]
+            out += logits[:, 0].float().cpu().tolist()
+        return out
+
+    def score(self, completions: Sequence[str], answers: Sequence[str], **kwargs) -> list[float]:
+        """The reward model's score of each (prompt, completion) conversation (``kwargs["prompts"]``: TRL's)."""
+        if self.model is None:
+            self.load()
+        return self.scores(self.encode([self.text(p, c) for p, c in zip(kwargs["prompts"], completions)]))
+
+    def close(self) -> None:  # noqa: D102
+        self.model = None
