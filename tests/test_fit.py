@@ -357,3 +357,18 @@ def test_a_reward_model_config_trains(tmp_path):
     assert len(scores) == 3 and all(math.isfinite(s) for s in scores)
     assert scores == pytest.approx(scalars["rollout/reward_mean"], abs=1e-6)  # the only reward, weight 1
     assert len(set(scores)) == 3  # scores of what each rollout sampled, not a constant
+
+
+def test_a_judge_config_trains(tmp_path):
+    """configs/tiny_judge.yaml: a vLLM server this run starts serves the judge; 3 rollouts are graded by it, and the
+    server ends with the run."""
+    import psutil
+
+    config = str(ROOT / "configs" / "tiny_judge.yaml")
+    run_amir(["fit", "--config", config, "--trainer.max_epochs", "3"], tmp_path)
+    scalars = read_scalars(tmp_path / "runs" / "tiny_judge")
+    scores = scalars["rollout/reward/judge"]
+    assert len(scores) == 3 and all(0 <= s <= 1 for s in scores)
+    assert scores == pytest.approx(scalars["rollout/reward_mean"], abs=1e-6)
+    left = [p for p in psutil.process_iter(["cmdline"]) if "--served-model-name" in (p.info["cmdline"] or [])]
+    assert left == []  # no judge server outlives its run

@@ -152,3 +152,63 @@ def test_a_trl_reward_function_from_yaml_gets_the_dataset_column(tmp_path):
         assert "answer" in call["keys"]  # the dataset's answer column, by name
     rewards = read_scalars(tmp_path / "runs" / "tiny")["rollout/reward/by_level"]
     assert len(rewards) == 2 and all(0.0 <= r <= 0.9 for r in rewards)
+
+
+class Sleeps(Reward):
+    """A plain (synchronous) reward that takes a while and records when it ran."""
+
+    def score(self, completions, answers, **kwargs):
+        import time
+
+        start = time.monotonic()
+        time.sleep(0.4)
+        self.ran = (start, time.monotonic())
+        return [0.5] * len(completions)
+
+
+def test_async_reward_functions_run_concurrently_with_each_other_and_the_rest(tmp_path, monkeypatch):
+    """Two ``async def`` functions (each awaiting 0.4 s, as a call to a remote service would) and a synchronous
+    reward of 0.4 s: their times overlap, so the rollout waits about 0.4 s, not 1.2 s, and each score lands in its
+    own reward's place."""
+    (tmp_path / "async_rewards.py").write_text(
+        textwrap.dedent(
+            """
+            import asyncio, time
+
+            RAN = {}
+
+            async def remote_a(completions, **kwargs):
+                start = time.monotonic()
+                await asyncio.sleep(0.4)
+                RAN["a"] = (start, time.monotonic())
+                return [1.0 for _ in completions]
+
+            async def remote_b(completions, completion_ids, **kwargs):
+                start = time.monotonic()
+                await asyncio.gather(*(asyncio.sleep(0.4) for _ in completions))  # one request per completion
+                RAN["b"] = (start, time.monotonic())
+                return [float(len(ids)) for ids in completion_ids]
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import async_rewards
+
+    prompts, completions = rollout()
+    rewards = [FunctionReward("async_rewards.remote_a"), Sleeps(), FunctionReward("async_rewards.remote_b", weight=2)]
+    assert [r.concurrent for r in rewards] == [True, False, True]
+    total, metrics, _ = score_completions(rewards, prompts, completions)
+    assert total.tolist() == [1.0 + 0.5 + 2 * 1, 1.0 + 0.5 + 2 * 2]
+    assert metrics["rollout/reward/remote_b"] == 1.5 and metrics["rollout/reward/sleeps"] == 0.5
+    spans = [async_rewards.RAN["a"], rewards[1].ran, async_rewards.RAN["b"]]
+    assert max(s for s, _ in spans) < min(e for _, e in spans)  # all three were running at one moment
+
+
+def test_an_async_reward_that_raises_is_named(tmp_path, monkeypatch):
+    (tmp_path / "async_bad.py").write_text("async def broken(completions, **kwargs):\n    raise KeyError('score')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from amir_lightning.rewards.base import RewardError
+
+    prompts, completions = rollout()
+    with pytest.raises(RewardError, match=r"reward broken \(.*async_bad.py:2\) raised KeyError"):
+        score_completions([FunctionReward("async_bad.broken"), Sleeps()], prompts, completions)

@@ -2,6 +2,7 @@
 
 from amir_lightning.rewards.base import FunctionReward, Reward, RewardInputs
 from amir_lightning.rewards.format import AnswerNumberReward, TagCountReward, ThinkAnswerFormatReward
+from amir_lightning.rewards.judge import JudgeReward, JudgeServer
 from amir_lightning.rewards.length import LengthControlledAnswerReward
 from amir_lightning.rewards.math import MathAnswerReward
 from amir_lightning.rewards.model import RewardModel
@@ -10,6 +11,8 @@ from amir_lightning.rewards.sandbox import SandboxedGrader
 __all__ = [
     "AnswerNumberReward",
     "FunctionReward",
+    "JudgeReward",
+    "JudgeServer",
     "LengthControlledAnswerReward",
     "MathAnswerReward",
     "Reward",

@@ -8,6 +8,7 @@ Every reward sees the same inputs, TRL's reward-function keyword arguments: ``pr
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import importlib
 import inspect
@@ -101,6 +102,9 @@ class Reward(ABC):
 
     #: Whether the reward grades against the reference answer (a training set without one is refused at start).
     needs_reference: bool = False
+    #: Whether the reward waits on something else (a server, an ``async def`` function): it is then scored on a
+    #: thread of its own, alongside the other rewards, and must not change the process's state.
+    concurrent: bool = False
 
     def __init__(self, weight: float = 1.0, name: str | None = None) -> None:
         errors: list[str] = []
@@ -119,6 +123,9 @@ class Reward(ABC):
         extra = inputs.kwargs() if accepts else {}
         return self.score(inputs.completions, inputs.answers, **extra)
 
+    def setup(self) -> None:  # noqa: B027 (optional hook: most rewards hold nothing)
+        """Start what the reward needs (a server), before the first rollout; every training process calls it."""
+
     def close(self) -> None:  # noqa: B027 (optional hook: most rewards hold nothing)
         """Release resources (worker processes)."""
 
@@ -128,7 +135,8 @@ class FunctionReward(Reward):
 
     ``completions`` are texts, or assistant messages for a conversational dataset (as TRL passes them). The
     function runs in the trainer process: wrap it in a subprocess or a timeout yourself if it can hang or crash
-    (the built-in ``MathAnswerReward`` grades in sandboxed workers).
+    (the built-in ``MathAnswerReward`` grades in sandboxed workers). An ``async def`` function (one that awaits a
+    remote service) runs in an event loop of its own, concurrently with the other rewards.
 
     In YAML, a dotted path in ``data.rewards`` is shorthand for ``FunctionReward`` with weight 1::
 
@@ -154,8 +162,11 @@ class FunctionReward(Reward):
         check_number(errors, f"data.rewards: {self.name}.timeout_s", timeout_s, gt=0, optional=True)
         raise_errors(errors)
         self.timeout_s = timeout_s
+        self.concurrent = inspect.iscoroutinefunction(self.function)
 
     def score(self, completions: Sequence, answers: Sequence, **kwargs) -> list[float | None]:  # noqa: D102
+        if self.concurrent:
+            return asyncio.run(self.function(completions, **kwargs))
         return self.function(completions, **kwargs)
 
     def __call__(self, inputs: RewardInputs) -> list[float | None]:  # noqa: D102
@@ -178,10 +189,11 @@ def call_reward(reward: Reward, inputs: RewardInputs, warn_s: float = 60.0) -> l
 
     The reward gets a copy of the inputs (one that edits them in place changes nothing the trainer trains on); the
     process state it could change (working directory, grad mode, default dtype, threads) is restored after the call
-    and the change reported once; an exception becomes a ``RewardError`` naming the reward and its file and line;
-    a call is reported every ``warn_s`` seconds while it runs (``data.rollout.reward_warn_s``).
+    and the change reported once (not for a ``concurrent`` reward, which runs beside others); an exception becomes a
+    ``RewardError`` naming the reward and its file and line; a call is reported every ``warn_s`` seconds while it
+    runs (``data.rollout.reward_warn_s``).
     """
-    state = _process_state()
+    state = None if reward.concurrent else _process_state()
     try:
         with _heartbeat(reward.name, warn_s):
             return reward(inputs.copy())
@@ -190,7 +202,8 @@ def call_reward(reward: Reward, inputs: RewardInputs, warn_s: float = 60.0) -> l
     except (Exception, SystemExit) as err:  # sys.exit() in a reward would end the run as if it had finished
         raise RewardError(f"reward {reward.name} ({_raised_at(err)}) raised {type(err).__name__}: {err}") from err
     finally:
-        _restore(state, reward.name)
+        if state is not None:
+            _restore(state, reward.name)
 
 
 _REPORTED: set[tuple[str, str]] = set()

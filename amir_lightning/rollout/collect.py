@@ -10,6 +10,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -173,6 +174,17 @@ def _values(reward: Reward, raw: list, count: int) -> tuple[torch.Tensor, torch.
     return values, torch.tensor([v is not None for v in raw], dtype=torch.bool)
 
 
+def _call_all(rewards: list[Reward], inputs: RewardInputs, warn_s: float) -> list[list]:
+    """Every reward's scores, in order; the ``concurrent`` ones on threads of their own while the others run here."""
+    concurrent = [i for i, r in enumerate(rewards) if r.concurrent]
+    if not concurrent:
+        return [call_reward(r, inputs, warn_s) for r in rewards]
+    with ThreadPoolExecutor(max_workers=len(concurrent), thread_name_prefix="reward") as pool:
+        running = {i: pool.submit(call_reward, rewards[i], inputs, warn_s) for i in concurrent}
+        here = {i: call_reward(r, inputs, warn_s) for i, r in enumerate(rewards) if i not in running}
+        return [running[i].result() if i in running else here[i] for i in range(len(rewards))]
+
+
 def score_completions(
     rewards: list[Reward], prompts: list[Prompt], completions: list[list[Completion]], warn_s: float = 60.0
 ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
@@ -202,8 +214,8 @@ def score_completions(
     correct = torch.full((count,), float("nan"))
     metrics: dict[str, float] = {}
     found_grader = False
-    for reward in rewards:
-        values, applies = _values(reward, call_reward(reward, inputs, warn_s), count)
+    for reward, raw in zip(rewards, _call_all(rewards, inputs, warn_s)):
+        values, applies = _values(reward, raw, count)
         bad = applies & ~torch.isfinite(values)
         if bad.any():
             metrics[f"rollout/nonfinite/{reward.name}"] = float(bad.sum())

@@ -27,13 +27,8 @@ import json
 import logging
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,6 +36,14 @@ from pathlib import Path
 import torch
 
 from amir_lightning.helpers.distributed import world_size
+from amir_lightning.helpers.serving import (
+    TRAINER_GROUP,
+    ServerProcess,
+    free_port,
+    post_json,
+    reachable_url,
+    wait_for,
+)
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rollout.digest import ColumnSample, Reading, WeightSlot
 from amir_lightning.rollout.engine import (
@@ -55,11 +58,6 @@ from amir_lightning.rollout.vllm_worker import FILE_BACKEND, decode, merge_worke
 log = logging.getLogger(__name__)
 
 KEY = "data.engine.init_args"
-#: The training processes' group, which a started server must not join.
-_TRAINER_GROUP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
-                  "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
-#: Requests to the server go to it directly: a cluster's HTTP proxy settings would send them to the proxy.
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class VLLMServerEngine(RolloutEngine):
@@ -127,7 +125,7 @@ class VLLMServerEngine(RolloutEngine):
         self.max_num_seqs, self.enable_prefix_caching = max_num_seqs, enable_prefix_caching
         self.transfer_dir, self.startup_timeout, self.request_timeout = transfer_dir, startup_timeout, request_timeout
         self.log_file = log_file
-        self.process: subprocess.Popen | None = None
+        self.server: ServerProcess | None = None  # the server this process started
         self.pushes = 0  # the weight version the server holds (0: the files it started from)
         self._slots: dict[str, WeightSlot | None] = {}
         self._workdir: Path | None = None
@@ -160,7 +158,7 @@ class VLLMServerEngine(RolloutEngine):
     def server_env(self) -> dict[str, str]:
         """The started server's environment: the RL routes on, the transfer backend registered in its workers."""
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", AMIR_VLLM_SERVER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        for key in _TRAINER_GROUP:  # the server's workers form a group of their own, not the trainer's
+        for key in TRAINER_GROUP:  # the server's workers form a group of their own, not the trainer's
             env.pop(key, None)
         if self.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.devices
@@ -193,63 +191,27 @@ class VLLMServerEngine(RolloutEngine):
         self._started = True
 
     def _launch(self, model_dir: Path, seed: int) -> str:
-        with socket.socket() as probe:  # a free port on this machine
-            probe.bind((self.host, 0))
-            port = probe.getsockname()[1]
+        port = free_port(self.host)
         command = self.server_command(model_dir, port, seed, torch.cuda.is_available())
         log_path = Path(self.log_file) if self.log_file else self._workdir / "server.log"
-        self._log_path = log_path
-        with log_path.open("w") as out:
-            self.process = subprocess.Popen(
-                command, env=self.server_env(), stdout=out, stderr=subprocess.STDOUT, preexec_fn=_end_with_parent
-            )
-        atexit.register(self.close)  # the server ends with the run, however the run ends
-        log.info("started a vLLM server on port %d (its output: %s)", port, log_path)
-        reachable = socket.gethostname() if self.host in ("0.0.0.0", "::") else self.host
-        return f"http://{reachable}:{port}"
+        url = reachable_url(self.host, port)
+        self.server = ServerProcess(command, self.server_env(), url, log_path, "the vLLM server")
+        atexit.register(self.close)  # the pushed weights go with it
+        return url
 
     def _wait_until_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
-        while True:
-            if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(
-                    f"the vLLM server stopped while starting (exit {self.process.returncode}):\n" + self._log_tail()
-                )
-            try:
-                with _DIRECT.open(f"{self.url}/health", timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                self.close()
-                raise TimeoutError(
-                    f"the vLLM server at {self.url} did not answer within {KEY}.startup_timeout "
-                    f"({self.startup_timeout:g} s)" + (":\n" + self._log_tail() if self.process is not None else "")
-                )
-            time.sleep(0.5)
+        key = f"{KEY}.startup_timeout"
+        if self.server is not None:
+            return self.server.wait_until_ready(self.startup_timeout, key)
+        wait_for(self.url, self.startup_timeout, key, "the vLLM server")
 
-    def _log_tail(self, lines: int = 20) -> str:
-        path = getattr(self, "_log_path", None)
-        if path is None or not Path(path).is_file():
-            return ""
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    @property
+    def process(self):
+        """The process of the server this process started (``None``: it started none)."""
+        return self.server.process if self.server is not None else None
 
     def _post(self, route: str, body: dict | None = None) -> dict:
-        data = json.dumps(body or {}).encode()
-        request = urllib.request.Request(
-            f"{self.url}{route}", data=data, headers={"Content-Type": "application/json"}, method="POST"
-        )
-        try:
-            with _DIRECT.open(request, timeout=self.request_timeout) as response:
-                text = response.read()
-        except urllib.error.HTTPError as err:
-            detail = err.read().decode(errors="replace")[:2000]
-            raise RuntimeError(f"the vLLM server at {self.url} refused {route} ({err.code}): {detail}") from None
-        except (urllib.error.URLError, ConnectionError) as err:
-            tail = "\n" + self._log_tail() if self.process is not None else ""
-            raise RuntimeError(f"the vLLM server at {self.url} did not answer {route}: {err}{tail}") from None
-        return json.loads(text) if text else {}
+        return post_json(self.url, route, body, self.request_timeout, "the vLLM server", self.server)
 
     # ------------------------------------------------------------------ the engine
     def generate(
@@ -351,20 +313,14 @@ class VLLMServerEngine(RolloutEngine):
 
     def close(self) -> None:
         """Stop the server this process started (a server at a given ``url`` keeps running)."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.process = None
+        if self.server is not None:
+            self.server.close()
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
 
     def __del__(self) -> None:
-        if getattr(self, "process", None) is not None:
+        if getattr(self, "server", None) is not None:
             self.close()
 
 
@@ -379,18 +335,6 @@ def _barrier() -> None:
         import torch.distributed as dist
 
         dist.barrier()
-
-
-def _end_with_parent() -> None:
-    """Run in the server's process before it starts: it gets SIGTERM when the training process dies.
-
-    Linux sends it however the trainer ends (SIGKILL too), so no server outlives its run.
-    """
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class _ServerLayout(WeightLayout):

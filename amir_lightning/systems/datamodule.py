@@ -174,6 +174,8 @@ class RolloutDataModule(LightningDataModule):
         self.chat.check(self.tokenizer)
         if stage == "fit":
             self.screen_prompts()
+            for reward in self.rewards:  # a judge's server starts here, not after the first generation
+                reward.setup()
         self.screen_evaluation_prompts(stage)
         if not self.engine.started:
             trainer = self.trainer
