@@ -6,14 +6,14 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.amir-installed
-EXTRAS := cpu,data,lora,gguf,wandb,dev,bench
+EXTRAS := cpu,data,reasoning-gym,compare,lora,gguf,wandb,dev,bench
 # Offline, vLLM in-process. Tests run one thread per process (two threads were 10-100x slower on 2-core machines
 # whenever another process ran); the demo runs alone, so rollout and training each use every core.
 OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
 	TOKENIZERS_PARALLELISM=false
 RUNENV := $(OFFLINE) OMP_NUM_THREADS=1
 
-.PHONY: install test check lint demo bench clean
+.PHONY: install test check lint compat demo bench clean
 
 install: $(STAMP)
 
@@ -33,6 +33,22 @@ lint: install
 
 test: lint
 	$(RUNENV) $(PY) -m pytest -q
+	$(MAKE) compat
+
+# The oldest jsonargparse pyproject.toml allows (the suite runs the newest): the CLI's messages are checked against it,
+# with the package installed from its built wheel into a venv of its own that borrows the other dependencies.
+JSONARGPARSE_LOWEST := 4.47.0
+COMPAT := .venv-compat
+compat: install
+	rm -rf $(COMPAT) && $(PYTHON) -m venv $(COMPAT)
+	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
+		> "$$($(COMPAT)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/amir_deps.pth"
+	$(COMPAT)/bin/python -m pip install -q --no-deps jsonargparse==$(JSONARGPARSE_LOWEST)
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(COMPAT)/dist .
+	$(COMPAT)/bin/python -m pip install -q --no-deps --no-index $(COMPAT)/dist/amir_lightning-*.whl
+	$(COMPAT)/bin/python -P -c "import jsonargparse as j, amir_lightning as a; assert j.__version__ == '$(JSONARGPARSE_LOWEST)' \
+		and '$(COMPAT)' in a.__file__, (j.__version__, a.__file__)"
+	$(RUNENV) $(COMPAT)/bin/python -P -m pytest -q -p no:cacheprovider -m "not slow" tests/test_configs.py tests/test_errors.py
 
 # The quick tier while working: lint and every test not marked slow (no end-to-end runs of real vLLM in subprocesses).
 check: lint
@@ -46,4 +62,4 @@ bench: install
 	$(RUNENV) $(PY) benchmarks/objective.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(COMPAT) build *.egg-info .pytest_cache .ruff_cache .hypothesis

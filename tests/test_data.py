@@ -286,3 +286,21 @@ def test_the_rollout_line_says_how_long_the_run_has_left():
     assert time_left([100.0, 110.0, 130.0], 3, 30) == "; 15 s per rollout, 7 min left"
     assert time_left([0.0, 3600.0], 2, 1000) == "; 60 min per rollout, 41.6 d left"
     assert time_left([0.0, 5.0], 2, -1) == "; 5 s per rollout"  # no set length
+
+
+@pytest.mark.parametrize(
+    ("build", "module", "message"),
+    [
+        (lambda: HFDatasetPrompts("gsm8k"), "datasets", "HFDatasetPrompts needs datasets: pip install 'datasets>=3'"),
+        (lambda: ReasoningGymPrompts(), "reasoning_gym", "needs reasoning-gym: pip install 'reasoning-gym>=0.1.25'"),
+    ],
+)
+def test_a_missing_extra_names_a_command_that_installs_it_from_anywhere(build, module, message, monkeypatch):
+    """The requirement itself (from the package's metadata), which pip installs whether amir-lightning came from a
+    clone, a built wheel or an index; the extra's name for those who install by it."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, module, None)  # importing it now raises ImportError
+    with pytest.raises(ModuleNotFoundError, match=re.escape(message)) as raised:
+        build()
+    assert "in a clone: pip install -e '.[" in str(raised.value)

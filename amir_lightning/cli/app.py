@@ -65,8 +65,20 @@ class _Parser(LightningArgumentParser):
         raise SystemExit(2)
 
 
+DESCRIPTION = (
+    "AMIR-GRPO post-training of LLMs (arXiv 2601.03661). Subcommands: fit (train), validate (held-out accuracy), "
+    "test (pass@k on the benchmarks); and `amir compare RUN_DIR ...` (the analyses of finished runs side by side: "
+    "`amir compare --help`)."
+)
+
+
 class AmirCLI(LightningCLI):
     """LightningCLI with the links the rollout loop needs."""
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """The trainer methods ``amir`` runs: fit, validate and test (Lightning's predict has nothing to predict)."""
+        return {k: v for k, v in LightningCLI.subcommands().items() if k != "predict"}
 
     def add_arguments_to_parser(self, parser) -> None:  # noqa: D102
         # The training log-probs must be those of the distribution that was sampled.
@@ -137,6 +149,7 @@ def build_cli(args: ArgsType = None, run: bool = True) -> AmirCLI:
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,
         parser_class=_Parser,
+        parser_kwargs={"description": DESCRIPTION},
         args=args,
         run=run,
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from amir_lightning.data.base import Prompt, PromptSource
+from amir_lightning.helpers.extras import missing as missing_extra
 
 #: Fields holding the prompt, tried in order: TRL's ``prompt`` (text or messages), GSM8K's ``question``, MATH's
 #: ``problem``.
@@ -182,7 +183,7 @@ class HFDatasetPrompts(PromptSource):
         try:
             import datasets
         except ImportError as err:
-            raise ModuleNotFoundError("HFDatasetPrompts needs `datasets`: pip install 'amir-lightning[data]'") from err
+            raise missing_extra("HFDatasetPrompts", "data") from err
         self.label = f"{path}{'/' + name if name else ''}[{split}]"
         try:
             if (Path(path) / "state.json").is_file() or (Path(path) / "dataset_dict.json").is_file():

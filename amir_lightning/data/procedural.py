@@ -8,6 +8,7 @@ import random
 from typing import Literal
 
 from amir_lightning.data.base import Prompt, PromptSource
+from amir_lightning.helpers.extras import missing
 
 
 def _in_heldout(key: str, fraction: float) -> bool:
@@ -150,9 +151,7 @@ class ReasoningGymPrompts(PromptSource):
         try:
             import reasoning_gym
         except ImportError as err:
-            raise ModuleNotFoundError(
-                "ReasoningGymPrompts needs reasoning-gym: pip install 'amir-lightning[data]'"
-            ) from err
+            raise missing("ReasoningGymPrompts", "reasoning-gym") from err
         try:
             self.dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **(config or {}))
         except Exception as err:

@@ -8,6 +8,7 @@ from typing import Any
 
 from amir_lightning.data.base import Prompt, PromptSource
 from amir_lightning.data.files import DataFileError
+from amir_lightning.helpers.extras import missing
 
 #: name -> hub location and fields. ``question``/``answer`` list the field names tried in order.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -94,7 +95,7 @@ class BenchmarkPrompts(PromptSource):
         try:
             import datasets
         except ImportError as err:
-            raise ModuleNotFoundError("benchmarks need `datasets`: pip install 'amir-lightning[data]'") from err
+            raise missing("benchmarks", "data") from err
         preset = PRESETS[name]
         if path is not None:
             file = Path(path)

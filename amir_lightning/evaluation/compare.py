@@ -17,6 +17,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from amir_lightning.helpers.extras import missing
+
 
 def load_run(path: Path) -> dict[str, dict]:
     """The benchmark reports of one run: ``path`` is a run directory (with ``eval/``) or the ``eval`` directory."""
@@ -51,8 +53,10 @@ def coverage(reports: list[dict]) -> tuple[int, list[tuple[tuple[bool, ...], int
 
 def violin_plot(path: Path, labels: list[str], margins: list[list[float]], title: str) -> None:
     """A violin of per-problem margins per run (runs with under 2 margins left out), written to ``path``."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise missing("amir compare (its plots)", "compare") from err
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from amir_lightning.helpers.extras import missing
 from amir_lightning.models import attention
 
 
@@ -67,7 +68,7 @@ def load_policy(
         try:
             from peft import LoraConfig, get_peft_model
         except ImportError as err:
-            raise ModuleNotFoundError("model.lora needs peft: pip install 'amir-lightning[lora]'") from err
+            raise missing("model.lora", "lora") from err
         config = LoraConfig(
             r=lora.r,
             lora_alpha=lora.alpha,

