@@ -92,7 +92,7 @@ class Evaluator:
         """
         prompt_ids = self.tokenize(prompts)
         self.sync(prompt_ids[0], prompts[0].answer)
-        completions = self.generate(prompt_ids, samples, sampling, purpose)
+        completions = self.generate(prompt_ids, samples, sampling, purpose, prompts=prompts)
         texts = [c.text for group in completions for c in group]
         answers = [p.answer for p in prompts for _ in range(samples)]
         label = f"grading {name}" if self.progress else None

@@ -1,12 +1,22 @@
-"""Rollouts: engines (vLLM, HF generate), batches of whole groups, reward scoring and the weight-sync check.
+"""Rollouts: engines (vLLM, HF generate), multi-turn episodes, batches of whole groups, scoring, the sync check.
 
 ``VLLMEngine`` is importable without vLLM installed; it raises a clear error when started. ``VLLMServerEngine``
 talks to a vLLM server over HTTP, so the training process never imports vLLM for it.
 """
 
 from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig
+from amir_lightning.rollout.episodes import CalculatorEnvironment, Environment
 from amir_lightning.rollout.hf_engine import HFEngine
 from amir_lightning.rollout.vllm_engine import VLLMEngine
 from amir_lightning.rollout.vllm_server import VLLMServerEngine
 
-__all__ = ["Completion", "HFEngine", "RolloutEngine", "SamplingConfig", "VLLMEngine", "VLLMServerEngine"]
+__all__ = [
+    "CalculatorEnvironment",
+    "Completion",
+    "Environment",
+    "HFEngine",
+    "RolloutEngine",
+    "SamplingConfig",
+    "VLLMEngine",
+    "VLLMServerEngine",
+]

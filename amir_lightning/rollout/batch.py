@@ -139,7 +139,8 @@ def make_batch(groups: list[Group], pad_id: int) -> RolloutBatch:
         if length:
             input_ids[row, prompt_width : prompt_width + length] = torch.tensor(completion.token_ids)
             attention[row, prompt_width : prompt_width + length] = 1
-            completion_mask[row, :length] = 1.0
+            own = completion.loss_mask
+            completion_mask[row, :length] = 1.0 if own is None else torch.tensor(own[:length], dtype=torch.float)
             sampling_logps[row, :length] = torch.tensor(completion.logprobs[:length])
             if old_logps is not None:
                 old_logps[row, :length] = torch.tensor(completion.old_logprobs[:length])

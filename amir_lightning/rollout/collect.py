@@ -279,6 +279,11 @@ def collect_rollout(
     advantages = group_advantages(total, settings.group_size, settings.advantage_scale, std=std).nan_to_num(nan=0.0)
     groups = make_groups(prompts, prompt_ids, completions, total, advantages, correct)
     tokens = sum(len(c.token_ids) for group in completions for c in group)
+    episodes = [c for group in completions for c in group if c.loss_mask is not None]
+    if episodes:  # multi-turn (data.environment): how much the policy used its tool
+        metrics["rollout/tool_calls"] = sum(c.tool_calls for c in episodes) / len(episodes)
+        metrics["rollout/tool_call_frac"] = sum(c.tool_calls > 0 for c in episodes) / len(episodes)
+        metrics["length/tool_tokens"] = sum(len(c.loss_mask) - sum(c.loss_mask) for c in episodes) / len(episodes)
     rollout = Rollout(groups, metrics, {"generate_s": generate_s, "score_s": score_s}, tokens)
     zero_std = rollout.zero_std
     metrics.update(

@@ -30,7 +30,8 @@ from amir_lightning.rewards.base import FunctionReward, Reward
 from amir_lightning.rewards.math import MathAnswerReward
 from amir_lightning.rollout.batch import agree_on_plan, build_steps, plan_steps
 from amir_lightning.rollout.collect import RewardGuard, Rollout, RolloutSettings, collect_rollout
-from amir_lightning.rollout.engine import RolloutEngine, SamplingConfig
+from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig
+from amir_lightning.rollout.episodes import Environment, run_episodes
 from amir_lightning.rollout.pending import PendingRollout, SavedRollout
 from amir_lightning.rollout.policy import Policy
 from amir_lightning.rollout.sync import SyncCheck, SyncSettings
@@ -66,6 +67,9 @@ class RolloutDataModule(LightningDataModule):
             by the tokenizer (a lone surrogate from a JSON escape), or with an empty user message. ``skip`` them
             (counted, the first few named, ``data/skipped_prompts``) or stop with an ``error`` naming the first
             (file and line, or dataset index).
+        environment: Multi-turn rollouts (``rollout/episodes.py``): what the policy's tool calls go to, e.g.
+            ``CalculatorEnvironment``; its replies are written into the completion and masked out of the loss.
+            ``None``: single-turn completions.
         sync: How the weight sync is verified (``rollout/sync.py``): the engine's weights against the pushed ones,
             exactly, and the probe log-probs.
         val_prompts: Held-out prompts for ``validate`` and validation during ``fit``.
@@ -87,6 +91,7 @@ class RolloutDataModule(LightningDataModule):
         shuffle: bool = True,
         max_prompt_tokens: int = 512,
         bad_prompts: Literal["skip", "error"] = "skip",
+        environment: Environment | None = None,
         sync: SyncSettings = SyncSettings(),  # noqa: B008
         val_prompts: PromptSource | None = None,
         benchmarks: list[PromptSource] | None = None,
@@ -120,7 +125,7 @@ class RolloutDataModule(LightningDataModule):
                 "sampling_correction: none to train on the samples as if the policy had drawn them.",
                 ", ".join(departures),
             )
-        self.prompts, self.engine = prompts, engine
+        self.prompts, self.engine, self.environment = prompts, engine, environment
         self.rewards = [r if isinstance(r, Reward) else FunctionReward(r) for r in rewards or [MathAnswerReward()]]
         self.settings, self.sampling = rollout, sampling
         self.chat = ChatFormat(system_prompt, read_template(chat_template), dict(chat_template_kwargs or {}))
@@ -325,16 +330,35 @@ class RolloutDataModule(LightningDataModule):
             render_prompts(self.tokenizer, prompts, self.chat, self.prompt_limit, source.describe())
 
     # ------------------------------------------------------------------ the engine
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingConfig, purpose: int):
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        n: int,
+        sampling: SamplingConfig,
+        purpose: int,
+        prompts: list[Prompt] | None = None,
+    ) -> list[list[Completion]]:
         """Sample with a seed fixed by (seed, optimisation step, rank, purpose), in a forked RNG.
 
         A rollout is then a function of the weights and its place in the run, not of hidden engine state: a resumed
-        run draws the same rollouts as an uninterrupted one, and the trainer's random stream is untouched.
+        run draws the same rollouts as an uninterrupted one, and the trainer's random stream is untouched. With an
+        ``environment`` and the ``prompts``, each completion is a multi-turn episode (each turn seeded on its own).
         """
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(self._seed(purpose))
-            return self.engine.generate(prompt_ids, n, sampling)
+
+        def turn(ids: list[list[int]], count: int, turn_sampling: SamplingConfig, index: int):
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed((self._seed(purpose) + 7919 * index) % 2**63)
+                return self.engine.generate(ids, count, turn_sampling)
+
+        if self.environment is None or prompts is None:
+            return turn(prompt_ids, n, sampling, 0)
+        return self.episodes(prompts, prompt_ids, n, sampling, turn)
+
+    def episodes(self, prompts, prompt_ids, n, sampling, turn) -> list[list[Completion]]:
+        """``n`` multi-turn episodes per prompt through ``environment``, ``turn(ids, n, sampling, index)`` sampling."""
+        room = getattr(self.engine, "max_model_len", None)
+        return run_episodes(self.environment, prompts, prompt_ids, n, sampling, turn, self.tokenizer, room)
 
     def _seed(self, purpose: int) -> int:
         """The seed of a generation: (seed, optimisation step, rank, purpose)."""
@@ -391,7 +415,7 @@ class RolloutDataModule(LightningDataModule):
         sync_s = time.perf_counter() - start
 
         def generate(ids: list[list[int]], n: int):
-            return self.generate(ids, n, self.sampling, purpose=0)
+            return self.generate(ids, n, self.sampling, purpose=0, prompts=prompts)
 
         rollout = collect_rollout(prompts, prompt_ids, generate, self.rewards, self.settings, self._sum_over_processes)
         self.engine.sleep()  # a colocated engine with sleep mode lends its memory to training until the next sync
@@ -415,7 +439,8 @@ class RolloutDataModule(LightningDataModule):
             prompt_ids = self.tokenize(prompts)
             self.sync(prompt_ids[0], prompts[0].answer)
             current = PendingRollout(prompts, prompt_ids, self._drawn_at, trainer.global_step, {})
-            current.completions = self.generate(prompt_ids, self.settings.group_size, self.sampling, purpose=0)
+            n = self.settings.group_size
+            current.completions = self.generate(prompt_ids, n, self.sampling, purpose=0, prompts=prompts)
             current.generate_s = time.perf_counter() - start
         self._rollout_epoch, self._steps_started, self._drawn_at = trainer.current_epoch, 0, None
         self._current = current
@@ -460,7 +485,13 @@ class RolloutDataModule(LightningDataModule):
         keep = self.settings.stale_logps == "sampler"  # the weights that will score it
         version, weights = self.trainer.global_step, self.policy.trainable_weights() if keep else {}
         pending = PendingRollout(prompts, prompt_ids, drawn_at, version, weights)
-        return pending.start(lambda: engine.generate(prompt_ids, n, sampling, seed=seed))
+
+        def turn(ids: list[list[int]], count: int, turn_sampling: SamplingConfig, index: int):
+            return engine.generate(ids, count, turn_sampling, seed=(seed + 7919 * index) % 2**63)
+
+        if self.environment is None:
+            return pending.start(lambda: turn(prompt_ids, n, sampling, 0))
+        return pending.start(lambda: self.episodes(prompts, prompt_ids, n, sampling, turn))
 
     def _restore_saved(self) -> PendingRollout | None:
         """The rollout a checkpoint held, its prompts drawn again from where they were drawn."""

@@ -1,0 +1,233 @@
+r"""Multi-turn rollouts: the policy calls a tool, the tool's reply is written into the completion, the policy goes on.
+
+An episode is one completion that holds several turns::
+
+    prompt | policy: "... <calc>12*7</calc>" | tool: "<result>84</result>" | policy: "... so \boxed{84}" <eos>
+
+Each policy turn is sampled until it ends the tool call (one of the environment's ``stop`` strings), stops, or
+reaches ``data.sampling.max_new_tokens``; the environment reads the turn and either replies (its text is tokenised
+and appended) or ends the episode. The reply's tokens are context for the policy's next turn but not the policy's
+own: they are masked out of the loss (``Completion.loss_mask``), the log-prob ratios and the engine/trainer mismatch.
+The group, the rewards and the AMIR pairs work on whole episodes, as on single-turn completions: the rewards see the
+episode's text, tool replies included (as TRL passes tool messages to reward functions).
+
+The turns of all episodes are sampled together: the first from each prompt with ``n = group_size``, each later one
+from every unfinished episode's text so far with ``n = 1``, each call with a seed of its own.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from amir_lightning.data.base import Prompt
+from amir_lightning.helpers.validation import check_number, raise_errors
+from amir_lightning.rollout.engine import Completion, SamplingConfig
+
+
+class Environment(ABC):
+    """What the policy talks to in a multi-turn rollout (``data.environment``): a tool, a game, a checker.
+
+    Subclasses implement ``reset`` (an episode's state from its prompt) and ``step`` (the reply to one policy turn,
+    or ``None`` to end the episode).
+
+    Args:
+        max_turns: Policy turns per episode; the episode ends after the last whatever it asks.
+        stop: Strings that end a policy turn so the environment can reply (a tool call's closing tag).
+        max_reply_tokens: Longest tool reply in tokens (a longer one is cut).
+    """
+
+    def __init__(self, max_turns: int = 4, stop: list[str] | None = None, max_reply_tokens: int = 64) -> None:
+        errors: list[str] = []
+        check_number(errors, "data.environment.init_args.max_turns", max_turns, ge=1)
+        check_number(errors, "data.environment.init_args.max_reply_tokens", max_reply_tokens, ge=1)
+        raise_errors(errors)
+        self.max_turns, self.stop, self.max_reply_tokens = max_turns, list(stop or []), max_reply_tokens
+
+    @abstractmethod
+    def reset(self, prompt: Prompt) -> Any:
+        """A new episode's state for ``prompt``."""
+
+    @abstractmethod
+    def step(self, state: Any, message: str) -> str | None:
+        """The reply to the policy's turn ``message`` (appended to the completion), or ``None``: the episode ends."""
+
+
+@dataclass
+class _Episode:
+    prompt_index: int
+    state: Any
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    finish_reason: str = "stop"
+    tool_calls: int = 0
+    done: bool = False
+
+
+def run_episodes(
+    environment: Environment,
+    prompts: Sequence[Prompt],
+    prompt_ids: Sequence[list[int]],
+    n: int,
+    sampling: SamplingConfig,
+    generate: Callable[[list[list[int]], int, SamplingConfig, int], list[list[Completion]]],
+    tokenizer,
+    room: int | None = None,
+) -> list[list[Completion]]:
+    """``n`` episodes per prompt, in prompt order, as completions whose tool replies are masked out of the loss.
+
+    Args:
+        environment: Replies to the policy's turns.
+        prompts: The prompts (``environment.reset`` gets each).
+        prompt_ids: Their token ids.
+        n: Episodes per prompt (the group size).
+        sampling: Sampling of each policy turn; the environment's ``stop`` strings are added to its own.
+        generate: ``(token ids, n, sampling, turn) -> n completions per input``: the engine, seeded per turn.
+        tokenizer: Encodes the replies and decodes the turns.
+        room: Longest prompt + episode in tokens (the engine's ``max_model_len``); an episode that would not fit its
+            next turn ends as truncated.
+    """
+    turn_sampling = replace(sampling, stop=[*(sampling.stop or []), *environment.stop] or None)
+    episodes = [_Episode(i, environment.reset(prompts[i])) for i in range(len(prompts)) for _ in range(n)]
+    for turn in range(environment.max_turns):
+        active = [e for e in episodes if not e.done]
+        if not active:
+            break
+        if turn == 0:
+            sampled = [c for group in generate(list(prompt_ids), n, turn_sampling, 0) for c in group]
+        else:
+            inputs = [list(prompt_ids[e.prompt_index]) + e.token_ids for e in active]
+            sampled = [group[0] for group in generate(inputs, 1, turn_sampling, turn)]
+        for episode, completion in zip(active, sampled):
+            _take_turn(environment, episode, completion, tokenizer, turn, prompt_ids, turn_sampling, room)
+    out: list[list[Completion]] = [[] for _ in prompts]
+    for e in episodes:
+        text = tokenizer.decode(e.token_ids, skip_special_tokens=True)
+        out[e.prompt_index].append(Completion(e.token_ids, text, e.logprobs, e.finish_reason, None, e.loss_mask,
+                                              e.tool_calls))  # fmt: skip
+    return out
+
+
+def _take_turn(
+    environment: Environment,
+    episode: _Episode,
+    completion: Completion,
+    tokenizer,
+    turn: int,
+    prompt_ids: Sequence[list[int]],
+    sampling: SamplingConfig,
+    room: int | None,
+) -> None:
+    """Add the policy's turn to ``episode``, then the environment's reply, or end it."""
+    episode.token_ids += completion.token_ids
+    episode.logprobs += completion.logprobs
+    episode.loss_mask += [1] * len(completion.token_ids)
+    episode.finish_reason = completion.finish_reason
+    ended_on_eos = completion.finish_reason == "stop" and completion.token_ids[-1:] == [tokenizer.eos_token_id]
+    if completion.finish_reason == "length" or ended_on_eos or turn == environment.max_turns - 1:
+        episode.done = True
+        return
+    message = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+    reply = environment.step(episode.state, message)
+    if reply is None:
+        episode.done = True
+        return
+    reply_ids = tokenizer(reply, add_special_tokens=False)["input_ids"][: environment.max_reply_tokens]
+    episode.token_ids += reply_ids
+    episode.logprobs += [0.0] * len(reply_ids)  # not sampled: masked out of every ratio
+    episode.loss_mask += [0] * len(reply_ids)
+    episode.tool_calls += 1
+    used = len(prompt_ids[episode.prompt_index]) + len(episode.token_ids)
+    if room is not None and used + sampling.max_new_tokens > room:
+        episode.done, episode.finish_reason = True, "length"  # no room for another turn: cut, as a long completion is
+
+
+_OPERATORS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
+
+
+def evaluate_arithmetic(expression: str, max_exponent: int = 64) -> float | int:
+    """The value of an arithmetic expression (numbers, + - * / // % **, parentheses); ``ValueError`` otherwise.
+
+    Parsed, never ``eval``-ed: model output is untrusted. Exponents above ``max_exponent`` are refused.
+    """
+
+    def value(node: ast.AST):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
+            return _OPERATORS[type(node.op)](value(node.operand))
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > max_exponent:
+                raise ValueError(f"exponent {right} is over {max_exponent}")
+            return _OPERATORS[type(node.op)](left, right)
+        raise ValueError(f"not arithmetic: {ast.dump(node)[:60]}")
+
+    try:
+        tree = ast.parse(expression.strip().replace("^", "**").replace("×", "*").replace("÷", "/"), mode="eval")
+        return value(tree.body)
+    except (SyntaxError, ZeroDivisionError, OverflowError, RecursionError) as err:
+        raise ValueError(f"{type(err).__name__}: {err}") from None
+
+
+class CalculatorEnvironment(Environment):
+    """A calculator the policy calls by writing ``<calc>expression</calc>``; it replies ``<result>value</result>``.
+
+    Tell the policy about it in the system prompt (``data.system_prompt``), for example: "You can use a
+    calculator: write <calc>expression</calc> and the result follows as <result>value</result>."
+
+    Args:
+        open: The text that starts a call.
+        close: The text that ends it (a stop string: the turn ends there and the calculator replies).
+        reply: The reply, with ``{value}`` (or ``{error}`` for an expression it cannot compute).
+        error_reply: The reply to an expression that is not arithmetic.
+        max_turns: Policy turns per episode.
+        max_reply_tokens: Longest reply in tokens.
+    """
+
+    def __init__(
+        self,
+        open: str = "<calc>",
+        close: str = "</calc>",
+        reply: str = "<result>{value}</result>",
+        error_reply: str = "<result>error: {error}</result>",
+        max_turns: int = 4,
+        max_reply_tokens: int = 64,
+    ) -> None:
+        if not open or not close:
+            raise ValueError("data.environment.init_args.open and close must be non-empty strings")
+        super().__init__(max_turns=max_turns, stop=[close], max_reply_tokens=max_reply_tokens)
+        self.open, self.close, self.reply, self.error_reply = open, close, reply, error_reply
+        self.call = re.compile(re.escape(open) + r"(.*?)" + re.escape(close), re.DOTALL)
+
+    def reset(self, prompt: Prompt) -> None:  # noqa: D102
+        return None
+
+    def step(self, state: None, message: str) -> str | None:
+        """The result of the turn's last call; ``None`` when the turn made none (the policy has answered)."""
+        calls = self.call.findall(message)
+        if not calls:
+            return None
+        try:
+            value = evaluate_arithmetic(calls[-1])
+        except ValueError as err:
+            return self.error_reply.format(error=str(err)[:80])
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        return self.reply.format(value=f"{value:.6g}" if isinstance(value, float) else value)

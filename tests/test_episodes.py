@@ -1,0 +1,111 @@
+"""Multi-turn rollouts: tool replies inside the completion, masked out of the loss; the calculator; learning to call."""
+
+import pytest
+import torch
+from conftest import read_scalars, run_amir
+from helpers.tools import Echo
+
+from amir_lightning.data.base import Prompt
+from amir_lightning.models import build_tiny_model
+from amir_lightning.rollout import CalculatorEnvironment, HFEngine, SamplingConfig
+from amir_lightning.rollout.batch import make_batch, make_groups
+from amir_lightning.rollout.episodes import evaluate_arithmetic, run_episodes
+
+
+@pytest.mark.parametrize(
+    ("expression", "value"),
+    [("12*7", 84), ("(3 + 4) ^ 2", 49), ("7 / 2", 3.5), ("-2 ** 3", -8), ("10 // 3 % 2", 1)],
+)
+def test_the_calculator_computes_arithmetic(expression, value):
+    assert evaluate_arithmetic(expression) == value
+
+
+@pytest.mark.parametrize(
+    "expression", ["__import__('os').system('true')", "x + 1", "2 ** 100000", "1 / 0", "open('f')", "(1,2)"]
+)
+def test_the_calculator_refuses_anything_else(expression):
+    with pytest.raises(ValueError):
+        evaluate_arithmetic(expression)
+
+
+def test_the_calculator_replies_to_the_turns_last_call_and_ends_an_episode_without_one():
+    calculator = CalculatorEnvironment()
+    assert calculator.stop == ["</calc>"]
+    assert calculator.step(None, "First <calc>2+2</calc> then <calc>12*7</calc>") == "<result>84</result>"
+    assert calculator.step(None, "<calc>7/2</calc>") == "<result>3.5</result>"
+    assert calculator.step(None, "<calc>1/0</calc>").startswith("<result>error: ZeroDivisionError")
+    assert calculator.step(None, "So the answer is \\boxed{84}.") is None
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", alphabet="0123456789=+?", seed=2)
+    return path, AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+
+
+def test_episodes_interleave_policy_turns_and_masked_replies_with_the_policys_log_probs(tiny):
+    """A real engine (HF generate) through 3 turns with a reply between turns: each episode is its turns and
+    replies in order; the loss mask is 0 exactly on the replies; every policy token's sampling log-prob is the
+    policy's at that point of the whole episode (replies included as context), and the batch masks the replies."""
+    path, model, tokenizer = tiny
+    engine = HFEngine(batch_size=32, progress=False)
+    engine.start(path, seed=0)
+    prompts = [Prompt(question="3+4=", answer="7"), Prompt(question="12+5=", answer="17")]
+    prompt_ids = [tokenizer(p.question)["input_ids"] for p in prompts]
+    turns = []
+
+    def generate(ids, n, sampling, turn):
+        turns.append((len(ids), n, turn))
+        torch.manual_seed(turn)
+        return engine.generate(ids, n, sampling)
+
+    sampling = SamplingConfig(temperature=0.8, max_new_tokens=3)
+    groups = run_episodes(Echo(max_turns=3), prompts, prompt_ids, 4, sampling, generate, tokenizer)
+    assert [len(g) for g in groups] == [4, 4] and turns[0] == (2, 4, 0) and all(n == 1 for _, n, _ in turns[1:])
+    reply = tokenizer("=12", add_special_tokens=False)["input_ids"]
+    replied = 0
+    for prompt, group in zip(prompt_ids, groups):
+        for c in group:
+            assert len(c.loss_mask) == len(c.token_ids) == len(c.logprobs) and c.tool_calls <= 2
+            masked = [i for i, m in enumerate(c.loss_mask) if m == 0]
+            assert len(masked) == 3 * c.tool_calls  # each reply is "=12", three tokens
+            for start in range(0, len(masked), 3):
+                assert [c.token_ids[i] for i in masked[start : start + 3]] == reply
+            replied += c.tool_calls
+            ids = torch.tensor([prompt + c.token_ids])
+            with torch.no_grad():
+                logps = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1] / 0.8, -1)
+            expected = logps.gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)
+            own = torch.tensor(c.loss_mask, dtype=torch.bool)
+            torch.testing.assert_close(torch.tensor(c.logprobs)[own], expected[own], atol=1e-4, rtol=0)
+            assert c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True)
+    assert replied > 0
+    rewards = torch.arange(8, dtype=torch.float)
+    batch = make_batch(make_groups(prompts, prompt_ids, groups, rewards, rewards, rewards), pad_id=0)
+    for row, c in enumerate(c for g in groups for c in g):
+        assert batch.completion_mask[row, : len(c.token_ids)].tolist() == [float(m) for m in c.loss_mask]
+
+
+@pytest.mark.slow
+def test_the_tiny_policy_learns_to_call_the_tool(tmp_path):
+    """Two-number sums the tiny model cannot do, and a tool that answers when the policy writes ``?``: over 24
+    rollouts the share of episodes that call it and the reward rise (the answer is graded on the episode's text)."""
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    args = ["fit", "--config", str(root / "configs" / "tiny.yaml"), "--trainer.max_epochs", "24"]
+    args += ["--model.policy.init_args.alphabet", "0123456789=+?", "--data.environment", "tools.AnswerTool"]
+    args += ["--data.prompts.init_args.num_terms", "2", "--data.prompts.init_args.template", "{expression}="]
+    args += ["--data.val_prompts.init_args.num_terms", "2", "--trainer.check_val_every_n_epoch", "100"]
+    args += ["--data.sampling.max_new_tokens", "2", "--model.loss.init_args.kl_coef", "0.0"]
+    helpers = str(Path(__file__).parent / "helpers")
+    env = dict(os.environ, PYTHONPATH=helpers + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run_amir(args, tmp_path, env=env)
+    scalars = read_scalars(tmp_path / "runs" / "tiny")
+    calls, rewards = scalars["rollout/tool_call_frac"], scalars["rollout/reward_mean"]
+    assert len(calls) == 24 and scalars["length/tool_tokens"][-1] > 0
+    assert sum(calls[-4:]) / 4 > sum(calls[:4]) / 4 + 0.3, calls
+    assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.3, rewards
