@@ -1,0 +1,81 @@
+"""How often a model calls the calculator before any training, and how often it is then right (a tool-use task screen).
+
+    python benchmarks/tool_use.py                      # the bundled SmolLM2, two-digit products, 32 prompts x 4
+    python benchmarks/tool_use.py --model path/to/hf_dir --prompts 64
+
+Episodes run as in training (``rollout/episodes.py``, ``CalculatorEnvironment``, real vLLM); per system prompt the
+table gives the share of episodes with a calculator call, the share graded correct, and the mean episode length.
+RL needs some episodes of each kind in a group: a model that never calls the tool gives no signal to learn it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SYSTEM_PROMPTS = {
+    "described": "You can use a calculator. To use it, write <calc>expression</calc>, for example <calc>23*7</calc>; "
+    "the result follows as <result>161</result>. Then give the answer.",
+    "always": "You have a calculator. Write <calc>23*7</calc> and you get <result>161</result>. Always use the "
+    "calculator, then write the final answer as a number.",
+}
+
+
+def main() -> None:
+    import torch
+    from _common import machine
+    from transformers import AutoTokenizer
+
+    from amir_lightning.data import ArithmeticPrompts
+    from amir_lightning.data.templates import ChatFormat
+    from amir_lightning.models import BundledSmolLM2
+    from amir_lightning.rewards import MathAnswerReward
+    from amir_lightning.rollout import CalculatorEnvironment, SamplingConfig, VLLMEngine
+    from amir_lightning.rollout.episodes import run_episodes
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="a Hugging Face directory (default: the bundled SmolLM2)")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--max_new_tokens", type=int, default=48)
+    args = parser.parse_args()
+    path = Path(args.model) if args.model else BundledSmolLM2().resolve()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    engine = VLLMEngine(max_model_len=512, kv_cache_memory_bytes=256 * 1024**2, progress=False)
+    engine.start(path, seed=0)
+    source = ArithmeticPrompts(min_value=10, max_value=99, operators="*", template="What is {expression}?", split="all")
+    prompts = [source[i] for i in range(args.prompts)]
+    grader = MathAnswerReward()
+    sampling = SamplingConfig(temperature=0.7, max_new_tokens=args.max_new_tokens)
+    print(f"{path.name}; {args.prompts} two-digit products x {args.samples} episodes, T 0.7; {machine()}\n")
+    print("| system prompt | episodes with a call | correct | mean tokens | seconds |")
+    print("|---|---|---|---|---|")
+    for name, system in SYSTEM_PROMPTS.items():
+        chat = ChatFormat(system_prompt=system)
+        prompt_ids = [chat.render(tokenizer, p) for p in prompts]
+
+        def generate(ids, n, turn_sampling, turn):
+            torch.manual_seed(turn)
+            return engine.generate(ids, n, turn_sampling)
+
+        start = time.perf_counter()
+        groups = run_episodes(CalculatorEnvironment(max_turns=3), prompts, prompt_ids, args.samples, sampling, generate,
+                              tokenizer, 512)  # fmt: skip
+        seconds = time.perf_counter() - start
+        episodes = [c for group in groups for c in group]
+        answers = [p.answer for p in prompts for _ in range(args.samples)]
+        correct = grader.correctness([c.text for c in episodes], answers)
+        calls = sum(c.tool_calls > 0 for c in episodes) / len(episodes)
+        tokens = sum(len(c.token_ids) for c in episodes) / len(episodes)
+        print(f"| {name} | {calls:.3f} | {sum(correct) / len(correct):.3f} | {tokens:.1f} | {seconds:.0f} |")
+    grader.close()
+
+
+if __name__ == "__main__":
+    main()
