@@ -25,6 +25,7 @@ from amir_lightning.cli.app import AmirCLI, build_cli, link_completion_length
 from amir_lightning.helpers.console import PipeSafeStdout, quiet_second_interrupt, user_traceback
 from amir_lightning.helpers.messages import user_message
 from amir_lightning.helpers.preflight import check_config_files
+from amir_lightning.models.export import HubPushError
 from amir_lightning.rewards.base import RewardError
 from amir_lightning.rollout.sync import StaleEngineError
 
@@ -39,6 +40,7 @@ USER_ERRORS = (
     ModuleNotFoundError,
     StaleEngineError,
     CheckpointWriteError,  # the disk, named with the path and the space needed
+    HubPushError,  # the trained policy is saved; its upload failed, and the message says how to push it again
     MisconfigurationException,  # Lightning's word for a bad trainer argument
 )
 

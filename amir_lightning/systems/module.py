@@ -235,7 +235,10 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
             self.export(root.with_name(f"{root.name}_epoch_{done}"))
 
     def on_fit_end(self) -> None:  # noqa: D102
-        self.export(self.export_settings.root(self.trainer.log_dir))
+        target = self.export(self.export_settings.root(self.trainer.log_dir))
+        hub = self.export_settings.push_to_hub
+        if hub is not None and self.trainer.is_global_zero:
+            log.warning("pushed the trained policy to %s", hub.push(target))
 
     def export(self, target: Path) -> Path:
         """Write the policy and tokenizer to ``target``, atomically, in ``export.format``.
