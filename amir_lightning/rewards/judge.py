@@ -283,9 +283,10 @@ class JudgeReward(Reward):
         return [0.0 if s is None and self.on_unparsed == "zero" else s for s in scores]
 
     def close(self) -> None:  # noqa: D102
-        if self.server is not None:
-            self.server.close()
-            self.server = None
+        if self.serve is not None:  # a server this run started (here or in another process) is gone after the run
+            if self.server is not None:
+                self.server.close()
+            self.server = self.url = None
 
 
 def _last_user(messages: list[dict]) -> str:

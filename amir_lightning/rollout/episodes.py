@@ -129,11 +129,13 @@ def _take_turn(
     episode.logprobs += completion.logprobs
     episode.loss_mask += [1] * len(completion.token_ids)
     episode.finish_reason = completion.finish_reason
-    ended_on_eos = completion.finish_reason == "stop" and completion.token_ids[-1:] == [tokenizer.eos_token_id]
-    if completion.finish_reason == "length" or ended_on_eos or turn == environment.max_turns - 1:
+    message = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+    # A turn that stopped on anything but the environment's own stop strings (an EOS token, data.sampling.stop) is
+    # the policy's last word; so is one cut by the length limit, and the last turn allowed.
+    called = completion.finish_reason == "stop" and any(message.endswith(s) for s in environment.stop)
+    if not called or turn == environment.max_turns - 1:
         episode.done = True
         return
-    message = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
     reply = environment.step(episode.state, message)
     if reply is None:
         episode.done = True
