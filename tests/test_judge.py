@@ -64,3 +64,12 @@ def test_a_judge_served_here_grades_each_completion_as_its_own_reply_says(tmp_pa
     finally:
         judge.close()
     assert process.poll() is not None
+
+
+def test_a_judge_url_that_does_not_answer_is_one_line_naming_it():
+    from amir_lightning.helpers.serving import free_port
+
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens there
+    judge = JudgeReward(url=url, timeout_s=5)
+    with pytest.raises(ValueError, match=f"data.rewards: judge.url {url} did not answer /v1/models"):
+        judge.setup()

@@ -112,7 +112,8 @@ class JudgeReward(Reward):
         url: The server's address (``http://host:8000``); ``None``: start one with ``serve``.
         model: The model name the server knows the judge by (``None``: the one it serves, asked at start).
         serve: Start a vLLM server for the judge (``JudgeServer``): the first training process starts it, every
-            process asks it.
+            process asks it. It listens on its node only: for training processes on several nodes, start one they
+            all reach and give its ``url``.
         template: The user message, with ``{question}``, ``{completion}`` and ``{answer}``.
         system_prompt: A system message before it.
         pattern: Regular expression of a score in the reply (its first group, else the match); the last match counts.
@@ -224,8 +225,14 @@ class JudgeReward(Reward):
         import urllib.request
 
         request = urllib.request.Request(f"{self.url}{route}", headers=self._headers())
-        with serving.DIRECT.open(request, timeout=self.timeout_s) as response:
-            return json.loads(response.read())
+        try:
+            with serving.DIRECT.open(request, timeout=self.timeout_s) as response:
+                return json.loads(response.read())
+        except (OSError, ValueError) as err:  # URLError and HTTPError are OSErrors; a reply that is not JSON
+            raise ValueError(
+                f"data.rewards: {self.name}.url {self.url} did not answer {route} as an OpenAI-compatible server "
+                f"does: {err}"
+            ) from None
 
     def _headers(self) -> dict[str, str]:
         key = os.environ.get(self.api_key_env) if self.api_key_env else None
