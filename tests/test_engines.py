@@ -165,6 +165,7 @@ def test_min_p_and_the_repetition_penalty_reach_the_sampler_and_its_log_probs(en
     if engine_name == "hf":
         engine.start(tiny_dir, seed=0)
     stub = PolicyStub(tiny_dir)
+    engine.load_weights(stub.policy.state_dict().items())  # the shared engine took other weights in earlier tests
     prompts = [stub.tokenizer("3=")["input_ids"], stub.tokenizer("12+4=")["input_ids"]]
     sampling = SamplingConfig(temperature=0.9, min_p=0.3, repetition_penalty=1.6, max_new_tokens=5)
     engine.check_sampling(sampling)
