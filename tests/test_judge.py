@@ -73,3 +73,8 @@ def test_a_judge_url_that_does_not_answer_is_one_line_naming_it():
     judge = JudgeReward(url=url, timeout_s=5)
     with pytest.raises(ValueError, match=f"data.rewards: judge.url {url} did not answer /v1/models"):
         judge.setup()
+
+
+def test_bad_judge_server_settings_name_their_key():
+    with pytest.raises(ValueError, match="data.rewards: judge.serve.max_model_len must be >= 1, got 0"):
+        JudgeServer(model="unused", max_model_len=0)

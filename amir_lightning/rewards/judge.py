@@ -71,6 +71,20 @@ class JudgeServer:
     tensor_parallel_size: int = 1
     startup_timeout: float = 600.0
 
+    def __post_init__(self) -> None:
+        import shutil
+
+        key, errors = "data.rewards: judge.serve", []
+        check_number(errors, f"{key}.threads", self.threads, ge=1, optional=True)
+        check_number(errors, f"{key}.max_model_len", self.max_model_len, ge=1)
+        check_number(errors, f"{key}.gpu_memory_utilization", self.gpu_memory_utilization, gt=0, le=1)
+        check_number(errors, f"{key}.kv_cache_memory_bytes", self.kv_cache_memory_bytes, gt=0, optional=True)
+        check_number(errors, f"{key}.tensor_parallel_size", self.tensor_parallel_size, ge=1)
+        check_number(errors, f"{key}.startup_timeout", self.startup_timeout, gt=0)
+        if self.cpu_cores is not None and shutil.which("taskset") is None:
+            errors.append(f"{key}.cpu_cores needs the taskset command (util-linux), which this machine lacks")
+        raise_errors(errors)
+
     def command(self, port: int, on_gpu: bool) -> list[str]:
         """The command line of the server, listening on ``port`` of this machine."""
         import sys
