@@ -55,3 +55,18 @@ def rank_zero_first(fn: Callable[[], T]) -> T:
         return out
     dist.barrier()
     return fn()
+
+
+def global_rank() -> int:
+    """This process's rank in the default group (0 when torch.distributed is not initialised)."""
+    return dist.get_rank() if world_size() > 1 else 0
+
+
+def from_rank_zero(fn: Callable[[], T]) -> T:
+    """``fn()`` run on global rank 0 and its (picklable) result sent to every process; every process must call it."""
+    value = fn() if global_rank() == 0 else None
+    if world_size() > 1:
+        shared = [value]
+        dist.broadcast_object_list(shared, src=0)
+        value = shared[0]
+    return value

@@ -200,22 +200,10 @@ class JudgeReward(Reward):
 
     def setup(self) -> None:
         """Start the judge's server (``serve``; the first training process does) and learn the model's name."""
-        from amir_lightning.helpers.distributed import world_size
+        from amir_lightning.helpers.distributed import from_rank_zero
 
         if self.serve is not None and self.url is None:
-            rank = 0
-            if world_size() > 1:
-                import torch.distributed as dist
-
-                rank = dist.get_rank()
-            url = self._launch() if rank == 0 else None
-            if world_size() > 1:
-                import torch.distributed as dist
-
-                shared = [url]
-                dist.broadcast_object_list(shared, src=0)
-                url = shared[0]
-            self.url = url
+            self.url = from_rank_zero(self._launch)
             if self.server is None:  # another process started it: wait for it here too
                 key = f"data.rewards: {self.name}.serve.startup_timeout"
                 serving.wait_for(self.url, self.serve.startup_timeout, key, "the judge's vLLM server")

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from amir_lightning.helpers.distributed import world_size
+from amir_lightning.helpers.distributed import from_rank_zero, global_rank, world_size
 from amir_lightning.helpers.serving import (
     TRAINER_GROUP,
     ServerProcess,
@@ -175,16 +175,10 @@ class VLLMServerEngine(RolloutEngine):
         del device, local_rank  # the server has devices of its own
         base = Path(self.transfer_dir or ("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()))
         self._workdir = Path(tempfile.mkdtemp(prefix="amir_vllm_server_", dir=base))
-        if self.url is None and _rank() == 0:
-            self.url = self._launch(model_dir, seed)
-        if world_size() > 1:
-            import torch.distributed as dist
-
-            shared = [self.url]
-            dist.broadcast_object_list(shared, src=0)  # where the first process started it
-            self.url = shared[0]
+        # where the first process started it (or the url given)
+        self.url = from_rank_zero(lambda: self.url or self._launch(model_dir, seed))
         self._wait_until_ready()
-        if _rank() == 0:
+        if global_rank() == 0:
             self._post("/init_weight_transfer_engine", {"init_info": {}})
             self._post("/v1/completions", {"prompt": [0], "max_tokens": 1})  # the first request is seconds slower
         _barrier()
@@ -251,7 +245,7 @@ class VLLMServerEngine(RolloutEngine):
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Push the weights through vLLM's update routes, generation paused; the first process pushes for all."""
         _barrier()  # every process has finished its own generation: nothing samples during the push
-        if _rank() != 0:
+        if global_rank() != 0:
             for _ in named_tensors:  # the export is a collective under FSDP2: take part, keep nothing
                 pass
             _barrier()  # the first process has pushed: reading back now reads the new weights
@@ -322,12 +316,6 @@ class VLLMServerEngine(RolloutEngine):
     def __del__(self) -> None:
         if getattr(self, "server", None) is not None:
             self.close()
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if world_size() > 1 else 0
 
 
 def _barrier() -> None:
