@@ -37,6 +37,41 @@ def test_the_calculator_replies_to_the_turns_last_call_and_ends_an_episode_witho
     assert calculator.step(None, "So the answer is \\boxed{84}.") is None
 
 
+def test_a_call_whose_last_token_runs_past_the_closing_tag_is_still_a_call():
+    """Engines stop at the token that completes a stop string, and a token can hold more: a tokenizer with the
+    token ``><`` ends a call ``...</calc><``. The calculator still replies (to the turn cut at ``</calc>``), the
+    reply does not repeat the ``<`` the policy wrote, and the episode's text reads as one call and one result."""
+    from amir_lightning.models.tiny import build_char_tokenizer
+    from amir_lightning.rollout import Completion
+
+    tokenizer = build_char_tokenizer("0123456789*=<>/calrseut")
+    tokenizer.add_tokens(["><"])
+    merged = tokenizer.convert_tokens_to_ids("><")
+    call = tokenizer("<calc>84*42</calc><", add_special_tokens=False)["input_ids"]
+    assert call[-1] == merged  # the token that completes "</calc>" also writes the next "<"
+    answer = tokenizer("=3528", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    seen = []
+
+    class Calculator(CalculatorEnvironment):
+        def step(self, state, message):
+            seen.append(message)
+            return super().step(state, message)
+
+    def generate(ids, n, sampling, turn):
+        assert sampling.stop == ["</calc>"]
+        turn_ids = call if turn == 0 else answer
+        return [[Completion(list(turn_ids), "", [-0.5] * len(turn_ids), "stop") for _ in range(n)] for _ in ids]
+
+    prompt = Prompt(question="84*42", answer="3528")
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=24)
+    [[episode]] = run_episodes(Calculator(max_turns=3), [prompt], [[5, 6]], 1, sampling, generate, tokenizer)
+    assert seen == ["<calc>84*42</calc>"]
+    assert episode.text == "<calc>84*42</calc><result>3528</result>=3528" and episode.tool_calls == 1
+    reply = tokenizer("result>3528</result>", add_special_tokens=False)["input_ids"]
+    assert episode.token_ids == call + reply + answer
+    assert episode.loss_mask == [1] * len(call) + [0] * len(reply) + [1] * len(answer)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer

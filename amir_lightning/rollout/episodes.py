@@ -129,17 +129,18 @@ def _take_turn(
     episode.logprobs += completion.logprobs
     episode.loss_mask += [1] * len(completion.token_ids)
     episode.finish_reason = completion.finish_reason
-    message = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+    message, overshoot = _turn_text(completion, environment.stop, tokenizer)
     # A turn that stopped on anything but the environment's own stop strings (an EOS token, data.sampling.stop) is
     # the policy's last word; so is one cut by the length limit, and the last turn allowed.
-    called = completion.finish_reason == "stop" and any(message.endswith(s) for s in environment.stop)
-    if not called or turn == environment.max_turns - 1:
+    if overshoot is None or turn == environment.max_turns - 1:
         episode.done = True
         return
     reply = environment.step(episode.state, message)
     if reply is None:
         episode.done = True
         return
+    if overshoot and reply.startswith(overshoot):
+        reply = reply[len(overshoot) :]  # the policy already wrote the reply's first characters ("</calc><")
     reply_ids = tokenizer(reply, add_special_tokens=False)["input_ids"][: environment.max_reply_tokens]
     episode.token_ids += reply_ids
     episode.logprobs += [0.0] * len(reply_ids)  # not sampled: masked out of every ratio
@@ -148,6 +149,25 @@ def _take_turn(
     used = len(prompt_ids[episode.prompt_index]) + len(episode.token_ids)
     if room is not None and used + sampling.max_new_tokens > room:
         episode.done, episode.finish_reason = True, "length"  # no room for another turn: cut, as a long completion is
+
+
+def _turn_text(completion: Completion, stop: Sequence[str], tokenizer) -> tuple[str, str | None]:
+    """A policy turn's text up to the end of the environment's stop string, and what its last token wrote past it.
+
+    The overshoot is ``None`` when the turn did not end on one of the ``stop`` strings. Engines stop at the token
+    that completes a stop string, and a token can hold more than the string: a tokenizer that merges ``"><"``
+    ends ``<calc>84*42</calc><result>`` with the token ``"><"``, so the turn reads ``...</calc><``.
+    """
+    ids = completion.token_ids
+    message = tokenizer.decode(ids, skip_special_tokens=True)
+    if completion.finish_reason != "stop" or not ids:
+        return message, None
+    before = tokenizer.decode(ids[:-1], skip_special_tokens=True)
+    ends = [message.find(s) + len(s) for s in stop if s in message and s not in before]
+    if not ends:
+        return message, None
+    end = min(ends)
+    return message[:end], message[end:]
 
 
 _OPERATORS = {
