@@ -32,7 +32,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 test: lint
-	$(RUNENV) $(PY) -m pytest -q
+	$(RUNENV) $(PY) -m pytest -q --durations=25
 	$(MAKE) compat
 
 # The oldest jsonargparse pyproject.toml allows (the suite runs the newest): the CLI's messages are checked against it,

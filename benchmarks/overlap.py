@@ -9,8 +9,10 @@ Three arms on the same task and seeds, one after another:
 
 - ``colocated``: ``VLLMEngine`` in the training process (today's default): generation, then training;
 - ``server``: ``VLLMServerEngine``, generation then training (``data.rollout.max_staleness 0``);
-- ``server_async``: the same server, the next rollout sampling while the policy trains (``max_staleness 1``);
-- ``server_async_current`` (``--arms``): the same, with ``stale_logps: current`` (no pass for the old log-probs).
+- ``server_async``: the same server, the next rollout sampling while the policy trains (``max_staleness 1``), with
+  exact old log-probs (``stale_logps: sampler``: one more forward pass);
+- ``server_async_current`` (``--arms``): the same, with ``stale_logps: current`` (the default; no pass for the old
+  log-probs).
 
 On a 2-core machine the training process is pinned to core 0 (``taskset -c 0``) and the server to core 1
 (``cpu_cores: "1"``), each with one thread; the colocated arm runs in one process on core 0. Per arm the script
@@ -77,8 +79,8 @@ def engine_args(arm: str, setting: str) -> list[str]:
         init["cpu_cores"] = "1"
     engine = json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": init})
     staleness = ["--data.rollout.max_staleness", "1"] if arm.startswith("server_async") else []
-    if arm == "server_async_current":
-        staleness += ["--data.rollout.stale_logps", "current"]
+    if arm.startswith("server_async"):
+        staleness += ["--data.rollout.stale_logps", "current" if arm == "server_async_current" else "sampler"]
     return ["--data.engine", engine, *staleness]
 
 

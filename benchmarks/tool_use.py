@@ -3,9 +3,11 @@
     python benchmarks/tool_use.py                      # the bundled SmolLM2, two-digit products, 32 prompts x 4
     python benchmarks/tool_use.py --model path/to/hf_dir --prompts 64
 
-Episodes run as in training (``rollout/episodes.py``, ``CalculatorEnvironment``, real vLLM); per system prompt the
-table gives the share of episodes with a calculator call, the share graded correct, and the mean episode length.
-RL needs some episodes of each kind in a group: a model that never calls the tool gives no signal to learn it.
+Episodes run as in training (``rollout/episodes.py``, ``CalculatorEnvironment``, real vLLM); per way of telling the
+model about the calculator (a description, a worked example in the system prompt, the example as an earlier chat
+turn) the table gives the share of episodes with a calculator call, the share graded correct, and the mean episode
+length. RL needs some episodes of each kind in a group: a model that never calls the tool gives no signal to learn
+it, and one that always does has nothing left to learn about calling.
 """
 
 from __future__ import annotations
@@ -14,16 +16,26 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SYSTEM_PROMPTS = {
-    "described": "You can use a calculator. To use it, write <calc>expression</calc>, for example <calc>23*7</calc>; "
-    "the result follows as <result>161</result>. Then give the answer.",
-    "always": "You have a calculator. Write <calc>23*7</calc> and you get <result>161</result>. Always use the "
-    "calculator, then write the final answer as a number.",
+DESCRIBED = (
+    "You can use a calculator. To use it, write <calc>expression</calc>, for example <calc>23*7</calc>; the result "
+    "follows as <result>161</result>. Then give the answer."
+)
+SHORT = "You can use a calculator: write <calc>expression</calc> and the result follows as <result>value</result>."
+EXAMPLE = ("What is 23 * 7?", "<calc>23*7</calc><result>161</result> The answer is 161.")
+# name -> (system prompt, a worked example given as an earlier user/assistant exchange or None)
+VARIANTS = {
+    "described": (DESCRIBED, None),
+    "example in the system prompt (configs/demo_calculator.yaml)": (
+        f"{SHORT}\n\nUser: {EXAMPLE[0]}\nAssistant: {EXAMPLE[1]}",
+        None,
+    ),
+    "example as an earlier chat turn": (SHORT, EXAMPLE),
 }
 
 
@@ -54,11 +66,15 @@ def main() -> None:
     grader = MathAnswerReward()
     sampling = SamplingConfig(temperature=0.7, max_new_tokens=args.max_new_tokens)
     print(f"{path.name}; {args.prompts} two-digit products x {args.samples} episodes, T 0.7; {machine()}\n")
-    print("| system prompt | episodes with a call | correct | mean tokens | seconds |")
+    print("| how the calculator is shown | episodes with a call | correct | mean tokens | seconds |")
     print("|---|---|---|---|---|")
-    for name, system in SYSTEM_PROMPTS.items():
+    for name, (system, example) in VARIANTS.items():
         chat = ChatFormat(system_prompt=system)
-        prompt_ids = [chat.render(tokenizer, p) for p in prompts]
+        shown = prompts
+        if example is not None:
+            turns = ({"role": "user", "content": example[0]}, {"role": "assistant", "content": example[1]})
+            shown = [replace(p, messages=(*turns, {"role": "user", "content": p.question})) for p in prompts]
+        prompt_ids = [chat.render(tokenizer, p) for p in shown]
 
         def generate(ids, n, turn_sampling, turn):
             torch.manual_seed(turn)

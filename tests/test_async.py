@@ -32,9 +32,12 @@ class CountingServer(VLLMServerEngine):
 
 
 def build(tmp_path, new_tokens: int = 6) -> tuple[AmirGRPOModule, RolloutDataModule]:
-    """test_datamodule's module and data module, with a vLLM server and 8 prompts x 8 sampled a rollout ahead."""
+    """test_datamodule's module and data module, with a vLLM server and 8 prompts x 8 sampled a rollout ahead
+    (exact old log-probs: ``stale_logps: sampler``)."""
     engine = CountingServer(max_model_len=64, kv_cache_memory_bytes=32 * 1024**2, threads=1)
-    rollout = RolloutSettings(group_size=8, prompts_per_process=8, micro_batch_groups=4, max_staleness=1)
+    rollout = RolloutSettings(
+        group_size=8, prompts_per_process=8, micro_batch_groups=4, max_staleness=1, stale_logps="sampler"
+    )
     return build_with(tmp_path, engine=engine, rollout=rollout, new_tokens=new_tokens)
 
 

@@ -173,3 +173,13 @@ def test_a_run_resumed_at_the_end_of_a_rollout_runs_only_the_next_one_and_ends_w
     assert data.stream.position == straight.stream.position == 4  # 2 rollouts of 2 prompts
     for name, weight in straight_module.policy.state_dict().items():
         assert torch.equal(weight, module.policy.state_dict()[name]), name
+
+
+def test_decoupled_old_log_probs_are_the_default_and_a_run_without_the_correction_is_warned():
+    """``stale_logps: current`` (the default) leans on the engine/trainer importance weights to weigh a stale
+    rollout; with ``sampling_correction: none`` nothing would, and the run says so before it starts."""
+    ahead = RolloutSettings(max_staleness=1)
+    assert ahead.stale_logps == "current" and ahead.uncorrected_staleness("token_truncate") is None
+    assert "sampling_correction none" in ahead.uncorrected_staleness("none")
+    assert RolloutSettings(max_staleness=1, stale_logps="sampler").uncorrected_staleness("none") is None
+    assert RolloutSettings().uncorrected_staleness("none") is None  # in turn: nothing is stale

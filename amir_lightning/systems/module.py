@@ -126,6 +126,8 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         if self.trainer.is_global_zero and hasattr(data, "settings") and hasattr(data, "prompt_limit"):
             for line in run_summary(self.trainer, self, data):  # the global batch, the length, the memory
                 log.warning(line)
+            if warning := data.settings.uncorrected_staleness(getattr(self.loss, "sampling_correction", None)):
+                log.warning(warning)
 
     # ------------------------------------------------------------------ training
     def step_context(self, step: RolloutStep) -> StepContext:
