@@ -72,6 +72,24 @@ def test_a_call_whose_last_token_runs_past_the_closing_tag_is_still_a_call():
     assert episode.loss_mask == [1] * len(call) + [0] * len(reply) + [1] * len(answer)
 
 
+def test_a_checkpoint_keeps_a_pending_episode_whole(tmp_path):
+    """A rollout sampled a rollout ahead is saved in the checkpoint as plain data: an episode comes back with its
+    loss mask (the tool's reply still masked out) and its tool-call count, through ``torch.load(weights_only=True)``."""
+    from amir_lightning.rollout import Completion
+    from amir_lightning.rollout.pending import PendingRollout, SavedRollout
+
+    episode = Completion([5, 6, 7, 8, 9], "3+4?=7=7", [-0.1, 0.0, 0.0, -0.2, -0.3], "stop", None, [1, 0, 0, 1, 1], 1)
+    plain = Completion([5, 9], "3+4=7", [-0.4, -0.5], "length")
+    pending = PendingRollout([Prompt(question="3+4=", answer="7")], [[1, 2]], drawn_at=3, version=2, weights={})
+    pending.completions = [[episode, plain]]
+    torch.save(pending.state(), tmp_path / "pending.pt")
+    saved = SavedRollout.from_state(torch.load(tmp_path / "pending.pt", weights_only=True))
+    assert (saved.drawn_at, saved.version) == (3, 2)
+    [[back, back_plain]] = saved.pending(pending.prompts, pending.prompt_ids).wait()
+    assert back == episode and back.loss_mask == [1, 0, 0, 1, 1] and back.tool_calls == 1
+    assert back_plain == plain and back_plain.loss_mask is None
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer

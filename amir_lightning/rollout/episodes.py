@@ -211,8 +211,11 @@ def evaluate_arithmetic(expression: str, max_exponent: int = 64) -> float | int:
 class CalculatorEnvironment(Environment):
     """A calculator the policy calls by writing ``<calc>expression</calc>``; it replies ``<result>value</result>``.
 
-    Tell the policy about it in the system prompt (``data.system_prompt``), for example: "You can use a
-    calculator: write <calc>expression</calc> and the result follows as <result>value</result>."
+    Tell the policy about it in the system prompt (``data.system_prompt``), with one worked call: a small model
+    follows an example far more often than a description (SmolLM2-135M: 5 % of episodes against 1.6 %,
+    ``benchmarks/tool_use.py``), and RL needs some calling episodes to start from. ``configs/demo_calculator.yaml``
+    uses "You can use a calculator: write <calc>expression</calc> and the result follows as <result>value</result>."
+    followed by a question and an answer that calls it.
 
     Args:
         open: The text that starts a call.
