@@ -55,7 +55,11 @@ class Environment(ABC):
 
     @abstractmethod
     def step(self, state: Any, message: str) -> str | None:
-        """The reply to the policy's turn ``message`` (appended to the completion), or ``None``: the episode ends."""
+        """The reply to the policy's turn ``message`` (appended to the completion), or ``None``: the episode ends.
+
+        ``message`` is the turn's text up to the end of the stop string that ended it, even when the turn's last
+        token wrote past it.
+        """
 
 
 @dataclass
