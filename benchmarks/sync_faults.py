@@ -9,11 +9,13 @@ Engines are the real ``VLLMEngine`` and ``HFEngine`` (tests/helpers/engines.py b
 1. Faulty engines, each dtype: the sync at which ``SyncCheck`` stopped, against the first sync whose pushed weights
    the engine does not hold (ignoring pushes after the third: the fourth; a 55 % update: the second, the first push
    being the engine's initial weights; every other tensor dropped: the second for HFEngine, the first for vLLM, whose
-   reload rebuilds a layer fed part of its tensors).
+   reload rebuilds a layer fed part of its tensors; a weight in the wrong place or sign, from a transposed ``q_proj``
+   to k and v exchanged inside ``qkv_proj``: the first).
 2. Correct bf16 engines over ``--long`` syncs at a 0.003 step: stops (none expected) and the probe gap at the first
    and last sync, which grows with the drift (what the statistical check of earlier versions stopped on).
 3. ``--smollm2``: seconds per sync of the bundled SmolLM2-135M into a float32 vLLM engine, without the weight check
-   (``data.sync.verify_weights``), with it (the CPU kernels read on 64 columns a sync), and reading every column.
+   (``data.sync.verify_weights``), with it (the CPU kernels read on 64 columns a sync), and reading every column;
+   and into a float32 HFEngine, which reads every tensor back whole.
 """
 
 from __future__ import annotations
@@ -39,14 +41,15 @@ from amir_lightning.rollout.sync import SyncCheck, SyncSettings  # noqa: E402
 def faults(model_dir: Path, syncs: int) -> None:
     print("| engine | fault | dtype | first wrong sync | stopped at sync |")
     print("|---|---|---|---|---|")
-    for engine_cls, first_wrong in FAULTS:
+    for engine_cls, kwargs, first_wrong, _ in FAULTS:
         for dtype in ("float32", "bfloat16"):
-            engine = make_engine(engine_cls, dtype)
+            engine = make_engine(engine_cls, dtype, **kwargs)
             engine.start(model_dir, seed=0)
             stopped = syncs_until_stopped(engine, Trainer(model_dir), syncs)
             engine.close()
             base = engine_cls.__mro__[2].__name__
             fault = engine_cls.__name__.removeprefix(base.removesuffix("Engine"))
+            fault += f" {' '.join(map(str, kwargs.values()))}" if kwargs else ""
             print(f"| {base} | {fault} | {dtype} | {first_wrong} | {stopped or f'not in {syncs}'} |")
 
 
@@ -89,14 +92,23 @@ def smollm2_cost(repeats: int = 3) -> None:
         ),
     }
     for label, setting in settings.items():
-        check = SyncCheck(setting)
-        check.set_probe(trainer.tokenizer, trainer.tokenizer("What is 3 + 4?")["input_ids"], "7")
-        check.push_and_verify(trainer, engine)  # the first sync also reads the engine's layout
-        start = time.perf_counter()
-        for _ in range(repeats):
-            check.push_and_verify(trainer, engine)
-        print(f"| {label} | {(time.perf_counter() - start) / repeats:.2f} |")
+        print(f"| {label} | {seconds_per_sync(trainer, engine, setting, repeats):.2f} |")
     engine.close()
+    engine = HFEngine(dtype="float32", progress=False)
+    engine.start(model_dir, seed=0)
+    for label, setting in {"HFEngine: push and probe": SyncSettings(verify_weights=False),
+                           "HFEngine: push, probe and weight check": SyncSettings()}.items():  # fmt: skip
+        print(f"| {label} | {seconds_per_sync(trainer, engine, setting, repeats):.2f} |")
+
+
+def seconds_per_sync(trainer, engine, settings: SyncSettings, repeats: int) -> float:
+    check = SyncCheck(settings)
+    check.set_probe(trainer.tokenizer, trainer.tokenizer("What is 3 + 4?")["input_ids"], "7")
+    check.push_and_verify(trainer, engine)  # the first sync also reads the engine's layout
+    start = time.perf_counter()
+    for _ in range(repeats):
+        check.push_and_verify(trainer, engine)
+    return (time.perf_counter() - start) / repeats
 
 
 def main() -> None:

@@ -13,29 +13,65 @@ import torch
 from helpers.engines import (
     HFDropsHalf,
     HFIgnoresPushesAfter,
+    HFLayoutFault,
     HFPartialUpdate,
     VLLMDropsHalf,
     VLLMIgnoresPushesAfter,
     VLLMPartialUpdate,
+    VLLMSwapsParts,
     perturb,
 )
 
 from amir_lightning.models import build_tiny_model
 from amir_lightning.rollout import HFEngine, VLLMEngine
-from amir_lightning.rollout.digest import ColumnSample, Digest, WeightSlot, tensor_digest
+from amir_lightning.rollout.digest import ColumnSample, Digest, Place, Reading, WeightSlot, tensor_digest
 from amir_lightning.rollout.engine import RolloutEngine
-from amir_lightning.rollout.sync import StaleEngineError, SyncCheck, SyncSettings
+from amir_lightning.rollout.hf_engine import _NamedLayout
+from amir_lightning.rollout.sync import PushedDigests, StaleEngineError, SyncCheck, SyncSettings
 
 
 # ---------------------------------------------------------------------------------------------------- digests
-def test_a_digest_ignores_order_layout_and_zero_padding_and_adds_over_parts():
+def test_a_digest_adds_over_fused_parts_and_shards_at_their_places_and_ignores_zero_padding():
     gen = torch.Generator().manual_seed(0)
-    q, k = torch.randn(8, 4, generator=gen), torch.randn(2, 4, generator=gen)
-    fused = torch.cat([q, k])  # vLLM's qkv_proj
-    assert tensor_digest(fused) == tensor_digest(q) + tensor_digest(k)
-    assert tensor_digest(fused.T.contiguous()) == tensor_digest(fused)  # a repacked copy
+    q, k, v = (torch.randn(rows, 4, generator=gen) for rows in (8, 2, 2))
+    fused = torch.cat([q, k, v])  # vLLM's qkv_proj
+    assert tensor_digest(fused) == tensor_digest(q) + tensor_digest(k, Place(8)) + tensor_digest(v, Place(10))
     assert tensor_digest(torch.cat([fused, torch.zeros(6, 4)])) == tensor_digest(fused)  # vocabulary padding
     assert tensor_digest(torch.tensor([-0.0, 1.0])) == tensor_digest(torch.tensor([0.0, 1.0]))
+    w = torch.randn(6, 8, generator=gen)  # a row-parallel weight in two shards of columns
+    assert tensor_digest(w) == tensor_digest(w[:, :4], Place(0, 0, 8)) + tensor_digest(w[:, 4:], Place(0, 4, 8))
+    cols = torch.tensor([1, 6])  # a kernel's sampled columns, read back as W[:, cols].T and placed back
+    assert tensor_digest(w[:, cols], Place(width=8), cols) == tensor_digest(w[:, cols].T.T, Place(width=8), cols)
+    assert tensor_digest(w[:, cols], Place(width=8), cols) != tensor_digest(w[:, cols])
+
+
+def _negated(x):
+    return -x
+
+
+def _two_negated(x):
+    y = x.clone().reshape(-1)
+    y[[3, 7]] = -y[[3, 7]]
+    return y.reshape(x.shape)
+
+
+# Each is a weight in the wrong place or with the wrong sign; an order-free digest of (sum b, sum b^2) misses all.
+MISPLACED = {
+    "transposed": lambda x: x.T.contiguous(),
+    "rows reversed (heads in another order)": lambda x: x.flip(0),
+    "rotary rows interleaved": lambda x: torch.cat([x[0::2], x[1::2]]),
+    "k and v exchanged": lambda x: torch.cat([x[:8], x[12:], x[8:12]]),
+    "shards in another order": lambda x: torch.cat([x[:, 8:], x[:, :8]], 1),
+    "negated": _negated,
+    "two elements negated": _two_negated,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fault", list(MISPLACED), ids=list(MISPLACED))
+def test_a_digest_sees_a_weight_in_the_wrong_place_or_sign(fault, dtype):
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+    assert tensor_digest(MISPLACED[fault](x)) != tensor_digest(x)
 
 
 def test_a_digest_sees_one_changed_bit_and_differences_that_cancel_in_a_plain_sum():
@@ -51,11 +87,12 @@ def test_a_digest_sees_one_changed_bit_and_differences_that_cancel_in_a_plain_su
     assert tensor_digest(b).plain == tensor_digest(a).plain and tensor_digest(b) != tensor_digest(a)
 
 
-def test_a_slot_digests_in_the_engines_dtype_and_through_a_narrower_load_dtype():
+def test_a_slot_digests_in_the_engines_dtype_at_its_part_row_and_through_a_narrower_load_dtype():
     x = torch.randn(64) * 1e-3
     assert WeightSlot("w", "", torch.bfloat16).digests(x) == (tensor_digest(x.to(torch.bfloat16)),)
     direct, through = WeightSlot("b", "", torch.float32, torch.bfloat16).digests(x)
     assert direct == tensor_digest(x) and through == tensor_digest(x.to(torch.bfloat16).float()) != direct
+    assert WeightSlot("b", "v_proj", torch.float32, row=80).digests(x) == (tensor_digest(x, Place(80)),)
     assert Digest(2**32 - 1, 1) + Digest(1, 1) == Digest(0, 2)  # sums wrap at 32 bits
 
 
@@ -66,7 +103,21 @@ def test_kernel_columns_are_a_fresh_reproducible_choice_at_every_sync():
     assert torch.equal(ColumnSample(3, None).pick(10), torch.arange(10))
     x = torch.randn(4, 576)
     slot = WeightSlot("w", "", torch.float32, kernel=True)
-    assert slot.digests(x, ColumnSample(3, 8)) == (tensor_digest(x[:, first]),)
+    assert slot.digests(x, ColumnSample(3, 8)) == (tensor_digest(x[:, first], Place(width=576), first),)
+
+
+def test_a_pushed_tensor_the_engine_does_not_read_back_is_a_mismatch_and_only_compared_tensors_count():
+    x, y = torch.randn(4, 4), torch.randn(4)
+    pushed = PushedDigests(_NamedLayout({"a": torch.float32, "b": torch.float32}), ColumnSample(0, None))
+    pushed.add("a", x)
+    pushed.add("b", y)
+    held = {"a": [Reading(tensor_digest(x))], "c": [Reading(tensor_digest(y))]}
+    assert pushed.mismatches(held) == [
+        "b, which the engine did not read back (pushed as b)",
+        "c, which no pushed tensor fills",
+    ]
+    assert pushed.compared(held) == 1  # "a": "c" is a reading but no pushed tensor, "b" a pushed tensor unread
+    assert pushed.mismatches({"a": [Reading(tensor_digest(x))], "b": [Reading(tensor_digest(y))]}) == []
 
 
 # ---------------------------------------------------------------------------------------------------- engines
@@ -101,14 +152,16 @@ def make_engine(cls, dtype, **kwargs):
     return cls(dtype=dtype, progress=False, **kwargs)
 
 
-def syncs_until_stopped(engine, trainer, syncs, settings=None):
-    """Push, verify, take an optimiser step, ``syncs`` times; the 1-based sync that stopped, or None."""
+def syncs_until_stopped(engine, trainer, syncs, settings=None, errors=None):
+    """Push, verify, take an optimiser step, ``syncs`` times; the 1-based sync that stopped (its message appended to
+    ``errors``), or None."""
     check = SyncCheck(settings)
     check.set_probe(trainer.tokenizer, trainer.tokenizer("3+4=")["input_ids"], "7")
     for sync in range(1, syncs + 1):
         try:
             check.push_and_verify(trainer, engine)
-        except StaleEngineError:
+        except StaleEngineError as err:
+            (errors if errors is not None else []).append(str(err))
             return sync
         perturb(trainer.policy, 0.01, seed=sync)
     return None
@@ -118,24 +171,35 @@ def syncs_until_stopped(engine, trainer, syncs, settings=None):
 # policy moved since the third). A partial update: the second (the first push equals the engine's initial weights).
 # Dropping half of the tensors: the second for HFEngine; the first for vLLM, whose reload rebuilds a layer that
 # received only some of its tensors (its probe shows it: test_vllm_engine_fed_half_of_the_tensors_is_wrong_at_once).
+# A weight loaded in the wrong place or sign: the first, and the tensor it names is the one misplaced.
 FAULTS = [
-    (HFIgnoresPushesAfter, 4),
-    (HFDropsHalf, 2),
-    (HFPartialUpdate, 2),
-    (VLLMIgnoresPushesAfter, 4),
-    (VLLMDropsHalf, 1),
-    (VLLMPartialUpdate, 2),
+    (HFIgnoresPushesAfter, {}, 4, "model."),
+    (HFDropsHalf, {}, 2, "model."),
+    (HFPartialUpdate, {}, 2, "model."),
+    (HFLayoutFault, {"fault": "transposed_q"}, 1, "q_proj.weight"),
+    (HFLayoutFault, {"fault": "reversed_heads"}, 1, "q_proj.weight"),
+    (HFLayoutFault, {"fault": "rotary_interleaved"}, 1, "q_proj.weight"),
+    (HFLayoutFault, {"fault": "negated_down"}, 1, "down_proj.weight"),
+    (VLLMIgnoresPushesAfter, {}, 4, "model."),
+    (VLLMDropsHalf, {}, 1, ""),  # its probe or its read-back, whichever sees the half-rebuilt layers first
+    (VLLMPartialUpdate, {}, 2, "model."),
+    (VLLMSwapsParts, {"parts": "kv"}, 1, "qkv_proj.weight"),
+    (VLLMSwapsParts, {"parts": "gate_up"}, 1, "gate_up_proj.weight"),
 ]
+FAULT_IDS = [f"{c.__name__}-{'-'.join(map(str, k.values()))}" if k else c.__name__ for c, k, _, _ in FAULTS]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize(("engine_cls", "first_wrong"), FAULTS, ids=[c.__name__ for c, _ in FAULTS])
-def test_a_faulty_engine_is_stopped_at_its_first_wrong_sync(tiny_dir, engine_cls, first_wrong, dtype):
-    engine = make_engine(engine_cls, dtype)
+@pytest.mark.parametrize(("engine_cls", "kwargs", "first_wrong", "names"), FAULTS, ids=FAULT_IDS)
+def test_a_faulty_engine_is_stopped_at_its_first_wrong_sync(tiny_dir, engine_cls, kwargs, first_wrong, names, dtype):
+    engine = make_engine(engine_cls, dtype, **kwargs)
     engine.start(tiny_dir, seed=0)
+    errors = []
     try:
-        assert syncs_until_stopped(engine, Trainer(tiny_dir), syncs=6) == first_wrong
+        assert syncs_until_stopped(engine, Trainer(tiny_dir), syncs=6, errors=errors) == first_wrong
+        assert "holds other weights than the trainer pushed" in errors[0] or engine_cls is VLLMDropsHalf, errors
+        assert names in errors[0].partition("the first: ")[2], errors
     finally:
         engine.close()
 

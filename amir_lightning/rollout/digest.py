@@ -1,20 +1,28 @@
-"""Exact digests of weights: what the trainer pushed against what the rollout engine holds, whatever its layout.
+"""Exact digests of weights that know where each element is: what the trainer pushed against what the engine holds.
 
 An engine does not hold the trainer's tensors as they are: vLLM fuses ``q_proj``, ``k_proj`` and ``v_proj`` into one
-``qkv_proj`` (and ``gate_proj`` and ``up_proj``), pads the vocabulary to a multiple of 64 with zeros, shares one
-tensor between tied embeddings and the LM head, and on CPU repacks linear weights into its GEMM kernels' own
-layout. So a digest is a sum over the *multiset* of a tensor's elements:
+``qkv_proj`` (and ``gate_proj`` and ``up_proj``), pads the vocabulary with zero rows, shares one tensor between
+tied embeddings and the LM head, splits tensors over tensor-parallel workers, and on CPU repacks linear weights into
+its GEMM kernels' own layout. So every element is digested at its place in the *frame* of the engine tensor it
+belongs to, the full (unsharded, fused) tensor as a matrix of ``width`` columns, wherever it is stored:
 
-    digest(t) = (sum_j b_j, sum_j b_j * b_j)  mod 2^32      b_j: element j's IEEE bit pattern as an integer
+    digest(t) = (sum_j mix(j, b_j), sum_j b_j)  mod 2^32       b_j: the IEEE bits of the element at frame index j
+    mix(j, b) = fmix(b * (1 + 2 G j))         fmix: xor-shift, multiply, xor-shift (murmur3's finaliser, shortened)
 
-Both sums ignore order, so the digest of a fused tensor is the sum of its parts' digests, and a transposed or
-repacked copy has the digest of the original. A zero element adds nothing, so padding is invisible. The second sum
-is not linear in the bits, so differences that cancel in the plain sum (one element's bits up by one, another's
-down by one) still show. The arithmetic is int32 with wrap-around, exact and the same on CPU and GPU (and 20x
-faster than int64 sums on a CPU: about 0.2 s per 100M float32 weights on one thread); two different weight sets
-share a digest only by a collision of the two 32-bit sums.
+The sums add over disjoint blocks, so a fused tensor's digest is the sum of its parts' digests at their row offsets
+(q, k, v; gate, up) and a sharded tensor's the sum of its shards' at theirs; a block read through a kernel (the
+columns it reads, placed back at their frame columns) has the digest of the same block stored plainly. ``mix`` of a
+zero element is zero, so padding is invisible; ``-0.0`` counts as ``+0.0`` (a copy read back through a matrix product
+cannot tell them apart).
 
-``-0.0`` counts as ``+0.0``: a copy read back through a matrix product (vLLM's CPU kernels) cannot tell them apart.
+What it sees: any change of a value or of a place within the frame: a transposed square weight, heads or rotary rows
+in another order, k and v or gate and up exchanged inside a fused tensor, shards in another order, a sign flip of
+any number of elements. A wrong weight set passes only by a collision of the 32-bit mixed sum (chance about 2^-32
+per tensor and sync; frame indices are distinct below 2^31 elements per tensor). What it cannot see: a layout the
+engine reports wrongly about itself (a fused tensor whose parts the engine's own code reads at other offsets than it
+declares), and anything outside the weights (the engine's code, its configuration): the probe measures those.
+
+The arithmetic is int32 with wrap-around, exact and the same on CPU and GPU.
 """
 
 from __future__ import annotations
@@ -26,34 +34,83 @@ import torch
 #: Elements digested at once (bounds the temporary tensors to 16 MiB each).
 _CHUNK = 1 << 22
 _MASK = (1 << 32) - 1
-_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32}
+_GOLDEN = 0x9E3779B1  # 2^32 / golden ratio: consecutive indices get multipliers far apart
+_MURMUR = 0x85EBCA6B - (1 << 32)  # murmur3's first finaliser constant, as an int32
 
 
 @dataclass(frozen=True)
 class Digest:
-    """The order-free digest of a multiset of tensor elements; digests of disjoint parts add."""
+    """The digest of a set of placed tensor elements; digests of disjoint blocks add."""
 
+    mixed: int = 0
     plain: int = 0
-    squares: int = 0
 
     def __add__(self, other: Digest) -> Digest:
-        return Digest((self.plain + other.plain) & _MASK, (self.squares + other.squares) & _MASK)
+        return Digest((self.mixed + other.mixed) & _MASK, (self.plain + other.plain) & _MASK)
 
 
-def tensor_digest(tensor: torch.Tensor) -> Digest:
-    """The digest of ``tensor``'s elements, as stored (cast first to compare with another dtype's copy)."""
-    flat = tensor.detach().reshape(-1)
-    if flat.element_size() == 8:  # float64 / int64: two 32-bit words per element
-        flat = flat.view(torch.int32)
-    plain = squares = 0
-    for start in range(0, flat.numel(), _CHUNK):
-        part = flat[start : start + _CHUNK]
-        part = part + 0 if part.is_floating_point() else part.clone()  # -0.0 + 0.0 == +0.0; a copy to square
-        bits = part.view(_BITS[part.element_size()])
-        bits = bits if bits.dtype == torch.int32 else bits.to(torch.int32)
+@dataclass(frozen=True)
+class Place:
+    """Where a block of a tensor sits in its frame (the full engine tensor, as a matrix).
+
+    Attributes:
+        row: The frame row of the block's first row (a fused part's offset, a shard's).
+        col: The frame column of its first column (a row-parallel shard's).
+        width: The frame's columns; ``None``: the block's own (1 for a vector).
+    """
+
+    row: int = 0
+    col: int = 0
+    width: int | None = None
+
+
+def tensor_digest(tensor: torch.Tensor, place: Place | None = None, columns: torch.Tensor | None = None) -> Digest:
+    """The digest of ``tensor``'s elements at their places, as stored (cast first to compare with another dtype).
+
+    Args:
+        tensor: A matrix or a vector (a vector is one column); other shapes are read as ``[rows, -1]``.
+        place: Where ``tensor`` sits in its frame; ``None``: it is the whole frame.
+        columns: The frame columns of ``tensor``'s columns (the sampled columns of a kernel read-back); ``None``:
+            consecutive from ``place.col``.
+    """
+    place = place or Place()
+    t = tensor.detach()
+    if not t.numel():
+        return Digest()
+    t = t.reshape(t.shape[0], -1) if t.dim() > 1 else t.reshape(-1, 1)
+    width = place.width or t.shape[1]
+    cols = columns.to(torch.int64) if columns is not None else torch.arange(t.shape[1]) + place.col
+    words = 2 if t.element_size() == 8 else 1  # float64 / int64: two 32-bit words per element, two frame slots
+    if words == 2:
+        cols = (words * cols[:, None] + torch.arange(2)).reshape(-1)
+    col_term = _as_int32(1 + 2 * _GOLDEN * cols).to(t.device)[None, :]
+    step = max(1, _CHUNK // max(1, t.shape[1]))
+    mixed = plain = 0
+    for start in range(0, t.shape[0], step):
+        part = t[start : start + step]
+        part = part + 0 if part.is_floating_point() else part  # -0.0 + 0.0 == +0.0
+        bits = part.contiguous().view(_BITS[part.element_size()]).to(torch.int32)
+        rows = torch.arange(start, start + part.shape[0]) + place.row
+        row_term = _as_int32(2 * _GOLDEN * words * width * rows).to(t.device)[:, None]
         plain += int(bits.sum(dtype=torch.int32))
-        squares += int(bits.mul_(bits).sum(dtype=torch.int32))
-    return Digest(plain & _MASK, squares & _MASK)
+        mixed += int(_mix(bits, row_term + col_term).sum(dtype=torch.int32))
+    return Digest(mixed & _MASK, plain & _MASK)
+
+
+def _as_int32(values: torch.Tensor) -> torch.Tensor:
+    """int64 values modulo 2^32 as int32 (two's complement), for int32 arithmetic that wraps."""
+    values = values % (1 << 32)
+    return torch.where(values >= 1 << 31, values - (1 << 32), values).to(torch.int32)
+
+
+def _mix(bits: torch.Tensor, multipliers: torch.Tensor) -> torch.Tensor:
+    """``fmix(bits * multipliers)`` element-wise, in ``multipliers`` (int32; the shifts are logical)."""
+    h = multipliers.mul_(bits)  # odd multipliers: a bijection of the bits at each place; 0 stays 0
+    shifted = torch.bitwise_right_shift(h, 15).bitwise_and_(0x1FFFF)  # the sign bit reaches the low half
+    h.bitwise_xor_(shifted).mul_(_MURMUR)
+    torch.bitwise_right_shift(h, 13, out=shifted).bitwise_and_(0x7FFFF)
+    return h.bitwise_xor_(shifted)
 
 
 @dataclass(frozen=True)
@@ -72,7 +129,7 @@ class ColumnSample:
     count: int | None
 
     def pick(self, width: int) -> torch.Tensor:
-        """Sorted indices of the columns read, of ``width``."""
+        """Sorted frame indices of the columns read, of a frame ``width`` columns wide."""
         if self.count is None or self.count >= width:
             return torch.arange(width)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + width)
@@ -81,10 +138,18 @@ class ColumnSample:
 
 @dataclass(frozen=True)
 class Reading:
-    """One copy of an engine tensor, digested: all of it, or the sampled columns (``ColumnSample``)."""
+    """One copy of a block of an engine tensor, digested: all of it, or the sampled columns (``ColumnSample``).
+
+    Attributes:
+        digest: The block's digest at its place.
+        sampled: Whether it covers the sampled columns only.
+        place: Where the block sits; ``None``: it is the whole tensor. Readings of one place are copies (replicated
+            over tensor-parallel workers) and must agree; readings of distinct places add up to the tensor.
+    """
 
     digest: Digest
     sampled: bool = False
+    place: Place | None = None
 
 
 @dataclass(frozen=True)
@@ -93,14 +158,15 @@ class WeightSlot:
 
     Attributes:
         key: The engine's tensor that holds it (its first name, when several names share one tensor).
-        part: Which part of ``key`` it fills (``q``, ``k``, ``v`` of a fused ``qkv_proj``); ``""``: all of it. Two
-            pushed tensors for the same part (tied embeddings) must be equal.
+        part: Which part of ``key`` it fills (``q_proj``, ``k_proj``, ``v_proj`` of a fused ``qkv_proj``); ``""``:
+            all of it. Two pushed tensors for the same part (tied embeddings) must be equal.
         dtype: The dtype the engine stores it in.
         load_dtype: A narrower dtype the engine may load it through before keeping it in ``dtype`` (vLLM's CPU
             kernels keep a bf16 model's biases in float32: rounded to bf16 at the first load, not at a reload);
             ``None``: none.
         kernel: The engine also keeps it packed in a kernel, read back on sampled columns.
         whole: The engine reads the tensor back whole (vLLM on CPU empties the parameters it packs into kernels).
+        row: The frame row where the part starts in ``key`` (the rows of the parts before it).
     """
 
     key: str
@@ -109,15 +175,19 @@ class WeightSlot:
     load_dtype: torch.dtype | None = None
     kernel: bool = False
     whole: bool = True
+    row: int = 0
 
     def digests(self, tensor: torch.Tensor, columns: ColumnSample | None = None) -> tuple[Digest, ...]:
-        """The digests ``tensor`` (or its ``columns``) may have in the engine.
+        """The digests ``tensor`` (or its ``columns``) may have in the engine, at the part's place.
 
         Cast to ``dtype``, and through ``load_dtype`` if set.
         """
+        place, picked = Place(self.row), None
         if columns is not None:
-            tensor = tensor[:, columns.pick(tensor.shape[1]).to(tensor.device)]
-        direct = tensor_digest(tensor.to(self.dtype))
+            picked = columns.pick(tensor.shape[1])
+            place = Place(self.row, width=tensor.shape[1])
+            tensor = tensor[:, picked.to(tensor.device)]
+        direct = tensor_digest(tensor.to(self.dtype), place, picked)
         if self.load_dtype is None:
             return (direct,)
-        return direct, tensor_digest(tensor.to(self.load_dtype).to(self.dtype))
+        return direct, tensor_digest(tensor.to(self.load_dtype).to(self.dtype), place, picked)

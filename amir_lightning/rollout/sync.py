@@ -51,7 +51,8 @@ class SyncSettings:
         noise_factor: See ``tolerance``.
         min_tolerance: See ``tolerance`` (float32 engines agree to ~1e-6).
         calibration_limit: A larger probe gap at the first sync, when engine and trainer hold the same weights,
-            means they do not run the same model: an error.
+            means they do not run the same model: an error. ``None``: 0.1 nat when the engine keeps every pushed
+            tensor in float32 (correct float32 engines agree to ~1e-6), 1.0 otherwise (bf16 rounding differs more).
         probe_tokens: Answer tokens in the probe.
     """
 
@@ -60,7 +61,7 @@ class SyncSettings:
     tolerance: float | None = None
     noise_factor: float = 4.0
     min_tolerance: float = 1e-3
-    calibration_limit: float = 1.0
+    calibration_limit: float | None = None
     probe_tokens: int = 32
 
     def __post_init__(self) -> None:
@@ -68,7 +69,7 @@ class SyncSettings:
         check_number(errors, "data.sync.tolerance", self.tolerance, gt=0, optional=True)
         check_number(errors, "data.sync.noise_factor", self.noise_factor, ge=1)
         check_number(errors, "data.sync.min_tolerance", self.min_tolerance, gt=0)
-        check_number(errors, "data.sync.calibration_limit", self.calibration_limit, gt=0)
+        check_number(errors, "data.sync.calibration_limit", self.calibration_limit, gt=0, optional=True)
         check_number(errors, "data.sync.probe_tokens", self.probe_tokens, ge=1)
         check_number(errors, "data.sync.kernel_columns", self.kernel_columns, ge=1, optional=True)
         raise_errors(errors)
@@ -109,6 +110,7 @@ class PushedDigests:
         self.sources: dict[str, list[str]] = {}  # engine tensor -> the pushed names that fill it
         self.conflicts: list[str] = []  # tied names pushed with different values
         self.unheld: list[str] = []  # pushed names the engine keeps no copy of
+        self.dtypes: set[torch.dtype] = set()  # the dtypes the engine keeps the pushed tensors in
 
     def tap(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """``named``, unchanged, with each tensor digested as it passes."""
@@ -119,9 +121,10 @@ class PushedDigests:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Record one pushed tensor."""
         slot: WeightSlot | None = self.layout.slot(name)
-        if slot is None:
+        if slot is None or not (slot.whole or slot.kernel):
             self.unheld.append(name)
             return
+        self.dtypes.add(slot.dtype)
         # only the copies the engine reads back: on a CPU most weights live in kernels alone
         digests = (
             slot.digests(tensor) if slot.whole else None,
@@ -145,16 +148,30 @@ class PushedDigests:
         return totals
 
     def mismatches(self, held: dict[str, list[Reading]]) -> list[str]:
-        """Descriptions of every engine tensor that does not hold what was pushed, in push order."""
+        """Descriptions of every engine tensor that does not hold what was pushed, in push order.
+
+        A tensor the push fills must be read back in every way it was digested (whole, sampled columns): one the
+        engine does not read back is a mismatch too, not a tensor skipped.
+        """
         wrong = [f"the push holds different values for the tied {c}" for c in self.conflicts]
         for key in self.parts:
-            readings = held.get(key, [])
+            readings, pushed_as = held.get(key, []), " and ".join(self.sources[key])
+            unread = [w for w in (False, True) if self._digested(key, w) and not any(r.sampled == w for r in readings)]
             stale = sum(r.digest not in self.expected(key, r.sampled) for r in readings)
-            if stale:
+            if unread:
+                wrong.append(f"{key}, which the engine did not read back (pushed as {pushed_as})")
+            elif stale:
                 copies = f"{stale} of its {len(readings)} copies differ; " if len(readings) > 1 else ""
-                wrong.append(f"{key} ({copies}pushed as {' and '.join(self.sources[key])})")
+                wrong.append(f"{key} ({copies}pushed as {pushed_as})")
         wrong += [f"{key}, which no pushed tensor fills" for key in held if key not in self.parts]
         return wrong
+
+    def compared(self, held: dict[str, list[Reading]]) -> int:
+        """The engine tensors whose read-back was compared with the push."""
+        return sum(1 for key in self.parts if held.get(key))
+
+    def _digested(self, key: str, sampled: bool) -> bool:
+        return any(d[sampled] is not None for d in self.parts[key].values())
 
 
 class SyncCheck:
@@ -207,7 +224,7 @@ class SyncCheck:
             if held is None:
                 pushed = None
             else:
-                wrong, verified = pushed.mismatches(held), len(held)
+                wrong, verified = pushed.mismatches(held), pushed.compared(held)
         if pushed is None:
             self._say_unverified(engine)
         gap = float("nan") if wrong else max(abs(a - b) for a, b in zip(*self.scores(policy, engine)))
@@ -215,7 +232,8 @@ class SyncCheck:
         self.syncs += 1
         if any_wrong:
             self._stop(wrong, verified)
-        return SyncReport(gap, self._probe_level(gap, verified > 0), verified)
+        float32 = pushed is not None and pushed.dtypes == {torch.float32}
+        return SyncReport(gap, self._probe_level(gap, verified > 0, float32), verified)
 
     def _push(self, policy: Policy, engine: RolloutEngine) -> PushedDigests | None:
         """Stream the policy's weights into the engine, digesting them on the way (unless the check is off)."""
@@ -242,22 +260,28 @@ class SyncCheck:
             "that the engine loads every pushed tensor (parameter names, dtypes, a custom load_weights)."
         )
 
-    def _probe_level(self, gap: float, verified: bool) -> float:
+    def _probe_level(self, gap: float, verified: bool, float32: bool) -> float:
         """The probe gap's warning level; the first sync measures the noise floor (and refuses another model)."""
         s = self.settings
         if self.noise_floor is None:
-            if not gap <= s.calibration_limit:  # also catches NaN
+            limit = s.calibration_limit if s.calibration_limit is not None else (0.1 if float32 else 1.0)
+            if not gap <= limit:  # also catches NaN
                 raise StaleEngineError(
                     f"at the first weight sync the engine's log-probs on the probe differ from the trainer's by "
-                    f"{gap:.3g} nat although both hold the same weights (data.sync.calibration_limit "
-                    f"{s.calibration_limit:g}): they do not run the same model. Check data.engine's dtype against "
-                    "trainer.precision and model.dtype, and that both load the same model and configuration."
+                    f"{gap:.3g} nat although both hold the same weights (data.sync.calibration_limit {limit:g}): "
+                    "they do not run the same model. Check data.engine's dtype against trainer.precision and "
+                    "model.dtype, and that both load the same model and configuration."
                 )
             self.noise_floor = gap
         level = s.tolerance if s.tolerance is not None else max(s.min_tolerance, s.noise_factor * self.noise_floor)
         if gap > level and gap >= 2 * self._warned_at:
             self._warned_at = gap
-            weights = "the weights themselves match" if verified else "the weights themselves are not compared"
+            weights = (
+                "every pushed tensor reads back from the engine as pushed (values and places in the layout the engine "
+                "reports), so the difference is in how it computes with them"
+                if verified
+                else "the weights themselves are not compared"
+            )
             log.warning(
                 "weight sync %d: the engine's probe log-probs differ from the trainer's by %.3g nat (warning level "
                 "%.3g, data.sync.tolerance): their numerics drift apart; %s",

@@ -39,7 +39,8 @@ from amir_lightning.rollout.engine import (
     WeightLayout,
     check_passed_through,
 )
-from amir_lightning.rollout.vllm_worker import VLLMLayout, layout_of, merge_workers, read_back
+from amir_lightning.rollout.shards import merge_workers
+from amir_lightning.rollout.vllm_worker import VLLMLayout, layout_of, read_back
 
 log = logging.getLogger(__name__)
 

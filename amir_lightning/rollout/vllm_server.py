@@ -53,7 +53,8 @@ from amir_lightning.rollout.engine import (
     WeightLayout,
     check_passed_through,
 )
-from amir_lightning.rollout.vllm_worker import FILE_BACKEND, decode, merge_workers
+from amir_lightning.rollout.shards import merge_workers
+from amir_lightning.rollout.vllm_worker import FILE_BACKEND, decode
 
 log = logging.getLogger(__name__)
 

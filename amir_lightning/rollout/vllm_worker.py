@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from amir_lightning.rollout.digest import ColumnSample, Digest, Reading, WeightSlot, tensor_digest
+from amir_lightning.rollout.digest import ColumnSample, Reading, WeightSlot, tensor_digest
 from amir_lightning.rollout.engine import WeightLayout
+from amir_lightning.rollout.shards import blocks_of, param_readings, part_rows
 
 #: The name of ``FileWeightTransfer`` in vLLM's weight-transfer registry (``--weight-transfer-config``).
 FILE_BACKEND = "amir_file"
@@ -40,7 +41,7 @@ def _named_parameters(model) -> tuple[dict[int, str], dict[str, torch.nn.Paramet
 
 
 def layout_of(worker) -> tuple:
-    """Plain data for ``VLLMLayout``: the weight mapper, packed modules, aliases, dtypes and readable copies."""
+    """Plain data for ``VLLMLayout``: the weight mapper, packed modules, aliases, dtypes, readable copies, part rows."""
     model = worker.model_runner.get_model()
     first, every = _named_parameters(model)
     model_dtype = worker.model_runner.model_config.dtype
@@ -57,7 +58,12 @@ def layout_of(worker) -> tuple:
             load_dtypes[key] = load  # loaded narrow, kept wide (vLLM's CPU kernels keep biases in float32)
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     packed = dict(getattr(model, "packed_modules_mapping", None) or {})
-    return mapper, packed, aliases, dtypes, load_dtypes, kernels, whole
+    parts = {}  # fused tensor -> the row where each of its parts starts
+    for module in model.modules():
+        starts = part_rows(module)
+        for param in module.parameters(recurse=False) if starts else ():
+            parts[first[id(param)]] = starts
+    return mapper, packed, aliases, dtypes, load_dtypes, kernels, whole, parts
 
 
 def _load_dtypes(model) -> dict[str, torch.dtype]:
@@ -84,57 +90,89 @@ def _kernels(model) -> dict[torch.nn.Module, torch.nn.Parameter]:
     return found
 
 
+def _owners(model) -> dict[int, tuple[torch.nn.Module, str]]:
+    """Each parameter's layer and its name there (the first, for a tensor that several layers share)."""
+    owners = {}
+    for module in model.modules():
+        for attr, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), (module, attr))
+    return owners
+
+
 @torch.no_grad()
-def read_back(worker, columns: ColumnSample) -> tuple[dict[str, list[Reading]], set[str]]:
-    """Digests of the weights this worker computes with, and the keys it holds a shard of."""
+def read_back(worker, columns: ColumnSample) -> dict[str, list[Reading]]:
+    """Digests of the weights this worker computes with, block by block at their places (``rollout/shards.py``)."""
     model = worker.model_runner.get_model()
     first, _ = _named_parameters(model)
+    owners = _owners(model)
     held: dict[str, list[Reading]] = {}
-    sharded = set()
     for name, param in model.named_parameters():
-        if getattr(param, "output_dim", None) is not None or getattr(param, "input_dim", None) is not None:
-            sharded.add(name)
         if param.numel():
-            held.setdefault(name, []).append(Reading(tensor_digest(param)))
+            held.setdefault(name, []).extend(param_readings(*owners[id(param)], param))
     for module, weight in _kernels(model).items():
         if id(weight) in first:
-            held.setdefault(first[id(weight)], []).append(Reading(_kernel_digest(module, weight, columns), True))
-    return held, sharded
+            held.setdefault(first[id(weight)], []).extend(_kernel_readings(module, owners[id(weight)][1], columns))
+    return held
 
 
-def _kernel_digest(module, weight: torch.nn.Parameter, columns: ColumnSample, rows: int = 512) -> Digest:
-    """The digest of ``columns`` of the weight a CPU GEMM kernel holds: ``kernel(I[cols]) = W[:, cols].T``."""
+def _kernel_readings(module, attr: str, columns: ColumnSample, rows: int = 512) -> list[Reading]:
+    """Digests of ``columns`` of the weight a CPU GEMM kernel holds: ``kernel(I[cols]) = W[:, cols].T``.
+
+    The columns are chosen in the full tensor; a row-parallel shard reads those that fall in its own.
+    """
+    weight = module.weight
     width = getattr(module, "input_size_per_partition", None) or getattr(module, "embedding_dim", None)
     width = width or weight.shape[-1]
-    total = Digest()
-    for block in columns.pick(width).split(rows):
+    row_parallel = hasattr(module, "input_is_parallel") and getattr(module, "tp_size", 1) > 1
+    first_col = module.tp_rank * width if row_parallel else 0
+    picked = columns.pick(module.input_size if row_parallel else width)
+    picked = picked[(picked >= first_col) & (picked < first_col + width)]
+    if not len(picked):
+        return []
+    read = []
+    for block in (picked - first_col).split(rows):
         eye = torch.zeros(len(block), width, dtype=weight.dtype, device=weight.device)
         eye[torch.arange(len(block)), block.to(eye.device)] = 1
-        total = total + tensor_digest(module.cpu_linear(eye, weight, None))  # [block, N]: columns of W
-    return total
+        read.append(module.cpu_linear(eye, weight, None))  # [block, N]: columns of W
+    columns_of_w = torch.cat(read).T  # [N, picked]
+    readings = []
+    for block in blocks_of(module, attr, columns_of_w.shape[0], width):
+        rows_read = columns_of_w[block.start : block.start + block.rows]
+        readings.append(Reading(tensor_digest(rows_read, block.place, picked), True, block.place))
+    return readings
 
 
 class VLLMLayout(WeightLayout):
     """Hugging Face names -> vLLM's tensors: the model's ``hf_to_vllm_mapper``, else its packed modules."""
 
     def __init__(
-        self, mapper, packed: dict, aliases: dict, dtypes: dict, load_dtypes: dict, kernels: set, whole: set
+        self,
+        mapper,
+        packed: dict,
+        aliases: dict,
+        dtypes: dict,
+        load_dtypes: dict,
+        kernels: set,
+        whole: set,
+        parts: dict,
     ) -> None:
         self.mapper, self.packed, self.aliases = mapper, packed, aliases
         self.dtypes, self.load_dtypes, self.kernels, self.whole = dtypes, load_dtypes, kernels, whole
+        self.parts = parts
 
     def slot(self, name: str) -> WeightSlot | None:  # noqa: D102
         target = self.mapper.map_name(name) if self.mapper is not None else name
         if target is None:
             return None  # vLLM drops it on load
-        part = ""
+        part, index = "", 0
         for fused, pieces in self.packed.items():
-            for piece in pieces:  # q_proj is the q part of qkv_proj, whether or not the mapper renamed it
+            for i, piece in enumerate(pieces):  # q_proj is the q part of qkv_proj, whether or not the mapper renamed it
                 if f".{piece}." in f".{name}" and (f".{fused}." in target or f".{piece}." in target):
-                    target, part = target.replace(f".{piece}.", f".{fused}.", 1), piece
+                    target, part, index = target.replace(f".{piece}.", f".{fused}.", 1), piece, i
         key = self.aliases.get(target)
         if key is None:
             return None
+        starts = self.parts.get(key)
         return WeightSlot(
             key,
             part,
@@ -142,25 +180,8 @@ class VLLMLayout(WeightLayout):
             load_dtype=self.load_dtypes.get(key),
             kernel=key in self.kernels,
             whole=key in self.whole,
+            row=starts[index] if part and starts else 0,
         )
-
-
-def merge_workers(per_worker: list[tuple[dict[str, list[Reading]], set[str]]]) -> dict[str, list[Reading]]:
-    """One engine's readings from its workers' ``read_back``.
-
-    Tensor parallelism (GPU: parameters, whole): a sharded tensor's digest is the sum of its shards'; a replicated
-    one is read on every worker, and every copy must agree.
-    """
-    if len(per_worker) == 1:
-        return per_worker[0][0]
-    held: dict[str, list[Reading]] = {}
-    for readings, sharded in per_worker:
-        for key, found in readings.items():
-            if key in sharded and key in held:
-                held[key] = [Reading(a.digest + b.digest, a.sampled) for a, b in zip(held[key], found)]
-            else:
-                held.setdefault(key, []).extend(found)
-    return held
 
 
 # ---------------------------------------------------------------------- a vLLM server's side

@@ -134,3 +134,64 @@ class RecordsSampling(VLLMEngine):
         with open("sampling.jsonl", "a") as out:
             out.write(json.dumps(record) + "\n")
         return super().generate(prompts, n, sampling)
+
+
+class _Misplaces:
+    """Loads every pushed tensor, but ``misplace`` puts some of them in the wrong place (a loader's layout bug)."""
+
+    def load_weights(self, named_tensors):  # noqa: D102
+        super().load_weights(self.misplace(dict(named_tensors)).items())
+
+    def misplace(self, state: dict) -> dict:
+        """``state`` with the fault applied."""
+        raise NotImplementedError
+
+
+def _per_head(rows: torch.Tensor, head_dim: int, fn) -> torch.Tensor:
+    """``fn`` applied to a projection's rows viewed as ``[heads, head_dim, ...]``."""
+    return fn(rows.reshape(-1, head_dim, *rows.shape[1:])).reshape(rows.shape)
+
+
+def _rotary_interleaved(head: torch.Tensor) -> torch.Tensor:
+    """A head's rows in the interleaved rotary order (Meta's) instead of the half-split one (Hugging Face's)."""
+    half = head.shape[1] // 2
+    return torch.stack([head[:, :half], head[:, half:]], dim=2).reshape(head.shape)
+
+
+class _HFLayoutFault(_Misplaces):
+    def __init__(self, fault: str = "transposed_q", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fault = fault
+
+    def misplace(self, state: dict) -> dict:  # noqa: D102
+        head_dim = self.model.config.head_dim if getattr(self.model.config, "head_dim", None) else (
+            self.model.config.hidden_size // self.model.config.num_attention_heads)  # fmt: skip
+        for name, tensor in state.items():
+            if self.fault == "transposed_q" and name.endswith("q_proj.weight"):
+                state[name] = tensor.T
+            elif self.fault == "reversed_heads" and ".q_proj." in name:
+                state[name] = _per_head(tensor, head_dim, lambda heads: heads.flip(0))
+            elif self.fault == "rotary_interleaved" and (".q_proj." in name or ".k_proj." in name):
+                state[name] = _per_head(tensor, head_dim, _rotary_interleaved)
+            elif self.fault == "negated_down" and name.endswith("down_proj.weight"):
+                state[name] = -tensor
+        return state
+
+
+class HFLayoutFault(_HFLayoutFault, HFEngine):
+    """``HFEngine`` that loads one kind of tensor in the wrong layout: ``transposed_q``, ``reversed_heads``,
+    ``rotary_interleaved`` or ``negated_down``."""
+
+
+class VLLMSwapsParts(_Misplaces, VLLMEngine):
+    """``VLLMEngine`` that exchanges two same-shaped parts of a fused tensor: ``kv`` (k and v in ``qkv_proj``, the
+    same shape under GQA) or ``gate_up`` (gate and up in ``gate_up_proj``)."""
+
+    def __init__(self, parts: str = "kv", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.a, self.b = {"kv": ("k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}[parts]
+
+    def misplace(self, state: dict) -> dict:  # noqa: D102
+        a, b = f".{self.a}.", f".{self.b}."
+        swap = {name: name.replace(a, b) if a in name else name.replace(b, a) for name in state}
+        return {swap[name]: tensor for name, tensor in state.items()}
