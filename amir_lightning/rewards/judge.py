@@ -156,7 +156,9 @@ class JudgeReward(Reward):
                 key = f"data.rewards: {self.name}.serve.startup_timeout"
                 serving.wait_for(self.url, self.serve.startup_timeout, key, "the judge's vLLM server")
         if self.model is None or self.on_vllm is None:
-            served = self._get("/v1/models").get("data") or [{}]
+            served = self._get("/v1/models").get("data") or []
+            if self.model is None and not served:
+                raise ValueError(f"data.rewards: {self.name}.url {self.url} lists no model at /v1/models: set model")
             self.model = self.model or served[0]["id"]
             self.on_vllm = any(m.get("owned_by") == "vllm" for m in served)
 
