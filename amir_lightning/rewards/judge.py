@@ -120,14 +120,7 @@ class JudgeReward(Reward):
             self.pattern = re.compile(pattern) if pattern is not None else None
         except re.error as err:
             errors.append(f"{key}.pattern is not a regular expression: {err}")
-        unknown = sorted(set(re.findall(r"{(\w*)}", template)) - {"question", "completion", "answer"})
-        if unknown:
-            errors.append(f"{key}.template names {', '.join(unknown)}: it may use {{question}}, {{completion}}, "
-                          "{answer}")  # fmt: skip
-        if on_unparsed not in ON_UNPARSED:
-            errors.append(f"{key}.on_unparsed must be one of {', '.join(ON_UNPARSED)}, got {on_unparsed!r}")
-        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-            errors.append(f"{key}.chat_template_kwargs must be a mapping or null, got {chat_template_kwargs!r}")
+        _check_choices(errors, key, template, on_unparsed, chat_template_kwargs)
         check_number(errors, f"{key}.max_score", max_score, gt=0)
         check_number(errors, f"{key}.unparsed_retries", unparsed_retries, ge=0)
         check_number(errors, f"{key}.max_tokens", max_tokens, ge=1)
@@ -272,6 +265,17 @@ class JudgeReward(Reward):
             if self.server is not None:
                 self.server.close()
             self.server = self.url = None
+
+
+def _check_choices(errors: list[str], key: str, template: str, on_unparsed: str, kwargs: dict | None) -> None:
+    """Add to ``errors`` what is wrong with the judge's template, ``on_unparsed`` and ``chat_template_kwargs``."""
+    unknown = sorted(set(re.findall(r"{(\w*)}", template)) - {"question", "completion", "answer"})
+    if unknown:
+        errors.append(f"{key}.template names {', '.join(unknown)}: it may use {{question}}, {{completion}}, {{answer}}")
+    if on_unparsed not in ON_UNPARSED:
+        errors.append(f"{key}.on_unparsed must be one of {', '.join(ON_UNPARSED)}, got {on_unparsed!r}")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        errors.append(f"{key}.chat_template_kwargs must be a mapping or null, got {kwargs!r}")
 
 
 def _group_mean(scores: list[float | None], groups: list) -> list[float]:
