@@ -360,8 +360,8 @@ def test_a_reward_model_config_trains(tmp_path):
 
 
 def test_a_judge_config_trains(tmp_path):
-    """configs/tiny_judge.yaml: a vLLM server this run starts serves the judge; 3 rollouts are graded by it, and the
-    server ends with the run."""
+    """configs/tiny_judge.yaml: a vLLM server this run starts serves the judge; 3 rollouts are graded by it, the share
+    of its replies without a score is logged, and the server ends with the run."""
     import psutil
 
     config = str(ROOT / "configs" / "tiny_judge.yaml")
@@ -370,5 +370,7 @@ def test_a_judge_config_trains(tmp_path):
     scores = scalars["rollout/reward/judge"]
     assert len(scores) == 3 and all(0 <= s <= 1 for s in scores)
     assert scores == pytest.approx(scalars["rollout/reward_mean"], abs=1e-6)
+    unparsed = scalars["judge/unparsed_frac"]  # what Reward.metrics says reaches TensorBoard each rollout
+    assert len(unparsed) == 3 and all(0 <= f <= 1 for f in unparsed)
     left = [p for p in psutil.process_iter(["cmdline"]) if "--served-model-name" in (p.info["cmdline"] or [])]
     assert left == []  # no judge server outlives its run

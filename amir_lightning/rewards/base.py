@@ -123,6 +123,13 @@ class Reward(ABC):
         extra = inputs.kwargs() if accepts else {}
         return self.score(inputs.completions, inputs.answers, **extra)
 
+    def metrics(self) -> dict[str, float]:
+        """Numbers about the last ``score`` call, logged each rollout as ``<name>/<key>`` (the judge's unparsed share).
+
+        Optional: most rewards have none. Every process must return the same keys (they are averaged over processes).
+        """
+        return {}
+
     def setup(self) -> None:  # noqa: B027 (optional hook: most rewards hold nothing)
         """Start what the reward needs (a server), before the first rollout; every training process calls it."""
 

@@ -11,28 +11,31 @@ Or let the run start a vLLM server for the judge on devices of its own (``serve`
 
 Each completion is one chat request (``/v1/chat/completions``), up to ``concurrency`` in flight; the template is
 filled with ``{question}`` (the prompt's last user message), ``{completion}`` and ``{answer}`` (the reference, ``""``
-without one). The score is the last number in the reply that ``pattern`` finds, clipped to ``[0, max_score]`` and
-divided by ``max_score``; a reply with none counts as ``on_unparsed`` says. A request that fails is retried
-``retries`` times, then the run stops naming the judge and its answer.
+without one). The score is read as people write it (``8/10``, ``Score: 8``, ``9. It is right``: ``judge_parse``),
+on the scale ``[0, max_score]``, and divided by ``max_score``. A reply without one is asked again
+(``unparsed_retries``), then counts as ``on_unparsed`` says; ``judge/unparsed_frac`` logs how many. A request that
+fails is retried ``retries`` times, then the run stops naming the judge and its answer.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
+import statistics
 import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from amir_lightning.helpers import serving
 from amir_lightning.helpers.validation import check_number, raise_errors
-from amir_lightning.models.sources import HFModel, ModelSource
 from amir_lightning.rewards.base import Reward
+from amir_lightning.rewards.judge_parse import parse_score, strip_thinking
+from amir_lightning.rewards.judge_server import JudgeServer
 
 log = logging.getLogger(__name__)
 
@@ -41,86 +44,23 @@ DEFAULT_TEMPLATE = (
     "\n\nAnswer to grade:\n{completion}\n\nHow correct and helpful is the answer, from 0 (worst) to 10 (best)? "
     "Reply with the number only."
 )
+#: What the judge is asked after a reply without a score.
+RETRY_PROMPT = "Reply with the score only: one number from 0 to {max_score:g}."
+#: The judge's chat template arguments by default: a thinking model (Qwen3) would spend ``max_tokens`` thinking.
+THINKING_OFF = {"enable_thinking": False}
+ON_UNPARSED = ("group_mean", "none", "zero", "error")
 
-
-@dataclass
-class JudgeServer:
-    """A vLLM server this run starts for the judge (``vllm serve`` on devices of its own).
-
-    Attributes:
-        model: The judge: a Hugging Face id or directory, or a model source.
-        devices: GPUs it runs on (``CUDA_VISIBLE_DEVICES``, e.g. ``"7"``); ``None``: as the environment says.
-        cpu_cores: CPU cores it is pinned to (``taskset -c``); ``None``: all.
-        threads: Threads of its CPU kernels (``OMP_NUM_THREADS``); ``None``: as the environment says.
-        dtype: ``auto`` (``bfloat16`` on GPU, ``float32`` on CPU), or a dtype vLLM knows.
-        max_model_len: Longest request + reply, in tokens.
-        gpu_memory_utilization: Share of each of its GPUs it may take.
-        kv_cache_memory_bytes: KV-cache size (what to set on CPU; 256 MiB there by default).
-        tensor_parallel_size: GPUs it spans.
-        startup_timeout: Seconds it may take to answer.
-    """
-
-    model: str | ModelSource
-    devices: str | None = None
-    cpu_cores: str | None = None
-    threads: int | None = None
-    dtype: str = "auto"
-    max_model_len: int = 4096
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None
-    tensor_parallel_size: int = 1
-    startup_timeout: float = 600.0
-
-    def __post_init__(self) -> None:
-        import shutil
-
-        key, errors = "data.rewards: judge.serve", []
-        check_number(errors, f"{key}.threads", self.threads, ge=1, optional=True)
-        check_number(errors, f"{key}.max_model_len", self.max_model_len, ge=1)
-        check_number(errors, f"{key}.gpu_memory_utilization", self.gpu_memory_utilization, gt=0, le=1)
-        check_number(errors, f"{key}.kv_cache_memory_bytes", self.kv_cache_memory_bytes, gt=0, optional=True)
-        check_number(errors, f"{key}.tensor_parallel_size", self.tensor_parallel_size, ge=1)
-        check_number(errors, f"{key}.startup_timeout", self.startup_timeout, gt=0)
-        if self.cpu_cores is not None and shutil.which("taskset") is None:
-            errors.append(f"{key}.cpu_cores needs the taskset command (util-linux), which this machine lacks")
-        raise_errors(errors)
-
-    def command(self, port: int, on_gpu: bool) -> list[str]:
-        """The command line of the server, listening on ``port`` of this machine."""
-        import sys
-
-        source = HFModel(self.model) if isinstance(self.model, str) else self.model
-        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(source.resolve())]
-        command += ["--served-model-name", "judge", "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype]
-        command += [
-            "--max-model-len",
-            str(self.max_model_len),
-            "--tensor-parallel-size",
-            str(self.tensor_parallel_size),
-        ]
-        command += ["--disable-uvicorn-access-log"]
-        if on_gpu:
-            command += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
-        else:
-            command += ["--enforce-eager", "--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes or 256 * 1024**2)]
-        if self.kv_cache_memory_bytes and on_gpu:
-            command += ["--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes)]
-        return ["taskset", "-c", self.cpu_cores, *command] if self.cpu_cores is not None else command
-
-    def env(self) -> dict[str, str]:
-        """Its environment: not part of the training processes' group, on its own devices and threads."""
-        env = {k: v for k, v in os.environ.items() if k not in serving.TRAINER_GROUP}
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if self.devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = self.devices
-        if self.threads is not None:
-            env["OMP_NUM_THREADS"] = str(self.threads)
-        return env
+__all__ = ["DEFAULT_TEMPLATE", "JudgeReward", "JudgeServer"]
 
 
 class JudgeReward(Reward):
     """Ask a chat model to grade each completion (an LLM judge) over an OpenAI-compatible API.
+
+    A reply with no score on the scale is asked again ``unparsed_retries`` times (the reply, then ``RETRY_PROMPT``),
+    then scored as ``on_unparsed`` says. ``group_mean`` (the default) gives it the mean of the parsed scores of its
+    group (the completions of the same prompt), or the scale's midpoint (0.5) where none parsed: GRPO's advantage
+    is the score minus the group's mean, so the completion is neither pushed up nor down for the judge's failure,
+    and the others keep their order. ``none`` and ``zero`` score it 0 in the total, as the worst answer is scored.
 
     Args:
         url: The server's address (``http://host:8000``); ``None``: start one with ``serve``.
@@ -130,9 +70,14 @@ class JudgeReward(Reward):
             all reach and give its ``url``.
         template: The user message, with ``{question}``, ``{completion}`` and ``{answer}``.
         system_prompt: A system message before it.
-        pattern: Regular expression of a score in the reply (its first group, else the match); the last match counts.
+        pattern: Regular expression of a score (its first group, else the match; the last on the scale counts),
+            instead of the built-in forms (``judge_parse.parse_score``).
         max_score: The top of the judge's scale; scores are divided by it (rewards in [0, 1]).
-        on_unparsed: A reply with no score: ``none`` (the judge does not apply to it), ``zero``, or ``error``.
+        on_unparsed: A reply with no score after the retries: ``group_mean``, ``none`` (the judge does not apply to
+            it), ``zero``, or ``error`` (stop the run).
+        unparsed_retries: Further asks after a reply with no score.
+        chat_template_kwargs: Sent with each request to a vLLM server (``owned_by: vllm`` in ``/v1/models``), whose
+            chat template reads them; ``None`` or ``{}``: nothing sent. Default: thinking off.
         max_tokens: Longest reply.
         temperature: The judge's sampling temperature (0: its most likely reply).
         concurrency: Requests in flight at once.
@@ -152,9 +97,11 @@ class JudgeReward(Reward):
         serve: JudgeServer | None = None,
         template: str = DEFAULT_TEMPLATE,
         system_prompt: str | None = None,
-        pattern: str = r"-?\d+(?:\.\d+)?",
+        pattern: str | None = None,
         max_score: float = 10.0,
-        on_unparsed: Literal["none", "zero", "error"] = "none",
+        on_unparsed: Literal["group_mean", "none", "zero", "error"] = "group_mean",
+        unparsed_retries: int = 1,
+        chat_template_kwargs: dict | None = THINKING_OFF,
         max_tokens: int = 16,
         temperature: float = 0.0,
         concurrency: int = 32,
@@ -170,16 +117,12 @@ class JudgeReward(Reward):
         if (url is None) == (serve is None):
             errors.append(f"{key} needs exactly one of url (a running server) and serve (one this run starts)")
         try:
-            self.pattern = re.compile(pattern)
+            self.pattern = re.compile(pattern) if pattern is not None else None
         except re.error as err:
             errors.append(f"{key}.pattern is not a regular expression: {err}")
-        unknown = sorted(set(re.findall(r"{(\w*)}", template)) - {"question", "completion", "answer"})
-        if unknown:
-            errors.append(f"{key}.template names {', '.join(unknown)}: it may use {{question}}, {{completion}}, "
-                          "{answer}")  # fmt: skip
-        if on_unparsed not in ("none", "zero", "error"):
-            errors.append(f"{key}.on_unparsed must be none, zero or error, got {on_unparsed!r}")
+        _check_choices(errors, key, template, on_unparsed, chat_template_kwargs)
         check_number(errors, f"{key}.max_score", max_score, gt=0)
+        check_number(errors, f"{key}.unparsed_retries", unparsed_retries, ge=0)
         check_number(errors, f"{key}.max_tokens", max_tokens, ge=1)
         check_number(errors, f"{key}.temperature", temperature, ge=0)
         check_number(errors, f"{key}.concurrency", concurrency, ge=1)
@@ -187,19 +130,17 @@ class JudgeReward(Reward):
         check_number(errors, f"{key}.retries", retries, ge=0)
         raise_errors(errors)
         self.url, self.model, self.serve = url.rstrip("/") if url else None, model, serve
-        self.template, self.system_prompt, self.max_score, self.on_unparsed = (
-            template,
-            system_prompt,
-            max_score,
-            on_unparsed,
-        )
+        self.template, self.system_prompt, self.max_score = template, system_prompt, max_score
+        self.on_unparsed, self.unparsed_retries = on_unparsed, unparsed_retries
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.max_tokens, self.temperature, self.concurrency = max_tokens, temperature, concurrency
         self.timeout_s, self.retries, self.api_key_env = timeout_s, retries, api_key_env
         self.server: serving.ServerProcess | None = None
-        self.unparsed = 0
+        self.on_vllm: bool | None = None  # whether the server is vLLM (it takes chat_template_kwargs); asked at setup
+        self.unparsed, self._metrics = 0, {}
 
     def setup(self) -> None:
-        """Start the judge's server (``serve``; the first training process does) and learn the model's name."""
+        """Start the judge's server (``serve``; the first training process does), learn the model and the server."""
         from amir_lightning.helpers.distributed import from_rank_zero
 
         if self.serve is not None and self.url is None:
@@ -207,8 +148,12 @@ class JudgeReward(Reward):
             if self.server is None:  # another process started it: wait for it here too
                 key = f"data.rewards: {self.name}.serve.startup_timeout"
                 serving.wait_for(self.url, self.serve.startup_timeout, key, "the judge's vLLM server")
-        if self.model is None:
-            self.model = self._get("/v1/models")["data"][0]["id"]
+        if self.model is None or self.on_vllm is None:
+            served = self._get("/v1/models").get("data") or []
+            if self.model is None and not served:
+                raise ValueError(f"data.rewards: {self.name}.url {self.url} lists no model at /v1/models: set model")
+            self.model = self.model or served[0]["id"]
+            self.on_vllm = any(m.get("owned_by") == "vllm" for m in served)
 
     def _launch(self) -> str:
         import torch
@@ -247,18 +192,21 @@ class JudgeReward(Reward):
         return [*system, {"role": "user", "content": user}]
 
     def parse(self, reply: str) -> float | None:
-        """The score in ``reply`` in [0, 1] (``None``: no score found)."""
-        found = list(self.pattern.finditer(reply))
-        if not found:
-            return None
-        last = found[-1]
-        value = float(last.group(1) if last.groups() else last.group(0))
-        return min(max(value, 0.0), self.max_score) / self.max_score
+        """The score in ``reply`` in [0, 1] (``None``: no score on the scale found)."""
+        value = parse_score(reply, self.max_score, self.pattern)
+        return None if value is None else value / self.max_score
+
+    def request_body(self, messages: list[dict[str, str]]) -> dict:
+        """The JSON body of the chat request; ``chat_template_kwargs`` only to a vLLM server (others refuse it)."""
+        body = {"model": self.model, "messages": messages, "max_tokens": self.max_tokens,
+                "temperature": self.temperature}  # fmt: skip
+        if self.chat_template_kwargs and self.on_vllm:
+            body["chat_template_kwargs"] = self.chat_template_kwargs
+        return body
 
     def ask(self, messages: list[dict[str, str]]) -> str:
         """The judge's reply to one request (retried ``retries`` times)."""
-        body = {"model": self.model, "messages": messages, "max_tokens": self.max_tokens,
-                "temperature": self.temperature}  # fmt: skip
+        body = self.request_body(messages)
         for attempt in range(self.retries + 1):
             try:
                 answer = serving.post_json(
@@ -271,31 +219,75 @@ class JudgeReward(Reward):
                 time.sleep(min(2.0**attempt, 30.0))
         raise AssertionError("unreachable")
 
+    def judge(self, messages: list[dict[str, str]]) -> tuple[float | None, str, int]:
+        """The score of one request in [0, 1] (``None``: none after the retries), the last reply and the asks."""
+        reply = self.ask(messages)
+        for asks in range(1, self.unparsed_retries + 2):
+            score = self.parse(reply)
+            if score is not None or asks > self.unparsed_retries:
+                return score, reply, asks
+            said = {"role": "assistant", "content": strip_thinking(reply) or ""}
+            again = {"role": "user", "content": RETRY_PROMPT.format(max_score=self.max_score)}
+            reply = self.ask([*messages, said, again])
+        raise AssertionError("unreachable")
+
     def score(self, completions: Sequence[str], answers: Sequence[str], **kwargs) -> list[float | None]:
         """The judge's grade of each completion, in [0, 1]."""
-        if self.url is None or self.model is None:
+        if self.url is None or self.model is None or self.on_vllm is None:
             self.setup()
         questions = [p if isinstance(p, str) else _last_user(p) for p in kwargs["prompts"]]
         requests = [self.messages(q, c, a) for q, c, a in zip(questions, completions, answers)]
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(requests)) or 1) as pool:
-            replies = list(pool.map(self.ask, requests))
-        scores = [self.parse(r) for r in replies]
+            judged = list(pool.map(self.judge, requests))
+        scores = [s for s, _, _ in judged]
         missing = [i for i, s in enumerate(scores) if s is None]
-        if missing:
-            self.unparsed += len(missing)
-            first = replies[missing[0]][:200]
-            if self.on_unparsed == "error":
-                raise ValueError(f"the judge's reply to completion {missing[0]} has no score ({self.pattern.pattern}): "
-                                 f"{first!r}")  # fmt: skip
-            log.warning("%s: %d of %d replies had no score (%s), e.g. %r", self.name, len(missing), len(replies),
-                        "left out" if self.on_unparsed == "none" else "scored 0", first)  # fmt: skip
+        count = max(len(scores), 1)
+        self._metrics = {"unparsed_frac": len(missing) / count, "retried_frac": sum(a > 1 for *_, a in judged) / count}
+        if not missing:
+            return scores
+        self.unparsed += len(missing)
+        first = judged[missing[0]][1][:200]
+        if self.on_unparsed == "error":
+            raise ValueError(f"the judge's reply to completion {missing[0]} has no score on its scale (0 to "
+                             f"{self.max_score:g}): {first!r} (data.rewards: {self.name}.on_unparsed)")  # fmt: skip
+        log.warning("%s: %d of %d replies had no score (%s), e.g. %r", self.name, len(missing), len(scores),
+                    self.on_unparsed, first)  # fmt: skip
+        if self.on_unparsed == "group_mean":
+            return _group_mean(scores, list(zip(kwargs["prompts"], answers)))
         return [0.0 if s is None and self.on_unparsed == "zero" else s for s in scores]
+
+    def metrics(self) -> dict[str, float]:
+        """Of the last ``score``: ``unparsed_frac`` (replies with no score after the retries), ``retried_frac``."""
+        return dict(self._metrics)
 
     def close(self) -> None:  # noqa: D102
         if self.serve is not None:  # a server this run started (here or in another process) is gone after the run
             if self.server is not None:
                 self.server.close()
             self.server = self.url = None
+
+
+def _check_choices(errors: list[str], key: str, template: str, on_unparsed: str, kwargs: dict | None) -> None:
+    """Add to ``errors`` what is wrong with the judge's template, ``on_unparsed`` and ``chat_template_kwargs``."""
+    unknown = sorted(set(re.findall(r"{(\w*)}", template)) - {"question", "completion", "answer"})
+    if unknown:
+        errors.append(f"{key}.template names {', '.join(unknown)}: it may use {{question}}, {{completion}}, {{answer}}")
+    if on_unparsed not in ON_UNPARSED:
+        errors.append(f"{key}.on_unparsed must be one of {', '.join(ON_UNPARSED)}, got {on_unparsed!r}")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        errors.append(f"{key}.chat_template_kwargs must be a mapping or null, got {kwargs!r}")
+
+
+def _group_mean(scores: list[float | None], groups: list) -> list[float]:
+    """``None`` scores replaced by the mean of the others of their group (a run of equal ``groups``), else 0.5."""
+    out = list(scores)
+    for _, run in itertools.groupby(range(len(scores)), key=lambda i: groups[i]):
+        run = list(run)
+        parsed = [scores[i] for i in run if scores[i] is not None]
+        for i in run:
+            if out[i] is None:
+                out[i] = statistics.fmean(parsed) if parsed else 0.5
+    return out
 
 
 def _last_user(messages: list[dict]) -> str:

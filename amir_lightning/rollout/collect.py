@@ -212,6 +212,8 @@ def score_completions(
     A NaN or inf score (a bug in a reward function) makes that completion's total NaN: its group gets zero
     advantage and no pairs, so it is never trained on, and ``rollout/nonfinite_rewards`` counts it (``RewardGuard``
     warns and stops after ``data.rollout.max_bad_rollouts`` such rollouts in a row).
+
+    What a reward says of its call (``Reward.metrics``) is logged as ``<name>/<key>`` (``judge/unparsed_frac``).
     """
     rows = [(p, c) for p, group in zip(prompts, completions) for c in group]
     inputs = RewardInputs(
@@ -240,6 +242,7 @@ def score_completions(
         # where() keeps the NaN of a non-finite score (the group is then dropped) and adds 0 where it does not apply
         total += reward.weight * torch.where(applies, values, torch.zeros_like(values))
         applied += applies.long()
+        metrics.update({f"{reward.name}/{key}": value for key, value in reward.metrics().items()})
     lengths = torch.tensor([len(c.token_ids) for _, c in rows], dtype=torch.float32)
     truncated = torch.tensor([c.truncated for _, c in rows], dtype=torch.float32)
     good = total[~total.isnan()]
