@@ -24,10 +24,10 @@ from helpers.engines import (
 
 from amir_lightning.models import build_tiny_model
 from amir_lightning.rollout import HFEngine, VLLMEngine
-from amir_lightning.rollout.digest import ColumnSample, Digest, Place, Reading, WeightSlot, tensor_digest
+from amir_lightning.rollout.digest import ColumnSample, Digest, Place, PushedDigests, Reading, WeightSlot, tensor_digest
 from amir_lightning.rollout.engine import RolloutEngine
 from amir_lightning.rollout.hf_engine import _NamedLayout
-from amir_lightning.rollout.sync import PushedDigests, StaleEngineError, SyncCheck, SyncSettings
+from amir_lightning.rollout.sync import StaleEngineError, SyncCheck, SyncSettings
 
 
 # ---------------------------------------------------------------------------------------------------- digests
@@ -37,7 +37,9 @@ def test_a_digest_adds_over_fused_parts_and_shards_at_their_places_and_ignores_z
     fused = torch.cat([q, k, v])  # vLLM's qkv_proj
     assert tensor_digest(fused) == tensor_digest(q) + tensor_digest(k, Place(8)) + tensor_digest(v, Place(10))
     assert tensor_digest(torch.cat([fused, torch.zeros(6, 4)])) == tensor_digest(fused)  # vocabulary padding
-    assert tensor_digest(torch.tensor([-0.0, 1.0])) == tensor_digest(torch.tensor([0.0, 1.0]))
+    zeros, cols = torch.tensor([[-0.0, 1.0]]), torch.tensor([0, 1])
+    assert tensor_digest(zeros) != tensor_digest(zeros.abs())  # whole: the sign of a zero counts
+    assert tensor_digest(zeros, columns=cols) == tensor_digest(zeros.abs(), columns=cols)  # read through a kernel
     w = torch.randn(6, 8, generator=gen)  # a row-parallel weight in two shards of columns
     assert tensor_digest(w) == tensor_digest(w[:, :4], Place(0, 0, 8)) + tensor_digest(w[:, 4:], Place(0, 4, 8))
     cols = torch.tensor([1, 6])  # a kernel's sampled columns, read back as W[:, cols].T and placed back

@@ -12,8 +12,8 @@ belongs to, the full (unsharded, fused) tensor as a matrix of ``width`` columns,
 The sums add over disjoint blocks, so a fused tensor's digest is the sum of its parts' digests at their row offsets
 (q, k, v; gate, up) and a sharded tensor's the sum of its shards' at theirs; a block read through a kernel (the
 columns it reads, placed back at their frame columns) has the digest of the same block stored plainly. ``mix`` of a
-zero element is zero, so padding is invisible; ``-0.0`` counts as ``+0.0`` (a copy read back through a matrix product
-cannot tell them apart).
+zero element is zero, so padding is invisible. A digest of sampled columns counts ``-0.0`` as ``+0.0`` (a copy read
+back through a matrix product cannot tell them apart); a whole tensor's digest sees the sign of a zero too.
 
 What it sees: any change of a value or of a place within the frame: a transposed square weight, heads or rotary rows
 in another order, k and v or gate and up exchanged inside a fused tensor, shards in another order, a sign flip of
@@ -27,9 +27,14 @@ The arithmetic is int32 with wrap-around, exact and the same on CPU and GPU.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from amir_lightning.rollout.engine import WeightLayout
 
 #: Elements digested at once (bounds the temporary tensors to 16 MiB each).
 _CHUNK = 1 << 22
@@ -71,8 +76,8 @@ def tensor_digest(tensor: torch.Tensor, place: Place | None = None, columns: tor
     Args:
         tensor: A matrix or a vector (a vector is one column); other shapes are read as ``[rows, -1]``.
         place: Where ``tensor`` sits in its frame; ``None``: it is the whole frame.
-        columns: The frame columns of ``tensor``'s columns (the sampled columns of a kernel read-back); ``None``:
-            consecutive from ``place.col``.
+        columns: The frame columns of ``tensor``'s columns (the sampled columns of a kernel read-back, where
+            ``-0.0`` counts as ``+0.0``); ``None``: consecutive from ``place.col``.
     """
     place = place or Place()
     t = tensor.detach()
@@ -89,7 +94,7 @@ def tensor_digest(tensor: torch.Tensor, place: Place | None = None, columns: tor
     mixed = plain = 0
     for start in range(0, t.shape[0], step):
         part = t[start : start + step]
-        part = part + 0 if part.is_floating_point() else part  # -0.0 + 0.0 == +0.0
+        part = part + 0 if columns is not None and part.is_floating_point() else part  # -0.0 + 0.0 == +0.0
         bits = part.contiguous().view(_BITS[part.element_size()]).to(torch.int32)
         rows = torch.arange(start, start + part.shape[0]) + place.row
         row_term = _as_int32(2 * _GOLDEN * words * width * rows).to(t.device)[:, None]
@@ -191,3 +196,83 @@ class WeightSlot:
         if self.load_dtype is None:
             return (direct,)
         return direct, tensor_digest(tensor.to(self.load_dtype).to(self.dtype), place, picked)
+
+
+class PushedDigests:
+    """Digests of a push, per engine tensor and part, taken as the tensors stream to the engine.
+
+    Args:
+        layout: Where the engine keeps each pushed tensor.
+        columns: The columns of kernel-held weights the engine reads back at this sync.
+    """
+
+    def __init__(self, layout: WeightLayout, columns: ColumnSample) -> None:
+        self.layout, self.columns = layout, columns
+        # engine tensor -> part -> (digests of all of it, of the sampled columns; None where not read back), each way
+        # it may load
+        self.parts: dict[str, dict[str, tuple[tuple[Digest, ...] | None, tuple[Digest, ...] | None]]] = {}
+        self.sources: dict[str, list[str]] = {}  # engine tensor -> the pushed names that fill it
+        self.conflicts: list[str] = []  # tied names pushed with different values
+        self.unheld: list[str] = []  # pushed names the engine keeps no copy of
+        self.dtypes: set[torch.dtype] = set()  # the dtypes the engine keeps the pushed tensors in
+
+    def tap(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``named``, unchanged, with each tensor digested as it passes."""
+        for name, tensor in named:
+            self.add(name, tensor)
+            yield name, tensor
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Record one pushed tensor."""
+        slot: WeightSlot | None = self.layout.slot(name)
+        if slot is None or not (slot.whole or slot.kernel):
+            self.unheld.append(name)
+            return
+        self.dtypes.add(slot.dtype)
+        # only the copies the engine reads back: on a CPU most weights live in kernels alone
+        digests = (
+            slot.digests(tensor) if slot.whole else None,
+            slot.digests(tensor, self.columns) if slot.kernel else None,
+        )
+        parts = self.parts.setdefault(slot.key, {})
+        if slot.part in parts and parts[slot.part] != digests:
+            self.conflicts.append(f"{name} and {self.sources[slot.key][0]}, which both fill {slot.key}")
+        parts[slot.part] = digests
+        self.sources.setdefault(slot.key, []).append(name)
+
+    def expected(self, key: str, sampled: bool) -> set[Digest]:
+        """The digests the engine tensor ``key`` (or its sampled columns) may have: its parts' sum, each way."""
+        found = [d[sampled] for d in self.parts[key].values() if d[sampled] is not None]
+        totals = set()
+        for way in range(max((len(d) for d in found), default=1)):
+            total = Digest()
+            for digests in found:
+                total = total + digests[min(way, len(digests) - 1)]
+            totals.add(total)
+        return totals
+
+    def mismatches(self, held: dict[str, list[Reading]]) -> list[str]:
+        """Descriptions of every engine tensor that does not hold what was pushed, in push order.
+
+        A tensor the push fills must be read back in every way it was digested (whole, sampled columns): one the
+        engine does not read back is a mismatch too, not a tensor skipped.
+        """
+        wrong = [f"the push holds different values for the tied {c}" for c in self.conflicts]
+        for key in self.parts:
+            readings, pushed_as = held.get(key, []), " and ".join(self.sources[key])
+            unread = [w for w in (False, True) if self._digested(key, w) and not any(r.sampled == w for r in readings)]
+            stale = sum(r.digest not in self.expected(key, r.sampled) for r in readings)
+            if unread:
+                wrong.append(f"{key}, which the engine did not read back (pushed as {pushed_as})")
+            elif stale:
+                copies = f"{stale} of its {len(readings)} copies differ; " if len(readings) > 1 else ""
+                wrong.append(f"{key} ({copies}pushed as {pushed_as})")
+        wrong += [f"{key}, which no pushed tensor fills" for key in held if key not in self.parts]
+        return wrong
+
+    def compared(self, held: dict[str, list[Reading]]) -> int:
+        """The engine tensors whose read-back was compared with the push."""
+        return sum(1 for key in self.parts if held.get(key))
+
+    def _digested(self, key: str, sampled: bool) -> bool:
+        return any(d[sampled] is not None for d in self.parts[key].values())

@@ -2,18 +2,21 @@
 
 Every push is checked against what the engine reads back from itself (``RolloutEngine.held_weights``): each pushed
 tensor is digested on its way to the engine, in the dtype the engine keeps it in (``rollout/digest.py``), and after
-the load every engine tensor must carry exactly the digest of what was pushed into it. So an engine that ignores a
-push, takes part of the tensors, or applies part of an update is stopped at the first sync where its weights differ
-from the trainer's, with one line naming the first tensor that differs; a correct engine is never stopped, in any
-dtype, however long the run.
+the load every engine tensor must carry exactly the digest of what was pushed into it, each element at its place in
+the engine's layout. So an engine that ignores a push, takes part of the tensors, applies part of an update, or puts
+a weight in the wrong place (transposed, heads or fused parts exchanged, shards in another order) is stopped at the
+first sync where its weights differ from the trainer's, with one line naming the first tensor that differs; a
+correct engine is never stopped, in any dtype, however long the run. A pushed tensor the engine does not read back
+is a difference too.
 
 The probe stays, as a measurement: after each push the engine and the trainer score the same probe (a prompt, its
 reference answer and EOS), and the largest absolute difference of their log-probs is logged
 (``rollout/sync_logp_diff``). In float32 a correct engine agrees to ~1e-6; in bf16 two correct implementations
 differ by their rounding (about 0.1 nat on a 3B model's probe, growing as the policy sharpens), so the probe cannot
 tell a stale engine from rounding and never stops a run after the first sync. At the first sync both sides hold
-the same weights, so the gap there is pure numerics: above ``calibration_limit`` the engine does not run the same
-model (another architecture reading, dtype or configuration), which is an error. Later gaps above the warning level
+the same weights, so the gap there is pure numerics: above ``calibration_limit`` (0.1 nat for a float32 engine, 1.0
+otherwise) the engine does not run the same model (another architecture reading, dtype or configuration), which is
+an error. Later gaps above the warning level
 (``data.sync.tolerance``, or ``noise_factor`` x the first gap) are logged as a warning.
 
 An engine that cannot read its weights back (``held_weights`` returns ``None``) is checked by the probe alone, and
@@ -23,13 +26,13 @@ the run says so once.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from amir_lightning.helpers.validation import check_number, raise_errors
-from amir_lightning.rollout.digest import ColumnSample, Digest, Reading, WeightSlot
+from amir_lightning.rollout.digest import ColumnSample, PushedDigests
 from amir_lightning.rollout.engine import RolloutEngine, WeightLayout
 from amir_lightning.rollout.policy import Policy
 
@@ -92,86 +95,6 @@ class SyncReport:
     gap: float
     tolerance: float
     verified: int
-
-
-class PushedDigests:
-    """Digests of a push, per engine tensor and part, taken as the tensors stream to the engine.
-
-    Args:
-        layout: Where the engine keeps each pushed tensor.
-        columns: The columns of kernel-held weights the engine reads back at this sync.
-    """
-
-    def __init__(self, layout: WeightLayout, columns: ColumnSample) -> None:
-        self.layout, self.columns = layout, columns
-        # engine tensor -> part -> (digests of all of it, of the sampled columns; None where not read back), each way
-        # it may load
-        self.parts: dict[str, dict[str, tuple[tuple[Digest, ...] | None, tuple[Digest, ...] | None]]] = {}
-        self.sources: dict[str, list[str]] = {}  # engine tensor -> the pushed names that fill it
-        self.conflicts: list[str] = []  # tied names pushed with different values
-        self.unheld: list[str] = []  # pushed names the engine keeps no copy of
-        self.dtypes: set[torch.dtype] = set()  # the dtypes the engine keeps the pushed tensors in
-
-    def tap(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """``named``, unchanged, with each tensor digested as it passes."""
-        for name, tensor in named:
-            self.add(name, tensor)
-            yield name, tensor
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Record one pushed tensor."""
-        slot: WeightSlot | None = self.layout.slot(name)
-        if slot is None or not (slot.whole or slot.kernel):
-            self.unheld.append(name)
-            return
-        self.dtypes.add(slot.dtype)
-        # only the copies the engine reads back: on a CPU most weights live in kernels alone
-        digests = (
-            slot.digests(tensor) if slot.whole else None,
-            slot.digests(tensor, self.columns) if slot.kernel else None,
-        )
-        parts = self.parts.setdefault(slot.key, {})
-        if slot.part in parts and parts[slot.part] != digests:
-            self.conflicts.append(f"{name} and {self.sources[slot.key][0]}, which both fill {slot.key}")
-        parts[slot.part] = digests
-        self.sources.setdefault(slot.key, []).append(name)
-
-    def expected(self, key: str, sampled: bool) -> set[Digest]:
-        """The digests the engine tensor ``key`` (or its sampled columns) may have: its parts' sum, each way."""
-        found = [d[sampled] for d in self.parts[key].values() if d[sampled] is not None]
-        totals = set()
-        for way in range(max((len(d) for d in found), default=1)):
-            total = Digest()
-            for digests in found:
-                total = total + digests[min(way, len(digests) - 1)]
-            totals.add(total)
-        return totals
-
-    def mismatches(self, held: dict[str, list[Reading]]) -> list[str]:
-        """Descriptions of every engine tensor that does not hold what was pushed, in push order.
-
-        A tensor the push fills must be read back in every way it was digested (whole, sampled columns): one the
-        engine does not read back is a mismatch too, not a tensor skipped.
-        """
-        wrong = [f"the push holds different values for the tied {c}" for c in self.conflicts]
-        for key in self.parts:
-            readings, pushed_as = held.get(key, []), " and ".join(self.sources[key])
-            unread = [w for w in (False, True) if self._digested(key, w) and not any(r.sampled == w for r in readings)]
-            stale = sum(r.digest not in self.expected(key, r.sampled) for r in readings)
-            if unread:
-                wrong.append(f"{key}, which the engine did not read back (pushed as {pushed_as})")
-            elif stale:
-                copies = f"{stale} of its {len(readings)} copies differ; " if len(readings) > 1 else ""
-                wrong.append(f"{key} ({copies}pushed as {pushed_as})")
-        wrong += [f"{key}, which no pushed tensor fills" for key in held if key not in self.parts]
-        return wrong
-
-    def compared(self, held: dict[str, list[Reading]]) -> int:
-        """The engine tensors whose read-back was compared with the push."""
-        return sum(1 for key in self.parts if held.get(key))
-
-    def _digested(self, key: str, sampled: bool) -> bool:
-        return any(d[sampled] is not None for d in self.parts[key].values())
 
 
 class SyncCheck:
