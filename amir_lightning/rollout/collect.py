@@ -118,7 +118,7 @@ class Rollout:
         groups: One ``Group`` per prompt, in prompt order.
         metrics: This process's rollout metrics (``rollout/*``, ``length/*``), not yet averaged over processes.
         seconds: Wall time of ``generate`` and ``score``.
-        tokens: Completion tokens generated.
+        tokens: Completion tokens generated: the policy's own (``Completion.policy_tokens``).
     """
 
     groups: list[Group]
@@ -209,6 +209,9 @@ def score_completions(
     Correctness (1.0 / 0.0) comes from the first ``MathAnswerReward``; it is NaN where that does not apply or when
     there is none, and the monitors then skip their correct/incorrect split.
 
+    ``length/mean`` and ``length/max`` count the policy's own tokens (``Completion.policy_tokens``, what the loss
+    trains on and the length-bias monitor measures); a tool's replies inside an episode are ``length/tool_tokens``.
+
     A NaN or inf score (a bug in a reward function) makes that completion's total NaN: its group gets zero
     advantage and no pairs, so it is never trained on, and ``rollout/nonfinite_rewards`` counts it (``RewardGuard``
     warns and stops after ``data.rollout.max_bad_rollouts`` such rollouts in a row).
@@ -240,7 +243,7 @@ def score_completions(
         # where() keeps the NaN of a non-finite score (the group is then dropped) and adds 0 where it does not apply
         total += reward.weight * torch.where(applies, values, torch.zeros_like(values))
         applied += applies.long()
-    lengths = torch.tensor([len(c.token_ids) for _, c in rows], dtype=torch.float32)
+    lengths = torch.tensor([c.policy_tokens for _, c in rows], dtype=torch.float32)  # a tool's replies: not counted
     truncated = torch.tensor([c.truncated for _, c in rows], dtype=torch.float32)
     good = total[~total.isnan()]
     metrics.update(
@@ -290,12 +293,12 @@ def collect_rollout(
     # A group with a non-finite reward carries no signal (zero advantage, no pairs): see score_completions.
     advantages = group_advantages(total, settings.group_size, settings.advantage_scale, std=std).nan_to_num(nan=0.0)
     groups = make_groups(prompts, prompt_ids, completions, total, advantages, correct)
-    tokens = sum(len(c.token_ids) for group in completions for c in group)
+    tokens = sum(c.policy_tokens for group in completions for c in group)  # sampled (a tool's replies are not)
     episodes = [c for group in completions for c in group if c.loss_mask is not None]
     if episodes:  # multi-turn (data.environment): how much the policy used its tool
         metrics["rollout/tool_calls"] = sum(c.tool_calls for c in episodes) / len(episodes)
         metrics["rollout/tool_call_frac"] = sum(c.tool_calls > 0 for c in episodes) / len(episodes)
-        metrics["length/tool_tokens"] = sum(len(c.loss_mask) - sum(c.loss_mask) for c in episodes) / len(episodes)
+        metrics["length/tool_tokens"] = sum(len(c.token_ids) - c.policy_tokens for c in episodes) / len(episodes)
     rollout = Rollout(groups, metrics, {"generate_s": generate_s, "score_s": score_s}, tokens)
     zero_std = rollout.zero_std
     metrics.update(

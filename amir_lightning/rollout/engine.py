@@ -153,6 +153,17 @@ class Completion:
         """Whether the completion was cut by the length limit."""
         return self.finish_reason == "length"
 
+    @property
+    def policy_tokens(self) -> int:
+        """The policy's own tokens, those the loss trains on: the loss mask's sum (a tool's replies not counted).
+
+        Every token count of the step (the aggregations' normalisers, the token-normalised statistics, the logged
+        lengths) counts these, so an episode trains as its policy turns alone would.
+        """
+        if self.loss_mask is None:
+            return len(self.token_ids)
+        return int(sum(self.loss_mask[: len(self.token_ids)]))
+
 
 class WeightLayout(ABC):
     """Maps the trainer's parameter names (Hugging Face's) to where an engine keeps them."""

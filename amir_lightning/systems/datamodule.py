@@ -462,7 +462,7 @@ class RolloutDataModule(LightningDataModule):
         rollout = collect_rollout(
             current.prompts, current.prompt_ids, sampled, self.rewards, self.settings, self._sum_over_processes
         )
-        tokens = sum(len(c.token_ids) for group in completions for c in group)
+        tokens = sum(c.policy_tokens for group in completions for c in group)
         rollout.seconds.update(generate_s=current.generate_s, sync_s=sync_s, wait_s=waited)
         rollout.metrics.update(
             {
