@@ -56,7 +56,8 @@ class RolloutSettings:
             ``current`` (default): the trainer's current weights, so the first step's ratio is 1 and no pass is
             added (decoupled PPO, arXiv 2110.00641); the staleness is then corrected by the engine/trainer importance
             weights (``model.loss.init_args.sampling_correction``, on by default), which weigh each token by the
-            current policy's probability over the sampling engine's, truncated at ``sampling_cap``. ``sampler``:
+            current policy's probability over the sampling engine's, truncated at ``sampling_cap`` (per token: a
+            ``sequence_*`` weight, a product of hundreds of stale ratios, is warned about). ``sampler``:
             the trainer's under the weights that sampled it (kept until then): exact PPO ratios, for one more
             forward pass over the rollout. On the demo ``current`` learned as the synchronous loop did, and
             ``sampler`` less (held-out 0.879 against 0.829 over 3 seeds: docs/benchmarks.md).
@@ -100,12 +101,21 @@ class RolloutSettings:
         return self.passes > 1 or self.steps_per_rollout > 1
 
     def uncorrected_staleness(self, sampling_correction: str | None) -> str | None:
-        """A warning when rollouts sampled a rollout ahead would train with nothing weighing their staleness."""
-        if self.max_staleness and self.stale_logps == "current" and sampling_correction == "none":
+        """A warning when the engine/trainer weights that carry a stale rollout's staleness are off or per sequence."""
+        if not (self.max_staleness and self.stale_logps == "current"):
+            return None
+        fix = "Keep the correction per token (token_truncate, the default) or set data.rollout.stale_logps: sampler."
+        if sampling_correction == "none":
             return (
                 "data.rollout.stale_logps current with model.loss.init_args.sampling_correction none: each rollout, "
-                "sampled by weights one rollout older, trains with ratio 1 and nothing weighs its staleness. Keep the "
-                "correction on (token_truncate, the default) or set data.rollout.stale_logps: sampler."
+                f"sampled by weights one rollout older, trains with ratio 1 and nothing weighs its staleness. {fix}"
+            )
+        if str(sampling_correction).startswith("sequence"):
+            return (
+                f"data.rollout.stale_logps current and data.rollout.max_staleness {self.max_staleness} with "
+                f"model.loss.init_args.sampling_correction {sampling_correction}: a completion's weight is the "
+                "product of its token ratios, each stale by a rollout's updates; over hundreds of tokens it lands near "
+                f"zero or at the cap (zero with sequence_mask) for most sequences. {fix}"
             )
         return None
 
