@@ -98,13 +98,22 @@ def test_a_config_file_with_an_old_key_names_its_new_place(tmp_path, capsys, old
     assert hint in capsys.readouterr().err
 
 
+CALCULATOR = "amir_lightning.rollout.CalculatorEnvironment"
+
+
 @pytest.mark.parametrize(
     ("given", "length"),
-    [([], 2), (["--model.loss.init_args.max_completion_length", "5"], 5)],
+    [
+        ([], 2),
+        (["--model.loss.init_args.max_completion_length", "5"], 5),
+        (["--data.environment", CALCULATOR], 8),
+        (["--data.environment", CALCULATOR, "--data.environment.max_turns", "3"], 6),
+    ],
 )
 def test_dr_grpo_divides_by_the_completion_length_limit(given, length):
     """Dr. GRPO's L is a constant: ``data.sampling.max_new_tokens`` (2 in tiny.yaml) unless given, never the step's
-    longest completion."""
+    longest completion; for episodes, the policy-token limit: each of ``max_turns`` turns (4 by default) may write
+    ``max_new_tokens`` (a tool's replies are not the policy's tokens)."""
     from amir_lightning.cli import build_cli
 
     tiny = str(Path(__file__).parents[1] / "configs" / "tiny.yaml")

@@ -205,20 +205,22 @@ def test_a_short_reference_is_preferred_to_a_worked_solution(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("given", "named"),
+    ("given", "named", "truncates"),
     [
-        ({"top_p": 0.9}, "top_p 0.9"),
-        ({"top_k": 20}, "top_k 20"),
-        ({"min_p": 0.05}, "min_p 0.05"),
-        ({"repetition_penalty": 1.1}, "repetition_penalty 1.1"),
-        ({"generation_kwargs": {"logit_bias": {"5": 2.0}}}, "generation_kwargs.logit_bias"),
-        ({"stop": ["</answer>"], "generation_kwargs": {"ignore_eos": False}}, None),
-        ({}, None),
+        ({"top_p": 0.9}, "top_p 0.9", True),
+        ({"top_k": 20}, "top_k 20", True),
+        ({"min_p": 0.05}, "min_p 0.05", True),
+        ({"repetition_penalty": 1.1}, "repetition_penalty 1.1", False),
+        ({"generation_kwargs": {"logit_bias": {"5": 2.0}}}, "generation_kwargs.logit_bias", False),
+        ({"stop": ["</answer>"], "generation_kwargs": {"ignore_eos": False}}, None, False),
+        ({}, None, False),
     ],
 )
-def test_sampling_that_reshapes_the_distribution_says_what_it_does_to_the_log_probs(given, named, caplog):
+def test_sampling_that_reshapes_the_distribution_says_what_it_does_to_the_log_probs(given, named, truncates, caplog):
     """vLLM's sampling log-probs come from the distribution it samples (truncated, penalised), the trainer's from the
-    softmax at the temperature; stop strings and ``ignore_eos`` change nothing a token is drawn from."""
+    softmax at the temperature; stop strings and ``ignore_eos`` change nothing a token is drawn from. Truncation
+    (top-p/k, min-p) samples p / Z on the kept tokens: the mismatch weight is Z <= 1 on every token, which the
+    warning says cannot repair it."""
     from amir_lightning.data import ArithmeticPrompts
     from amir_lightning.rollout import HFEngine, SamplingConfig
     from amir_lightning.systems.datamodule import RolloutDataModule
@@ -228,6 +230,8 @@ def test_sampling_that_reshapes_the_distribution_says_what_it_does_to_the_log_pr
     said = [r.getMessage() for r in caplog.records if "reshapes the distribution" in r.getMessage()]
     assert len(said) == int(named is not None)
     assert all(f"({named})" in m and "sampling_correction: none" in m for m in said)
+    kept_mass = "the mismatch weight is the kept mass Z <= 1 on every token: a uniform shrinkage that cannot repair"
+    assert [kept_mass in m for m in said] == [truncates] * len(said)
 
 
 @pytest.mark.parametrize(

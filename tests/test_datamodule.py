@@ -183,3 +183,17 @@ def test_decoupled_old_log_probs_are_the_default_and_a_run_without_the_correctio
     assert "sampling_correction none" in ahead.uncorrected_staleness("none")
     assert RolloutSettings(max_staleness=1, stale_logps="sampler").uncorrected_staleness("none") is None
     assert RolloutSettings().uncorrected_staleness("none") is None  # in turn: nothing is stale
+
+
+@pytest.mark.parametrize("correction", ["sequence_truncate", "sequence_mask"])
+def test_sequence_weights_on_a_stale_rollout_with_current_old_log_probs_are_warned(correction):
+    """``stale_logps: current`` leaves the staleness to the importance weights; one per sequence is the product of
+    hundreds of stale token ratios, far from 1 for most completions: the run names the three keys before it starts.
+    A token correction, ``stale_logps: sampler`` or a rollout trained in turn is not warned about."""
+    warning = RolloutSettings(max_staleness=1).uncorrected_staleness(correction)
+    keys = ("data.rollout.stale_logps current", "data.rollout.max_staleness 1", f"sampling_correction {correction}")
+    assert warning is not None and "\n" not in warning and all(key in warning for key in keys)
+    assert "product of its token ratios" in warning and "data.rollout.stale_logps: sampler" in warning
+    assert RolloutSettings(max_staleness=1).uncorrected_staleness("token_mask") is None
+    assert RolloutSettings(max_staleness=1, stale_logps="sampler").uncorrected_staleness(correction) is None
+    assert RolloutSettings().uncorrected_staleness(correction) is None

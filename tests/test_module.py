@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from amir_lightning.models import HFModel, build_tiny_model
-from amir_lightning.objectives import AmirGRPOLoss, group_advantages
+from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages
 from amir_lightning.objectives.amir import PairWeightSettings
 from amir_lightning.rollout.batch import Group, build_steps, fit_plan, make_batch, plan_steps
 from amir_lightning.rollout.engine import Completion
@@ -187,3 +187,59 @@ def test_packing_auto_follows_the_attention_implementation(tmp_path):
     varlen = AmirGRPOModule(policy=HFModel(str(model_dir)), scoring=ScoringSettings(attn_implementation="varlen"))
     varlen.configure_model()
     assert varlen.policy.config._attn_implementation == "varlen" and varlen.handle.packed
+
+
+def episode_steps(module, seed=0):
+    """Episodes with every tool reply after their last policy turn (so the causal model scores the policy tokens of
+    both alike), and the same completions without the replies; old and engine log-probs near the policy's own."""
+    from helpers.policy_tokens import episode_groups
+
+    data = episode_groups(seed, trailing=True)
+    gen = torch.Generator().manual_seed(seed)
+    batch = make_batch(data.policy_only, module.handle.pad_token_id)
+    logps = module.handle.logps(batch)
+    rows = [(e, b) for eg, bg in zip(data.episodes, data.policy_only) for e, b in zip(eg.completions, bg.completions)]
+    for row, (episode, bare) in enumerate(rows):
+        n = len(bare.token_ids)
+        old = logps[row, :n] + 0.1 * torch.randn(n, generator=gen)  # the trainer's before this step
+        bare.old_logprobs, bare.logprobs = old.tolist(), (old + 0.2 * torch.randn(n, generator=gen)).tolist()
+        replies = len(episode.token_ids) - n
+        episode.old_logprobs, episode.logprobs = bare.old_logprobs + [-4.0] * replies, bare.logprobs + [0.0] * replies
+    return data.episodes, data.policy_only
+
+
+def module_step(module, groups):
+    """The gradient and summed stats of one step of ``groups`` as ``training_step`` runs it (2 micro-batches)."""
+    module.policy.zero_grad(set_to_none=True)
+    (step,) = build_steps(plan_steps(groups, 1, 1), module.handle.pad_token_id)
+    context, stats = module.step_context(step), {}
+    for batch in step.micro_batches:
+        out, _ = module.compute_loss(batch, context)
+        out.loss.backward()
+        for key, value in out.stats.items():
+            stats[key] = stats.get(key, 0.0) + value.detach()
+    return torch.cat([p.grad.flatten() for p in module.policy.parameters()]), stats
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [GRPOLoss(aggregation="grpo"), GRPOLoss(aggregation="dr_grpo", max_completion_length=30),
+     GRPOLoss(aggregation="bnpo", mask_truncated_completions=True), GRPOLoss(aggregation="dapo"),
+     AmirGRPOLoss(aggregation="dapo", kl_coef=0.0)],
+    ids=["grpo", "dr_grpo", "bnpo mask_truncated", "dapo", "amir dapo"],
+)  # fmt: skip
+def test_episodes_train_as_their_policy_tokens_through_the_module(module, loss):
+    """Through the real forward: a step of episodes (8-token tool replies, masked) makes the update of the same step
+    without the replies, and logs the same entropy, clip fractions, engine/trainer KL and importance weights."""
+    episodes, bare = episode_steps(module)
+    own = module.loss
+    module.loss = loss
+    try:
+        ep_grad, ep_stats = module_step(module, episodes)
+        bare_grad, bare_stats = module_step(module, bare)
+    finally:
+        module.loss = own
+    assert bare_grad.abs().sum() > 0 and float(bare_stats["train/clip_frac"]) > 0
+    torch.testing.assert_close(ep_grad, bare_grad, atol=1e-6, rtol=1e-4)
+    for key in ("train/entropy", "train/clip_frac", "rollout/engine_trainer_kl", "train/is_weight_mean", "train/loss"):
+        torch.testing.assert_close(ep_stats[key], bare_stats[key], atol=1e-6, rtol=1e-4, msg=key)

@@ -40,16 +40,22 @@ TRAINER_DEFAULTS = {
 
 
 def link_completion_length(config) -> None:
-    """``dr_grpo``'s constant ``L`` is the completion length limit, ``data.sampling.max_new_tokens``, unless given.
+    """``dr_grpo``'s constant ``L`` is the policy-token limit of a completion unless given (``max_new_tokens`` a turn).
 
+    ``L`` is ``data.sampling.max_new_tokens``, times ``data.environment.init_args.max_turns`` for multi-turn episodes.
     Dr. GRPO divides every step by the same ``N * L`` (arXiv 2503.20783); without a value the loss would take each
-    step's longest completion, a length dependence of its own.
+    step's longest completion, a length dependence of its own. The step's tokens are the policy's own (a tool's
+    replies are not counted), and each of an episode's turns may write ``max_new_tokens`` of them. An environment
+    without a ``max_turns`` argument leaves ``L`` to be given.
     """
     loss = config["model"].get("loss")
     init = loss.get("init_args") if loss is not None and hasattr(loss, "get") else None
     if init is None or init.get("aggregation") != "dr_grpo" or init.get("max_completion_length") is not None:
         return
-    init["max_completion_length"] = config["data"]["sampling"]["max_new_tokens"]
+    environment = config["data"].get("environment")
+    turns = 1 if environment is None else (environment.get("init_args") or {}).get("max_turns")
+    if turns is not None:
+        init["max_completion_length"] = config["data"]["sampling"]["max_new_tokens"] * turns
 
 
 class _Parser(LightningArgumentParser):

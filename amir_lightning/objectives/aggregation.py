@@ -18,7 +18,12 @@ def step_normalizers(
     mask_truncated_completions: bool,
     max_completion_length: int | None,
 ) -> dict[str, float]:
-    """``num_sequences``, ``num_tokens`` (tokens that enter the policy-gradient term) and ``max_length`` of a step."""
+    """``num_sequences``, ``num_tokens`` (tokens that enter the policy-gradient term) and ``max_length`` of a step.
+
+    ``completion_lengths`` counts each completion's policy tokens (its loss mask's sum, ``RolloutStep.lengths``),
+    so a tool's replies inside an episode count nowhere: not in ``num_tokens``, not in what dropping truncated
+    completions takes away, not in the longest completion that stands in for ``max_completion_length``.
+    """
     lengths = completion_lengths.float()
     if mask_truncated_completions and truncated is not None:
         lengths = lengths * (~truncated.bool()).float()

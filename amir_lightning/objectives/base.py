@@ -13,8 +13,9 @@ class StepContext:
 
     Attributes:
         num_sequences: Completions in the step.
-        num_tokens: Completion tokens that enter the policy-gradient term.
-        max_length: ``L`` of ``dr_grpo``: ``max_completion_length`` or the step's longest completion.
+        num_tokens: Policy tokens (loss-mask sums: a tool's replies are not counted) in the policy-gradient term.
+        max_length: ``L`` of ``dr_grpo``: ``max_completion_length`` or the step's longest completion (in policy
+            tokens).
         num_pairs: Preference pairs mined in the step (the pair losses are pooled over them).
         lambda_: Weight of the pair term during this step (0 for GRPO); schedules update it after the step.
     """

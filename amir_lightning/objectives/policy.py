@@ -10,6 +10,7 @@ Aggregation of the per-token loss ``c`` over one optimisation step of N completi
                                                             mean over processes
     dapo     sum_i,t c_i,t / sum_i |o_i|                    token mean over the global step batch (all processes)
     dr_grpo  sum_i,t c_i,t / (N * L)                        L = max_completion_length, a constant
+|o_i| and every token count are the policy's own tokens (the loss mask; not a tool's replies inside an episode).
 
 Micro-batches hold whole groups and share the step's ``StepContext`` (``num_sequences``, ``num_tokens``,
 ``max_length``, over all processes), so summing their losses gives exactly the full-batch loss and gradient. The
@@ -69,9 +70,9 @@ class GRPOLoss(nn.Module):
         kl_coef: Coefficient of the k3 KL penalty to the reference policy (TRL's ``beta``); 0 needs no reference
             model.
         mask_truncated_completions: Drop completions that hit the length limit from the policy-gradient term.
-        max_completion_length: ``L`` of ``dr_grpo``: a constant, the completion length limit (``amir fit`` sets it
-            to ``data.sampling.max_new_tokens`` unless given; training without it is an error). ``None`` in a
-            direct call: the longest completion of the call.
+        max_completion_length: ``L`` of ``dr_grpo``: a constant, the completion's policy-token limit (``amir fit``
+            sets it to ``data.sampling.max_new_tokens``, times the environment's ``max_turns`` for episodes, unless
+            given; training without it is an error). ``None`` in a direct call: the longest completion of the call.
         sampling_correction: Importance weights for the engine/trainer mismatch (module docstring), or ``none``.
         sampling_cap: Largest importance weight kept (TRL's ``vllm_importance_sampling_clip_max``).
     """
@@ -145,7 +146,7 @@ class GRPOLoss(nn.Module):
         """The ``StepContext`` of a step from all of its completions (on this process).
 
         Args:
-            completion_lengths: ``[N]`` completion token counts of every completion of the step.
+            completion_lengths: ``[N]`` policy tokens (loss-mask sums, ``RolloutStep.lengths``) of each completion.
             rewards: ``[N]`` rewards of the step (pairs are mined from them).
             group_size: ``G``.
             truncated: ``[N]`` bool, completions that hit the length limit.
@@ -177,7 +178,7 @@ class GRPOLoss(nn.Module):
 
         Args:
             token_logps: ``[N, T]`` log-probs of the sampled tokens under the current policy (with grad).
-            completion_mask: ``[N, T]`` 1 on completion tokens.
+            completion_mask: ``[N, T]`` the loss mask: 1 on the policy's own tokens (0 on a tool's replies, padding).
             advantages: ``[N]`` group advantages.
             rewards: ``[N]`` raw rewards (pairs are mined from them).
             group_size: ``G``.
@@ -213,6 +214,15 @@ class GRPOLoss(nn.Module):
         del token_logps, completion_mask, ref_token_logps, context
         return out
 
+    def trained_tokens(self, completion_mask: torch.Tensor, truncated: torch.Tensor | None) -> torch.Tensor:
+        """``[N, T]`` the policy-gradient term's tokens, those the step's ``num_tokens`` counts.
+
+        The loss mask (the policy's own tokens), less truncated completions with ``mask_truncated_completions``.
+        """
+        if self.mask_truncated_completions and truncated is not None:
+            return completion_mask * (~truncated.bool()).to(completion_mask.dtype).unsqueeze(1)
+        return completion_mask
+
     def policy_gradient(
         self,
         token_logps: torch.Tensor,
@@ -225,9 +235,7 @@ class GRPOLoss(nn.Module):
         context: StepContext,
     ) -> LossOutput:
         """The clipped surrogate (and k3 KL) term, aggregated with the step's normalisers (module docstring)."""
-        mask = completion_mask.to(token_logps.dtype)  # [N, T]
-        if self.mask_truncated_completions and truncated is not None:
-            mask = mask * (~truncated.bool()).to(mask.dtype).unsqueeze(1)
+        mask = self.trained_tokens(completion_mask, truncated).to(token_logps.dtype)  # [N, T]
         lengths = mask.sum(-1)  # [N]
         weights = row_weights(self.aggregation, lengths, vars(context)).detach()  # [N] per-token weight of row i
         token_weights, stats = mask, {}

@@ -168,7 +168,9 @@ class RolloutStep:
 
     Attributes:
         micro_batches: The step's micro-batches (gradient accumulation), in order; fillers (``fit_plan``) last.
-        lengths: ``[N]`` completion lengths of every completion of the step.
+        lengths: ``[N]`` policy tokens of every completion of the step (``Completion.policy_tokens``, the sums of
+            the loss mask: a tool's replies inside an episode are context, not counted), which the aggregations'
+            normalisers and the token-normalised statistics divide by.
         rewards: ``[N]`` their rewards.
         truncated: ``[N]`` their truncation flags.
         group_size: ``G``.
@@ -291,7 +293,7 @@ def build_steps(
         steps.append(
             RolloutStep(
                 micro_batches=[make_batch(part, pad_id) if part else _filler(filler, pad_id) for part in parts],
-                lengths=torch.tensor([len(c.token_ids) for c in rows], dtype=torch.float),
+                lengths=torch.tensor([c.policy_tokens for c in rows], dtype=torch.float),
                 rewards=torch.cat([g.rewards for g in step_groups]).float() if step_groups else torch.zeros(0),
                 truncated=torch.tensor([c.truncated for c in rows], dtype=torch.bool),
                 group_size=len((step_groups or [filler])[0].completions),

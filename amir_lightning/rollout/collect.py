@@ -56,7 +56,8 @@ class RolloutSettings:
             ``current`` (default): the trainer's current weights, so the first step's ratio is 1 and no pass is
             added (decoupled PPO, arXiv 2110.00641); the staleness is then corrected by the engine/trainer importance
             weights (``model.loss.init_args.sampling_correction``, on by default), which weigh each token by the
-            current policy's probability over the sampling engine's, truncated at ``sampling_cap``. ``sampler``:
+            current policy's probability over the sampling engine's, truncated at ``sampling_cap`` (per token: a
+            ``sequence_*`` weight, a product of hundreds of stale ratios, is warned about). ``sampler``:
             the trainer's under the weights that sampled it (kept until then): exact PPO ratios, for one more
             forward pass over the rollout. On the demo ``current`` learned as the synchronous loop did, and
             ``sampler`` less (held-out 0.879 against 0.829 over 3 seeds: docs/benchmarks.md).
@@ -100,12 +101,21 @@ class RolloutSettings:
         return self.passes > 1 or self.steps_per_rollout > 1
 
     def uncorrected_staleness(self, sampling_correction: str | None) -> str | None:
-        """A warning when rollouts sampled a rollout ahead would train with nothing weighing their staleness."""
-        if self.max_staleness and self.stale_logps == "current" and sampling_correction == "none":
+        """A warning when the engine/trainer weights that carry a stale rollout's staleness are off or per sequence."""
+        if not (self.max_staleness and self.stale_logps == "current"):
+            return None
+        fix = "Keep the correction per token (token_truncate, the default) or set data.rollout.stale_logps: sampler."
+        if sampling_correction == "none":
             return (
                 "data.rollout.stale_logps current with model.loss.init_args.sampling_correction none: each rollout, "
-                "sampled by weights one rollout older, trains with ratio 1 and nothing weighs its staleness. Keep the "
-                "correction on (token_truncate, the default) or set data.rollout.stale_logps: sampler."
+                f"sampled by weights one rollout older, trains with ratio 1 and nothing weighs its staleness. {fix}"
+            )
+        if str(sampling_correction).startswith("sequence"):
+            return (
+                f"data.rollout.stale_logps current and data.rollout.max_staleness {self.max_staleness} with "
+                f"model.loss.init_args.sampling_correction {sampling_correction}: a completion's weight is the "
+                "product of its token ratios, each stale by a rollout's updates; over hundreds of tokens it lands near "
+                f"zero or at the cap (zero with sequence_mask) for most sequences. {fix}"
             )
         return None
 
@@ -118,7 +128,7 @@ class Rollout:
         groups: One ``Group`` per prompt, in prompt order.
         metrics: This process's rollout metrics (``rollout/*``, ``length/*``), not yet averaged over processes.
         seconds: Wall time of ``generate`` and ``score``.
-        tokens: Completion tokens generated.
+        tokens: Completion tokens generated: the policy's own (``Completion.policy_tokens``).
     """
 
     groups: list[Group]
@@ -209,6 +219,9 @@ def score_completions(
     Correctness (1.0 / 0.0) comes from the first ``MathAnswerReward``; it is NaN where that does not apply or when
     there is none, and the monitors then skip their correct/incorrect split.
 
+    ``length/mean`` and ``length/max`` count the policy's own tokens (``Completion.policy_tokens``, what the loss
+    trains on and the length-bias monitor measures); a tool's replies inside an episode are ``length/tool_tokens``.
+
     A NaN or inf score (a bug in a reward function) makes that completion's total NaN: its group gets zero
     advantage and no pairs, so it is never trained on, and ``rollout/nonfinite_rewards`` counts it (``RewardGuard``
     warns and stops after ``data.rollout.max_bad_rollouts`` such rollouts in a row).
@@ -243,7 +256,7 @@ def score_completions(
         total += reward.weight * torch.where(applies, values, torch.zeros_like(values))
         applied += applies.long()
         metrics.update({f"{reward.name}/{key}": value for key, value in reward.metrics().items()})
-    lengths = torch.tensor([len(c.token_ids) for _, c in rows], dtype=torch.float32)
+    lengths = torch.tensor([c.policy_tokens for _, c in rows], dtype=torch.float32)  # a tool's replies: not counted
     truncated = torch.tensor([c.truncated for _, c in rows], dtype=torch.float32)
     good = total[~total.isnan()]
     metrics.update(
@@ -293,12 +306,12 @@ def collect_rollout(
     # A group with a non-finite reward carries no signal (zero advantage, no pairs): see score_completions.
     advantages = group_advantages(total, settings.group_size, settings.advantage_scale, std=std).nan_to_num(nan=0.0)
     groups = make_groups(prompts, prompt_ids, completions, total, advantages, correct)
-    tokens = sum(len(c.token_ids) for group in completions for c in group)
+    tokens = sum(c.policy_tokens for group in completions for c in group)  # sampled (a tool's replies are not)
     episodes = [c for group in completions for c in group if c.loss_mask is not None]
     if episodes:  # multi-turn (data.environment): how much the policy used its tool
         metrics["rollout/tool_calls"] = sum(c.tool_calls for c in episodes) / len(episodes)
         metrics["rollout/tool_call_frac"] = sum(c.tool_calls > 0 for c in episodes) / len(episodes)
-        metrics["length/tool_tokens"] = sum(len(c.loss_mask) - sum(c.loss_mask) for c in episodes) / len(episodes)
+        metrics["length/tool_tokens"] = sum(len(c.token_ids) - c.policy_tokens for c in episodes) / len(episodes)
     rollout = Rollout(groups, metrics, {"generate_s": generate_s, "score_s": score_s}, tokens)
     zero_std = rollout.zero_std
     metrics.update(

@@ -97,6 +97,33 @@ class SamplingConfig:
         given += [f"generation_kwargs.{k}" for k in self.generation_kwargs or {} if k in SHAPING]
         return [g for g in given if g]
 
+    def mismatch_warning(self) -> str | None:
+        """What the ``departures`` do to the trainer's importance weights, said once when the rollout is set up.
+
+        Top-p, top-k and min-p sample from the softmax p truncated to a kept set and renormalised, q = p / Z: every
+        sampled token's weight p / q is then Z <= 1, the same for every token of the position, so it shrinks the
+        step but cannot restore the dropped tokens' share of the gradient.
+        """
+        departures = self.departures()
+        if not departures:
+            return None
+        text = (
+            f"data.sampling reshapes the distribution ({', '.join(departures)}): the engine's log-probs are those of "
+            "the distribution it samples from, the trainer's those of the policy's softmax at the temperature (as in "
+            "TRL). Their ratio weighs every token in the mismatch correction "
+            "(model.loss.init_args.sampling_correction) and rollout/engine_trainer_kl counts it."
+        )
+        if self.top_p < 1 or self.top_k > 0 or self.min_p > 0:
+            text += (
+                " With top_p/top_k/min_p the engine samples from the kept tokens renormalised, so the mismatch weight "
+                "is the kept mass Z <= 1 on every token: a uniform shrinkage that cannot repair the truncation (the "
+                "dropped tokens are never sampled)."
+            )
+        return text + (
+            " Keep these off for training rollouts, or set sampling_correction: none to train on the samples as if "
+            "the policy had drawn them."
+        )
+
     def vllm_params(self) -> dict[str, Any]:
         """These settings as vLLM's ``SamplingParams`` (and its server's completion request) name them."""
         params = {
@@ -152,6 +179,17 @@ class Completion:
     def truncated(self) -> bool:
         """Whether the completion was cut by the length limit."""
         return self.finish_reason == "length"
+
+    @property
+    def policy_tokens(self) -> int:
+        """The policy's own tokens, those the loss trains on: the loss mask's sum (a tool's replies not counted).
+
+        Every token count of the step (the aggregations' normalisers, the token-normalised statistics, the logged
+        lengths) counts these, so an episode trains as its policy turns alone would.
+        """
+        if self.loss_mask is None:
+            return len(self.token_ids)
+        return int(sum(self.loss_mask[: len(self.token_ids)]))
 
 
 class WeightLayout(ABC):

@@ -116,15 +116,8 @@ class RolloutDataModule(LightningDataModule):
                 "process, so generation and training cannot overlap"
             )
         raise_errors(errors)
-        if departures := sampling.departures():
-            log.warning(
-                "data.sampling reshapes the distribution (%s): the engine's log-probs are those of the distribution it "
-                "samples from, the trainer's those of the policy's softmax at the temperature (as in TRL). Their ratio "
-                "weighs every token in the mismatch correction (model.loss.init_args.sampling_correction) and "
-                "rollout/engine_trainer_kl counts it. Keep these off for training rollouts, or set "
-                "sampling_correction: none to train on the samples as if the policy had drawn them.",
-                ", ".join(departures),
-            )
+        if warning := sampling.mismatch_warning():  # top-p/k, min-p: the weight is the kept mass Z <= 1
+            log.warning(warning)
         self.prompts, self.engine, self.environment = prompts, engine, environment
         self.rewards = [r if isinstance(r, Reward) else FunctionReward(r) for r in rewards or [MathAnswerReward()]]
         self.settings, self.sampling = rollout, sampling
@@ -462,7 +455,7 @@ class RolloutDataModule(LightningDataModule):
         rollout = collect_rollout(
             current.prompts, current.prompt_ids, sampled, self.rewards, self.settings, self._sum_over_processes
         )
-        tokens = sum(len(c.token_ids) for group in completions for c in group)
+        tokens = sum(c.policy_tokens for group in completions for c in group)
         rollout.seconds.update(generate_s=current.generate_s, sync_s=sync_s, wait_s=waited)
         rollout.metrics.update(
             {

@@ -110,7 +110,8 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         if getattr(self.loss, "aggregation", None) == "dr_grpo" and self.loss.max_completion_length is None:
             raise ValueError(
                 "model.loss.init_args.max_completion_length must be set for aggregation dr_grpo: its constant L, "
-                "normally data.sampling.max_new_tokens (amir fit fills it in from there)"
+                "normally data.sampling.max_new_tokens, times data.environment's max_turns for multi-turn episodes "
+                "(amir fit fills it in from there)"
             )
 
     def configure_model(self) -> None:  # noqa: D102
@@ -139,7 +140,8 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         """The loss of one micro-batch (its share of the step's) and the policy's token log-probs ``[n, T]``.
 
         The policy's forward with gradient, the reference's without; ``context`` from ``step_context``. With
-        ``scoring.entropy`` the stats include ``train/entropy`` (the micro-batch's share of the step's mean).
+        ``scoring.entropy`` the stats include ``train/entropy`` (the micro-batch's share of the step's mean over
+        the tokens of the policy-gradient term: the policy's own, counted by the step's ``num_tokens``).
         """
         logps, entropy = self.handle.completion_logps(self.policy, batch, self.temperature, self.handle.scoring.entropy)
         ref = None
@@ -159,7 +161,8 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
             context=context,
         )
         if entropy is not None:
-            out.stats["train/entropy"] = (entropy * batch.completion_mask).sum() / max(context.num_tokens, 1.0)
+            trained = self.loss.trained_tokens(batch.completion_mask, batch.truncated)  # [n, T]
+            out.stats["train/entropy"] = (entropy * trained).sum() / max(context.num_tokens, 1.0)
         return out, logps
 
     def training_step(self, step: RolloutStep, batch_idx: int) -> dict:
