@@ -2,12 +2,13 @@
 fit that learns with the trainer and the server in two processes."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import read_scalars, run_amir
-from helpers.engines import ServerDropsHalf, SkipsPushes, perturb
+from helpers.engines import ServerDropsHalf, ServerSwapsParts, SkipsPushes, perturb
 
 from amir_lightning.models import HFModel, build_tiny_model
 from amir_lightning.rollout import SamplingConfig, VLLMServerEngine
@@ -98,6 +99,28 @@ def test_a_server_that_gets_half_a_push_is_stopped(tiny_dir):
     finally:
         engine.close()
     assert process.poll() is not None  # the server ended with its engine
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two vLLM CPU workers need a core each")
+def test_a_tensor_parallel_server_is_verified_exactly_and_stopped_when_k_and_v_are_exchanged(tiny_dir, monkeypatch):
+    """A real TP 2 vLLM CPU server: the tiny model's one KV head is replicated on both workers, its vocabulary and
+    its row-parallel weights split. Three correct pushes verify every tensor (an order-free sum over the workers
+    stopped this engine at its first sync); the fourth sends k and v exchanged, and is stopped."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # vLLM binds CPU workers to NUMA nodes; here: one core each
+    policy = policy_of(tiny_dir)
+    engine = ServerSwapsParts(parts="kv", good_pushes=3, tensor_parallel_size=2, **SERVER)
+    engine.start(tiny_dir, seed=0)
+    try:
+        check = SyncCheck()
+        check.set_probe(policy.tokenizer, policy.tokenizer("12+4=")["input_ids"], "16 = 12 + 4")
+        for sync in range(3):
+            report = check.push_and_verify(policy, engine)
+            assert report.verified == 16 and report.gap < 1e-4
+            perturb(policy.model, 0.01, seed=sync)
+        with pytest.raises(StaleEngineError, match=r"the first: model\.layers\.0\.self_attn\.qkv_proj\.weight"):
+            check.push_and_verify(policy, engine)
+    finally:
+        engine.close()
 
 
 def test_a_fit_with_the_server_engine_learns_the_tiny_task(tmp_path):

@@ -183,15 +183,27 @@ class HFLayoutFault(_HFLayoutFault, HFEngine):
     ``rotary_interleaved`` or ``negated_down``."""
 
 
-class VLLMSwapsParts(_Misplaces, VLLMEngine):
-    """``VLLMEngine`` that exchanges two same-shaped parts of a fused tensor: ``kv`` (k and v in ``qkv_proj``, the
-    same shape under GQA) or ``gate_up`` (gate and up in ``gate_up_proj``)."""
+class _SwapsParts(_Misplaces):
+    """Exchanges two same-shaped parts of a fused tensor after ``good_pushes`` correct pushes: ``kv`` (k and v in
+    ``qkv_proj``, the same shape under GQA) or ``gate_up`` (gate and up in ``gate_up_proj``)."""
 
-    def __init__(self, parts: str = "kv", **kwargs) -> None:
+    def __init__(self, parts: str = "kv", good_pushes: int = 0, **kwargs) -> None:
         super().__init__(**kwargs)
         self.a, self.b = {"kv": ("k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}[parts]
+        self.good_pushes, self.loads = good_pushes, 0  # not ``pushes``: the server engine counts its own
 
     def misplace(self, state: dict) -> dict:  # noqa: D102
+        self.loads += 1
+        if self.loads <= self.good_pushes:
+            return state
         a, b = f".{self.a}.", f".{self.b}."
         swap = {name: name.replace(a, b) if a in name else name.replace(b, a) for name in state}
         return {swap[name]: tensor for name, tensor in state.items()}
+
+
+class VLLMSwapsParts(_SwapsParts, VLLMEngine):
+    """``VLLMEngine`` that exchanges k and v (or gate and up) inside its fused tensors."""
+
+
+class ServerSwapsParts(_SwapsParts, VLLMServerEngine):
+    """``VLLMServerEngine`` that sends k and v (or gate and up) exchanged after ``good_pushes`` correct pushes."""
