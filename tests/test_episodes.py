@@ -9,9 +9,10 @@ from helpers.tools import Echo
 from amir_lightning.data.base import Prompt
 from amir_lightning.models import build_tiny_model
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss
-from amir_lightning.rollout import CalculatorEnvironment, HFEngine, SamplingConfig
+from amir_lightning.rollout import CalculatorEnvironment, HFEngine, SamplingConfig, ToolError
 from amir_lightning.rollout.batch import make_batch, make_groups
-from amir_lightning.rollout.episodes import evaluate_arithmetic, run_episodes
+from amir_lightning.rollout.calculator import evaluate_arithmetic
+from amir_lightning.rollout.episodes import run_episodes
 
 
 @pytest.mark.parametrize(
@@ -35,7 +36,8 @@ def test_the_calculator_replies_to_the_turns_last_call_and_ends_an_episode_witho
     assert calculator.stop == ["</calc>"]
     assert calculator.step(None, "First <calc>2+2</calc> then <calc>12*7</calc>") == "<result>84</result>"
     assert calculator.step(None, "<calc>7/2</calc>") == "<result>3.5</result>"
-    assert calculator.step(None, "<calc>1/0</calc>").startswith("<result>error: ZeroDivisionError")
+    with pytest.raises(ToolError, match=r"^<result>error: ZeroDivisionError"):  # an error reply, counted
+        calculator.step(None, "<calc>1/0</calc>")
     assert calculator.step(None, "So the answer is \\boxed{84}.") is None
 
 

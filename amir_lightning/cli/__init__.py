@@ -4,7 +4,8 @@ amir fit --config configs/demo.yaml
 amir validate --config configs/demo.yaml
 amir fit --config configs/qwen.yaml --model.loss amir_lightning.objectives.GRPOLoss
 
-Exit codes: 0 done, 1 a reward's own error, 2 bad input (one line naming the key or file), 130 Ctrl-C, 143 SIGTERM.
+Exit codes: 0 done, 1 a reward's or environment's own error, 2 bad input (one line naming the key or file), 130 Ctrl-C,
+143 SIGTERM.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from amir_lightning.helpers.messages import user_message
 from amir_lightning.helpers.preflight import check_config_files
 from amir_lightning.models.export import HubPushError
 from amir_lightning.rewards.base import RewardError
+from amir_lightning.rollout.replies import EnvironmentStepError
 from amir_lightning.rollout.sync import StaleEngineError
 
 __all__ = ["AmirCLI", "build_cli", "link_completion_length", "main"]
@@ -74,7 +76,7 @@ def main(args: ArgsType = None) -> None:
         prefix = "trainer: " if isinstance(err, MisconfigurationException) else ""
         sys.stderr.write(f"amir: error: {prefix}{user_message(err)}\n(set AMIR_DEBUG=1 for the traceback)\n")
         raise SystemExit(2) from None
-    except RewardError as err:  # the user's code: its own traceback, then one line naming the reward
+    except (RewardError, EnvironmentStepError) as err:  # the user's code: its traceback, then one line naming it
         if os.environ.get("AMIR_DEBUG"):
             raise
         sys.stderr.write(user_traceback(err.__cause__) + f"amir: error: {err}\n")

@@ -4,9 +4,11 @@
 talks to a vLLM server over HTTP, so the training process never imports vLLM for it.
 """
 
+from amir_lightning.rollout.calculator import CalculatorEnvironment
 from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig
-from amir_lightning.rollout.episodes import CalculatorEnvironment, Environment
+from amir_lightning.rollout.episodes import Environment
 from amir_lightning.rollout.hf_engine import HFEngine
+from amir_lightning.rollout.replies import ToolError
 from amir_lightning.rollout.vllm_engine import VLLMEngine
 from amir_lightning.rollout.vllm_server import VLLMServerEngine
 
@@ -17,6 +19,7 @@ __all__ = [
     "HFEngine",
     "RolloutEngine",
     "SamplingConfig",
+    "ToolError",
     "VLLMEngine",
     "VLLMServerEngine",
 ]

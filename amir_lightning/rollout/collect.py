@@ -23,6 +23,7 @@ from amir_lightning.rewards.base import Reward, RewardInputs, call_reward
 from amir_lightning.rewards.math import MathAnswerReward
 from amir_lightning.rollout.batch import Group, make_groups
 from amir_lightning.rollout.engine import Completion
+from amir_lightning.rollout.replies import tool_metrics
 
 log = logging.getLogger(__name__)
 
@@ -307,11 +308,7 @@ def collect_rollout(
     advantages = group_advantages(total, settings.group_size, settings.advantage_scale, std=std).nan_to_num(nan=0.0)
     groups = make_groups(prompts, prompt_ids, completions, total, advantages, correct)
     tokens = sum(c.policy_tokens for group in completions for c in group)  # sampled (a tool's replies are not)
-    episodes = [c for group in completions for c in group if c.loss_mask is not None]
-    if episodes:  # multi-turn (data.environment): how much the policy used its tool
-        metrics["rollout/tool_calls"] = sum(c.tool_calls for c in episodes) / len(episodes)
-        metrics["rollout/tool_call_frac"] = sum(c.tool_calls > 0 for c in episodes) / len(episodes)
-        metrics["length/tool_tokens"] = sum(len(c.token_ids) - c.policy_tokens for c in episodes) / len(episodes)
+    metrics |= tool_metrics([c for group in completions for c in group])  # multi-turn: how the tool was used
     rollout = Rollout(groups, metrics, {"generate_s": generate_s, "score_s": score_s}, tokens)
     zero_std = rollout.zero_std
     metrics.update(

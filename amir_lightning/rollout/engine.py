@@ -164,7 +164,10 @@ class Completion:
             has moved on since (``data.rollout.max_staleness``); ``None``: the trainer's current weights sampled.
         loss_mask: 1 on the policy's own tokens, 0 on a tool's reply inside a multi-turn episode (context, not
             trained on: ``rollout/episodes.py``); ``None``: every token is the policy's.
-        tool_calls: How many times the episode's environment replied.
+        tool_calls: How many times the episode's environment replied (error replies included).
+        tool_errors: How many of those replies were errors (``ToolError``; ``rollout/episodes.py``).
+        tool_truncated: How many of those replies were cut at the environment's ``max_reply_tokens``.
+        tool_cut: Whether the episode was cut while calling the tool (at ``max_turns``, or out of context).
     """
 
     token_ids: list[int]
@@ -174,6 +177,9 @@ class Completion:
     old_logprobs: list[float] | None = None
     loss_mask: list[int] | None = None
     tool_calls: int = 0
+    tool_errors: int = 0
+    tool_truncated: int = 0
+    tool_cut: bool = False
 
     @property
     def truncated(self) -> bool:

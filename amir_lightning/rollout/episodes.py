@@ -13,13 +13,14 @@ episode's text, tool replies included (as TRL passes tool messages to reward fun
 
 The turns of all episodes are sampled together: the first from each prompt with ``n = group_size``, each later one
 from every unfinished episode's text so far with ``n = 1``, each call with a seed of its own.
+
+A tool's faults are outcomes of episodes, counted per rollout, or bugs that stop the run (``rollout/replies.py``);
+an episode still calling the tool at ``max_turns``, or out of context room, is cut, counted in
+``rollout/tool_cut_frac``.
 """
 
 from __future__ import annotations
 
-import ast
-import operator
-import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -28,26 +29,43 @@ from typing import Any
 from amir_lightning.data.base import Prompt
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rollout.engine import Completion, SamplingConfig
+from amir_lightning.rollout.replies import (
+    EnvironmentStepError,
+    ToolError,
+    call_environment,
+    encode_reply,
+    say_once,
+    step_reply,
+)
+
+__all__ = ["Environment", "EnvironmentStepError", "ToolError", "run_episodes"]
 
 
 class Environment(ABC):
     """What the policy talks to in a multi-turn rollout (``data.environment``): a tool, a game, a checker.
 
     Subclasses implement ``reset`` (an episode's state from its prompt) and ``step`` (the reply to one policy turn,
-    or ``None`` to end the episode).
+    or ``None`` to end the episode; ``raise ToolError(reply)`` for a call the tool cannot serve).
 
     Args:
         max_turns: Policy turns per episode; the episode ends after the last whatever it asks.
         stop: Strings that end a policy turn so the environment can reply (a tool call's closing tag).
-        max_reply_tokens: Longest tool reply in tokens (a longer one is cut).
+        max_reply_tokens: Longest tool reply in tokens (a longer one is cut, and counted).
+        on_step_error: What any other exception raised in ``step`` does: ``stop`` the run (it is a bug), or become
+            the ``reply`` ``error: <type>: <message>`` (counted as a tool error, reported once).
     """
 
-    def __init__(self, max_turns: int = 4, stop: list[str] | None = None, max_reply_tokens: int = 64) -> None:
+    def __init__(
+        self, max_turns: int = 4, stop: list[str] | None = None, max_reply_tokens: int = 64, on_step_error: str = "stop"
+    ) -> None:
         errors: list[str] = []
         check_number(errors, "data.environment.init_args.max_turns", max_turns, ge=1)
         check_number(errors, "data.environment.init_args.max_reply_tokens", max_reply_tokens, ge=1)
+        if on_step_error not in ("stop", "reply"):
+            errors.append(f"data.environment.init_args.on_step_error must be 'stop' or 'reply', got {on_step_error!r}")
         raise_errors(errors)
         self.max_turns, self.stop, self.max_reply_tokens = max_turns, list(stop or []), max_reply_tokens
+        self.on_step_error = on_step_error
 
     @abstractmethod
     def reset(self, prompt: Prompt) -> Any:
@@ -59,6 +77,9 @@ class Environment(ABC):
 
         ``message`` is the turn's text up to the end of the stop string that ended it, even when the turn's last
         token wrote past it.
+
+        Raises:
+            ToolError: The tool cannot serve the call; the error's message is the reply.
         """
 
 
@@ -71,7 +92,16 @@ class _Episode:
     loss_mask: list[int] = field(default_factory=list)
     finish_reason: str = "stop"
     tool_calls: int = 0
+    tool_errors: int = 0
+    tool_truncated: int = 0
+    tool_cut: bool = False
     done: bool = False
+
+    def completion(self, tokenizer) -> Completion:
+        """The episode as one completion (its text decoded from every token, replies included)."""
+        text = tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        return Completion(self.token_ids, text, self.logprobs, self.finish_reason, None, self.loss_mask,
+                          self.tool_calls, self.tool_errors, self.tool_truncated, self.tool_cut)  # fmt: skip
 
 
 def run_episodes(
@@ -96,9 +126,18 @@ def run_episodes(
         tokenizer: Encodes the replies and decodes the turns.
         room: Longest prompt + episode in tokens (the engine's ``max_model_len``); an episode that would not fit its
             next turn ends as truncated.
+
+    Returns:
+        ``n`` completions per prompt, each counting its tool's replies, errors, cut replies and whether it was cut.
+
+    Raises:
+        EnvironmentStepError: ``reset`` or ``step`` raised (other than ``ToolError``, unless ``on_step_error`` is
+            ``reply``).
+        ValueError: ``step`` returned something other than a string or ``None``.
     """
     turn_sampling = replace(sampling, stop=[*(sampling.stop or []), *environment.stop] or None)
-    episodes = [_Episode(i, environment.reset(prompts[i])) for i in range(len(prompts)) for _ in range(n)]
+    states = [call_environment(environment, "reset", prompt) for prompt in prompts]
+    episodes = [_Episode(i, states[i]) for i in range(len(prompts)) for _ in range(n)]
     for turn in range(environment.max_turns):
         active = [e for e in episodes if not e.done]
         if not active:
@@ -112,9 +151,7 @@ def run_episodes(
             _take_turn(environment, episode, completion, tokenizer, turn, prompt_ids, turn_sampling, room)
     out: list[list[Completion]] = [[] for _ in prompts]
     for e in episodes:
-        text = tokenizer.decode(e.token_ids, skip_special_tokens=True)
-        out[e.prompt_index].append(Completion(e.token_ids, text, e.logprobs, e.finish_reason, None, e.loss_mask,
-                                              e.tool_calls))  # fmt: skip
+        out[e.prompt_index].append(e.completion(tokenizer))
     return out
 
 
@@ -138,14 +175,20 @@ def _take_turn(
     # the policy's last word; so is one cut by the length limit, and the last turn allowed.
     if overshoot is None or turn == environment.max_turns - 1:
         episode.done = True
+        episode.tool_cut = overshoot is not None  # the last turn allowed asked the tool: the episode is cut
         return
-    reply = environment.step(episode.state, message)
+    reply, error = step_reply(environment, episode.state, message)
+    episode.tool_errors += error
     if reply is None:
         episode.done = True
         return
     if overshoot and reply.startswith(overshoot):
         reply = reply[len(overshoot) :]  # the policy already wrote the reply's first characters ("</calc><")
-    reply_ids = tokenizer(reply, add_special_tokens=False)["input_ids"][: environment.max_reply_tokens]
+    reply_ids, cut = encode_reply(tokenizer, reply, environment.max_reply_tokens)
+    if cut:
+        episode.tool_truncated += 1
+        said = f"a reply of {len(reply)} characters was cut to {environment.max_reply_tokens} tokens (max_reply_tokens)"
+        say_once(environment, "truncated", said + "; counted in rollout/tool_reply_truncated_frac")
     episode.token_ids += reply_ids
     episode.logprobs += [0.0] * len(reply_ids)  # not sampled: masked out of every ratio
     episode.loss_mask += [0] * len(reply_ids)
@@ -153,6 +196,7 @@ def _take_turn(
     used = len(prompt_ids[episode.prompt_index]) + len(episode.token_ids)
     if room is not None and used + sampling.max_new_tokens > room:
         episode.done, episode.finish_reason = True, "length"  # no room for another turn: cut, as a long completion is
+        episode.tool_cut = True
 
 
 def _turn_text(completion: Completion, stop: Sequence[str], tokenizer) -> tuple[str, str | None]:
@@ -172,91 +216,3 @@ def _turn_text(completion: Completion, stop: Sequence[str], tokenizer) -> tuple[
         return message, None
     end = min(ends)
     return message[:end], message[end:]
-
-
-_OPERATORS = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
-    ast.Pow: operator.pow,
-    ast.USub: operator.neg,
-    ast.UAdd: operator.pos,
-}
-
-
-def evaluate_arithmetic(expression: str, max_exponent: int = 64) -> float | int:
-    """The value of an arithmetic expression (numbers, + - * / // % **, parentheses); ``ValueError`` otherwise.
-
-    Parsed, never ``eval``-ed: model output is untrusted. Exponents above ``max_exponent`` are refused.
-    """
-
-    def value(node: ast.AST):
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return node.value
-        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
-            return _OPERATORS[type(node.op)](value(node.operand))
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
-            left, right = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Pow) and abs(right) > max_exponent:
-                raise ValueError(f"exponent {right} is over {max_exponent}")
-            return _OPERATORS[type(node.op)](left, right)
-        raise ValueError(f"not arithmetic: {ast.dump(node)[:60]}")
-
-    try:
-        tree = ast.parse(expression.strip().replace("^", "**").replace("×", "*").replace("÷", "/"), mode="eval")
-        return value(tree.body)
-    except (SyntaxError, ZeroDivisionError, OverflowError, RecursionError) as err:
-        raise ValueError(f"{type(err).__name__}: {err}") from None
-
-
-class CalculatorEnvironment(Environment):
-    """A calculator the policy calls by writing ``<calc>expression</calc>``; it replies ``<result>value</result>``.
-
-    Tell the policy about it in the system prompt (``data.system_prompt``), with one worked call: a small model
-    follows an example far more often than a description (SmolLM2-135M: 5 % of episodes against 1.6 %,
-    ``benchmarks/tool_use.py``), and RL needs some calling episodes to start from. ``configs/demo_calculator.yaml``
-    uses "You can use a calculator: write <calc>expression</calc> and the result follows as <result>value</result>."
-    followed by a question and an answer that calls it.
-
-    Args:
-        open: The text that starts a call.
-        close: The text that ends it (a stop string: the turn ends there and the calculator replies).
-        reply: The reply, with ``{value}`` (or ``{error}`` for an expression it cannot compute).
-        error_reply: The reply to an expression that is not arithmetic.
-        max_turns: Policy turns per episode.
-        max_reply_tokens: Longest reply in tokens.
-    """
-
-    def __init__(
-        self,
-        open: str = "<calc>",
-        close: str = "</calc>",
-        reply: str = "<result>{value}</result>",
-        error_reply: str = "<result>error: {error}</result>",
-        max_turns: int = 4,
-        max_reply_tokens: int = 64,
-    ) -> None:
-        if not open or not close:
-            raise ValueError("data.environment.init_args.open and close must be non-empty strings")
-        super().__init__(max_turns=max_turns, stop=[close], max_reply_tokens=max_reply_tokens)
-        self.open, self.close, self.reply, self.error_reply = open, close, reply, error_reply
-        self.call = re.compile(re.escape(open) + r"(.*?)" + re.escape(close), re.DOTALL)
-
-    def reset(self, prompt: Prompt) -> None:  # noqa: D102
-        return None
-
-    def step(self, state: None, message: str) -> str | None:
-        """The result of the turn's last call; ``None`` when the turn made none (the policy has answered)."""
-        calls = self.call.findall(message)
-        if not calls:
-            return None
-        try:
-            value = evaluate_arithmetic(calls[-1])
-        except ValueError as err:
-            return self.error_reply.format(error=str(err)[:80])
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        return self.reply.format(value=f"{value:.6g}" if isinstance(value, float) else value)

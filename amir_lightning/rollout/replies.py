@@ -1,0 +1,124 @@
+"""What an environment's replies become in an episode (``rollout/episodes.py``), and what its faults do.
+
+A tool's faults are outcomes of episodes, counted per rollout (``tool_metrics``), or bugs that stop the run:
+
+- a ``ToolError`` raised in ``step`` (the tool failed on the policy's input, as the calculator on ``9**9**9``) is the
+  reply, counted in ``rollout/tool_error_frac``;
+- any other exception in ``reset`` or ``step`` is a bug: the run stops with its traceback and one line naming the
+  class and ``data.environment`` (exit 1), unless the environment has ``on_step_error="reply"``;
+- a reply that is not a string (or ``None``) stops the run naming what it was (exit 2);
+- a reply is tokenised as text, cut at ``max_reply_tokens`` and counted in ``rollout/tool_reply_truncated_frac``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from amir_lightning.rollout.engine import Completion
+
+log = logging.getLogger(__name__)
+
+#: Characters tokenised first per reply token allowed: a longer reply is tokenised from a prefix (grown while short).
+_CHARS_PER_TOKEN = 16
+
+
+class ToolError(Exception):
+    """Raised in ``Environment.step`` when the tool fails on the policy's call; the message is the reply it reads.
+
+    An outcome of the episode, not an error of the run: counted in ``rollout/tool_error_frac``.
+    """
+
+
+class EnvironmentStepError(RuntimeError):
+    """An environment's ``reset`` or ``step`` raised (a bug in it); ``__cause__`` holds the exception."""
+
+
+def step_reply(environment: Any, state: Any, message: str) -> tuple[str | None, bool]:
+    """``environment.step(state, message)``, checked: the reply (``None``: the episode ends) and whether it is an error.
+
+    Raises:
+        EnvironmentStepError: ``step`` raised something other than ``ToolError`` and the environment's
+            ``on_step_error`` is ``stop``.
+        ValueError: ``step`` returned something other than a string or ``None``.
+    """
+    try:
+        reply = environment.step(state, message)
+    except ToolError as err:
+        return str(err), True
+    except Exception as err:
+        if getattr(environment, "on_step_error", "stop") != "reply":
+            raise _step_error(environment, "step", err) from err
+        said = f"step raised {type(err).__name__}: {err}; the reply is the error (on_step_error: reply)"
+        say_once(environment, type(err).__name__, said + "; counted in rollout/tool_error_frac")
+        return f"error: {type(err).__name__}: {err}", True
+    if reply is not None and not isinstance(reply, str):
+        raise ValueError(
+            f"data.environment: {type(environment).__name__}.step returned {reply!r:.80} ({type(reply).__name__}): "
+            "expected the reply as a str, or None to end the episode"
+        )
+    return reply, False
+
+
+def call_environment(environment: Any, method: str, *args: Any) -> Any:
+    """``environment.<method>(*args)``; an exception becomes an ``EnvironmentStepError`` naming the environment."""
+    try:
+        return getattr(environment, method)(*args)
+    except Exception as err:
+        raise _step_error(environment, method, err) from err
+
+
+def _step_error(environment: Any, method: str, err: Exception) -> EnvironmentStepError:
+    hint = " (raise amir_lightning.rollout.ToolError for a call the policy should read as an error)"
+    return EnvironmentStepError(
+        f"data.environment: {type(environment).__name__}.{method} raised {type(err).__name__}: {err}"
+        + (hint if method == "step" else "")
+    )
+
+
+def encode_reply(tokenizer, reply: str, limit: int) -> tuple[list[int], bool]:
+    """The first ``limit`` token ids of ``reply``, tokenised as text, and whether it had more.
+
+    Special-token text is split into ordinary tokens (``split_special_tokens``): a reply holding ``<|im_end|>``
+    cannot write the chat template's control token, so a tool cannot end the policy's turn or open a user's. Only a
+    prefix is tokenised, grown until it holds more than ``limit`` tokens, so a megabyte reply costs about what a
+    ``limit``-token one does.
+    """
+    chars = _CHARS_PER_TOKEN * (limit + 2)
+    while True:
+        ids = tokenizer(reply[:chars], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        if chars >= len(reply) or len(ids) > limit + 1:  # past the cut, the prefix's tokens are the reply's
+            return ids[:limit], len(ids) > limit
+        chars *= 4
+
+
+_SAID: set[tuple[str, str]] = set()
+
+
+def say_once(environment: Any, kind: str, message: str) -> None:
+    """Log ``message`` the first time ``environment``'s class has this ``kind`` of outcome in this process."""
+    key = (type(environment).__name__, kind)
+    if key not in _SAID:
+        _SAID.add(key)
+        log.warning("data.environment %s: %s", key[0], message)
+
+
+def tool_metrics(completions: Sequence[Completion]) -> dict[str, float]:
+    """A rollout's tool use (empty without episodes): replies, reply tokens, error and cut shares.
+
+    Replies per episode and the share of episodes with one, reply tokens per episode, the shares of replies that
+    were errors or cut at ``max_reply_tokens``, and of episodes cut while calling the tool.
+    """
+    episodes = [c for c in completions if c.loss_mask is not None]
+    if not episodes:
+        return {}
+    replies = max(sum(c.tool_calls for c in episodes), 1)
+    return {
+        "rollout/tool_calls": sum(c.tool_calls for c in episodes) / len(episodes),
+        "rollout/tool_call_frac": sum(c.tool_calls > 0 for c in episodes) / len(episodes),
+        "length/tool_tokens": sum(len(c.token_ids) - c.policy_tokens for c in episodes) / len(episodes),
+        "rollout/tool_error_frac": sum(c.tool_errors for c in episodes) / replies,
+        "rollout/tool_reply_truncated_frac": sum(c.tool_truncated for c in episodes) / replies,
+        "rollout/tool_cut_frac": sum(c.tool_cut for c in episodes) / len(episodes),
+    }
