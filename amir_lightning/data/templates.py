@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from amir_lightning.data.base import Prompt
+from amir_lightning.data.template_checks import check_structure, unsafe_access
 
 #: The paper's base template (arXiv 2601.03661's code): reason in <think>, answer in <answer> with a boxed final answer.
 #: Unlike the official string, the braces are not doubled (it was never ``.format()``-ed, so models saw ``{{}}``).
@@ -40,7 +41,18 @@ class ChatFormat:
         return chat if isinstance(chat, ChatFormat) else cls(system_prompt=chat)
 
     def check(self, tokenizer, where: str = "data") -> None:
-        """Stop with one line when there is no chat template for ``template_kwargs`` to reach, or it does not render."""
+        """Stop with one line when there is no chat template for ``template_kwargs`` to reach, or it does not render.
+
+        A template of ``chat_template`` (untrusted input) is also refused when it names a Python internal, or
+        drops the user's message or the system prompt, or writes no generation prompt (``template_checks.py``).
+        """
+        if self.template:
+            unsafe = unsafe_access(self.template)
+            if unsafe:
+                raise ValueError(
+                    f"{where}.chat_template reaches for Python internals ({unsafe}): a chat template is rendered "
+                    "sandboxed and may not use names starting with '_'"
+                )
         if not (self.template or getattr(tokenizer, "chat_template", None)):
             if self.template_kwargs:
                 raise ValueError(
@@ -57,6 +69,9 @@ class ChatFormat:
                 if self.template
                 else f"the tokenizer's chat template does not render a prompt: {type(err).__name__}: {err}"
             ) from None
+        wrong = self.template and check_structure(tokenizer, self.template, self.system_prompt, self.template_kwargs)
+        if wrong:
+            raise ValueError(f"{where}.chat_template {wrong}")
 
     def messages(self, prompt: Prompt) -> list[dict[str, str]]:
         """The chat messages of ``prompt``.

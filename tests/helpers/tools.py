@@ -29,3 +29,42 @@ class Echo(Environment):
 
     def step(self, state, message):  # noqa: D102
         return "=12"
+
+
+class BuggyStep(Echo):
+    """``step`` has a bug: it raises ``TypeError`` (``len`` of the state, which is ``None``)."""
+
+    def __init__(self, max_turns: int = 3, on_step_error: str = "stop") -> None:
+        super().__init__(max_turns=max_turns)
+        self.on_step_error = on_step_error  # set here, not through Environment's argument, so main's code builds it
+
+    def step(self, state, message):  # noqa: D102
+        return "=" + str(len(state))
+
+
+class BuggyReset(Echo):
+    """``reset`` raises ``KeyError`` (a prompt field that is not there)."""
+
+    def reset(self, prompt):  # noqa: D102
+        return prompt.meta["difficulty"]
+
+
+class NumberReply(Echo):
+    """``step`` returns the number 12, not the text ``"12"``."""
+
+    def step(self, state, message):  # noqa: D102
+        return 12
+
+
+class MegabyteReply(Echo):
+    """Replies with a megabyte, ``=1=1...``, every turn (a tool that prints a whole file)."""
+
+    def step(self, state, message):  # noqa: D102
+        return "=1" * 500_000
+
+
+class PageReply(Echo):
+    """Replies with what ``MegabyteReply``'s reply is cut to (its first ``max_reply_tokens`` = 8 characters)."""
+
+    def step(self, state, message):  # noqa: D102
+        return "=1=1=1=1"
