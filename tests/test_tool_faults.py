@@ -202,17 +202,12 @@ def test_a_megabyte_reply_trains_as_its_first_tokens_and_is_counted(tmp_path, mo
     """End to end, 2 rollouts of 16 x 8 episodes: a tool replying a megabyte every turn trains exactly as one
     replying the 8 characters it is cut to, and TensorBoard shows every reply cut and the episodes cut at
     ``max_turns``."""
-    runs = {}
-    for name in ("megabyte", "page"):
-        tool = {"megabyte": "tools.MegabyteReply", "page": "tools.PageReply"}[name]
+    for name, tool in (("megabyte", "tools.MegabyteReply"), ("page", "tools.PageReply")):
         code, err = fit_here(tmp_path, monkeypatch, capsys, ["--data.environment", tool], name=name)
         assert code == 0, err[-2000:]
-        runs[name] = read_scalars(tmp_path / "runs" / name)
-    big, page = runs["megabyte"], runs["page"]
-    assert big["rollout/tool_reply_truncated_frac"] == [1.0, 1.0] and page["rollout/tool_reply_truncated_frac"] == [
-        0.0,
-        0.0,
-    ]
+    big, page = read_scalars(tmp_path / "runs" / "megabyte"), read_scalars(tmp_path / "runs" / "page")
+    assert big["rollout/tool_reply_truncated_frac"] == [1.0, 1.0]
+    assert page["rollout/tool_reply_truncated_frac"] == [0.0, 0.0]
     assert big["rollout/tool_calls"] == page["rollout/tool_calls"] and min(big["rollout/tool_calls"]) > 0
     assert big["rollout/tool_cut_frac"] == page["rollout/tool_cut_frac"] and max(big["rollout/tool_cut_frac"]) > 0
     weights, same = policy(tmp_path, "megabyte"), policy(tmp_path, "page")

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from jinja2 import TemplateSyntaxError, nodes
+from jinja2 import TemplateSyntaxError, Undefined, nodes
+from jinja2.exceptions import SecurityError
 from jinja2.ext import Extension
 from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -34,13 +35,22 @@ class _GenerationBlock(Extension):
         return nodes.Scope(body, lineno=lineno)
 
 
-def unsafe_access(template: str) -> str | None:
+class _StrictSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, where reaching for an internal raises instead of rendering nothing."""
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> Undefined:  # noqa: D102
+        raise SecurityError(f"{attribute!r} of a {type(obj).__name__!r} when rendered")
+
+
+def unsafe_access(template: str, variables: dict[str, Any]) -> str | None:
     """Where ``template`` names Python internals, as ``'__class__' at line 1, ...``; ``None`` when it names none.
 
-    An attribute starting with ``_`` (what the sandbox refuses: ``x.__class__``, ``x|attr('_y')``) or an item
-    key starting with ``__`` (``x['__class__']``; a single ``_`` can be a dictionary's own key).
+    Written out: an attribute starting with ``_`` (what the sandbox refuses: ``x.__class__``, ``x|attr('_y')``) or
+    an item key starting with ``__`` (``x['__class__']``; a single ``_`` can be a dictionary's own key). Computed
+    (``x['__cla' ~ 'ss__']``): found by rendering with ``variables`` in a sandbox that raises where transformers'
+    renders nothing.
     """
-    env = ImmutableSandboxedEnvironment(extensions=[_GenerationBlock, "jinja2.ext.loopcontrols"])
+    env = _StrictSandbox(extensions=[_GenerationBlock, "jinja2.ext.loopcontrols"])
     try:
         tree = env.parse(template)
     except TemplateSyntaxError:
@@ -50,7 +60,16 @@ def unsafe_access(template: str) -> str | None:
         name, prefix = _named(node)
         if name is not None and name.startswith(prefix):
             found.add((node.lineno, name))
-    return ", ".join(f"{name!r} at line {line}" for line, name in sorted(found)) or None
+    if found:
+        return ", ".join(f"{name!r} at line {line}" for line, name in sorted(found))
+    env.globals.update(raise_exception=lambda message: "", strftime_now=lambda fmt: "")
+    try:
+        env.from_string(template).render(**variables)
+    except SecurityError as err:
+        return str(err)
+    except Exception:  # noqa: BLE001 - anything else is for the real render to report
+        return None
+    return None
 
 
 def _named(node: nodes.Node) -> tuple[str | None, str]:

@@ -47,7 +47,10 @@ class ChatFormat:
         drops the user's message or the system prompt, or writes no generation prompt (``template_checks.py``).
         """
         if self.template:
-            unsafe = unsafe_access(self.template)
+            probe = {"messages": self.messages(Prompt(question="1 + 1", answer="")), "add_generation_prompt": True}
+            unsafe = unsafe_access(
+                self.template, probe | getattr(tokenizer, "special_tokens_map", {}) | self.template_kwargs
+            )
             if unsafe:
                 raise ValueError(
                     f"{where}.chat_template reaches for Python internals ({unsafe}): a chat template is rendered "
