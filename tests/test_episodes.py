@@ -17,7 +17,15 @@ from amir_lightning.rollout.episodes import run_episodes
 
 @pytest.mark.parametrize(
     ("expression", "value"),
-    [("12*7", 84), ("(3 + 4) ^ 2", 49), ("7 / 2", 3.5), ("-2 ** 3", -8), ("10 // 3 % 2", 1)],
+    [
+        ("12*7", 84),
+        ("(3 + 4) ^ 2", 49),
+        ("7 / 2", 3.5),
+        ("-2 ** 3", -8),
+        ("10 // 3 % 2", 1),
+        ("+".join(["1"] * 150), 150),
+        ("9 ** 64 * 9 ** 64", 9**128),
+    ],
 )
 def test_the_calculator_computes_arithmetic(expression, value):
     assert evaluate_arithmetic(expression) == value

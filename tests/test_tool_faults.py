@@ -144,7 +144,7 @@ CALCULATOR = [
     ("10,000-deep parentheses", "(" * 10_000 + "1" + ")" * 10_000, "expression of 20001 characters is over 1000"),
     ("10,000 minus signs: MemoryError, a crash", "-" * 10_000 + "1", "expression of 10001 characters is over 1000"),
     ("a sum 10,000 terms deep", "+".join(["1"] * 10_000), "expression of 19999 characters is over 1000"),
-    ("499 minus signs (under the length bound)", "-" * 499 + "1", "expression nested over 100 deep"),
+    ("499 minus signs (under the length bound)", "-" * 499 + "1", "expression nested over 200 deep"),
     ("the root of a negative number", "(-8) ** 0.5 // 1", "not a real number"),
 ]
 BOUND_S, BOUND_BYTES = 0.05, 1_000_000

@@ -34,7 +34,7 @@ _OPERATORS = {
 
 
 def evaluate_arithmetic(
-    expression: str, max_exponent: int = 64, max_digits: int = 1000, max_chars: int = 1000, max_depth: int = 100
+    expression: str, max_exponent: int = 64, max_digits: int = 1000, max_chars: int = 1000, max_depth: int = 200
 ) -> float | int:
     """The value of an arithmetic expression (numbers, + - * / // % **, parentheses); ``ValueError`` otherwise.
 
@@ -71,7 +71,7 @@ def evaluate_arithmetic(
 
     try:
         return value(tree.body)
-    except (ZeroDivisionError, OverflowError) as err:
+    except (ZeroDivisionError, OverflowError, RecursionError) as err:  # RecursionError: called from a deep stack
         raise ValueError(f"{type(err).__name__}: {err}") from None
 
 
