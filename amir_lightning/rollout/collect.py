@@ -276,8 +276,10 @@ class Scores:
     seconds: float
 
     @classmethod
-    def of(cls, rewards: list[Reward], prompts: list[Prompt], completions: list[list[Completion]], warn_s: float):
-        """Score ``completions`` (``score_completions``) and time it."""
+    def of(
+        cls, rewards: list[Reward], prompts: list[Prompt], completions: list[list[Completion]], warn_s: float
+    ) -> Scores:
+        """Score ``completions`` (``score_completions``, ``warn_s`` its ``reward_warn_s``) and time it."""
         start = time.perf_counter()
         total, metrics, correct = score_completions(rewards, prompts, completions, warn_s)
         return cls(total, metrics, correct, time.perf_counter() - start)

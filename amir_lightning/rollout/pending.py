@@ -96,9 +96,9 @@ class PendingRollout:
     def state(self) -> dict:
         """Plain data for a checkpoint (waits for sampling to finish); its scores when ``score`` has run."""
         completions, digest = self.wait(), prompt_digest(self.prompt_ids)
-        saved = SavedRollout(self.drawn_at, self.version, self.weights, self.generate_s, completions, digest)
-        saved.scores = self.scores
-        return saved.state()
+        return SavedRollout(
+            self.drawn_at, self.version, self.weights, self.generate_s, completions, digest, self.scores
+        ).state()
 
 
 def prompt_digest(prompt_ids: list[list[int]]) -> str:
@@ -138,10 +138,9 @@ class SavedRollout:
     @classmethod
     def from_state(cls, state: dict) -> SavedRollout:  # noqa: D102
         groups = [[Completion(**c) for c in group] for group in state["completions"]]
-        saved = cls(int(state["drawn_at"]), int(state["version"]), state["weights"], float(state["generate_s"]), groups)
-        saved.prompt_digest = state.get("prompt_digest")
-        saved.scores = Scores(**state["scores"]) if state.get("scores") is not None else None
-        return saved
+        scores = Scores(**state["scores"]) if state.get("scores") is not None else None
+        when = int(state["drawn_at"]), int(state["version"])
+        return cls(*when, state["weights"], float(state["generate_s"]), groups, state.get("prompt_digest"), scores)
 
     def fits(self, prompt_ids: list[list[int]]) -> bool:
         """Whether its completions were sampled for these prompts (their count only, in an older checkpoint)."""
