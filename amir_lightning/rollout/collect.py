@@ -278,6 +278,29 @@ def score_completions(
     return total, {k: (0.0 if math.isnan(v) else v) for k, v in metrics.items()}, correct
 
 
+@dataclass
+class Scores:
+    """``score_completions``'s ``[B * G]`` totals, metrics and ``[B * G]`` correctness, and the seconds it took.
+
+    A rollout sampled ahead keeps them, and so does its checkpoint (``rollout/pending.py``): a resumed run trains on
+    these rewards instead of asking a judge or a reward model again.
+    """
+
+    total: torch.Tensor
+    metrics: dict[str, float]
+    correct: torch.Tensor
+    seconds: float
+
+    @classmethod
+    def of(
+        cls, rewards: list[Reward], prompts: list[Prompt], completions: list[list[Completion]], warn_s: float
+    ) -> Scores:
+        """Score ``completions`` (``score_completions``, ``warn_s`` its ``reward_warn_s``) and time it."""
+        start = time.perf_counter()
+        total, metrics, correct = score_completions(rewards, prompts, completions, warn_s)
+        return cls(total, metrics, correct, time.perf_counter() - start)
+
+
 def collect_rollout(
     prompts: list[Prompt],
     prompt_ids: list[list[int]],
@@ -285,6 +308,7 @@ def collect_rollout(
     rewards: list[Reward],
     settings: RolloutSettings,
     sum_over_processes: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    scores: Scores | None = None,
 ) -> Rollout:
     """Sample ``settings.group_size`` completions per prompt, score them, and group them with their advantages.
 
@@ -295,13 +319,17 @@ def collect_rollout(
         rewards: Summed with their weights.
         settings: Group size and advantage scaling.
         sum_over_processes: Sums a tensor over processes; ``advantage_scale: batch`` needs it for the global std.
+        scores: The completions' scores when they were scored already (a rollout sampled ahead); the rewards are
+            then not called.
+
+    Returns:
+        The rollout: its groups with their advantages, and its metrics.
     """
     start = time.perf_counter()
     completions = generate(prompt_ids, settings.group_size)
     generate_s = time.perf_counter() - start
-    start = time.perf_counter()
-    total, metrics, correct = score_completions(rewards, prompts, completions, settings.reward_warn_s)
-    score_s = time.perf_counter() - start
+    scores = scores or Scores.of(rewards, prompts, completions, settings.reward_warn_s)
+    total, metrics, correct, score_s = scores.total, dict(scores.metrics), scores.correct, scores.seconds
     std = batch_std(total, sum_over_processes) if settings.advantage_scale == "batch" else None
     # A group with a non-finite reward carries no signal (zero advantage, no pairs): see score_completions.
     advantages = group_advantages(total, settings.group_size, settings.advantage_scale, std=std).nan_to_num(nan=0.0)

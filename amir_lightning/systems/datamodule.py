@@ -34,6 +34,7 @@ from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingCon
 from amir_lightning.rollout.episodes import Environment, run_episodes
 from amir_lightning.rollout.pending import PendingRollout, SavedRollout
 from amir_lightning.rollout.policy import Policy
+from amir_lightning.rollout.saved import gather_saved, restore, saved_for_rank
 from amir_lightning.rollout.sync import SyncCheck, SyncSettings
 from amir_lightning.systems.progress import time_left
 
@@ -188,14 +189,17 @@ class RolloutDataModule(LightningDataModule):
         A checkpoint written after this rollout's prompts were drawn but before any of its steps started (SLURM's
         requeue checkpoint, saved whenever the signal comes, often mid-generation) holds the position before the
         draw: its resume, which runs the rollout again, draws the same prompts, as an uninterrupted run does.
+        With ``max_staleness`` 1 it holds every process's rollout sampled ahead, scored (``rollout/saved.py``).
         """
         drawn_only = self._drawn_at is not None and not self._steps_started
         cursor = self._drawn_at if drawn_only else self.stream.position
         rollout = {"epoch": self._rollout_epoch, "steps_started": self._steps_started}
         state = {"cursor": cursor, "sync": self.sync_check.state_dict(), "rollout": rollout}
         ahead, cursor = self._rollout_ahead()
-        if ahead is not None:
-            state["pending"] = ahead.state()  # waits for its sampling to finish
+        if ahead is not None and ahead is self._pending:  # scored now: this run and a resumed one train these scores
+            ahead.score(self.rewards, self.settings.reward_warn_s)
+        if self.settings.max_staleness:  # waits for its sampling to finish
+            state["pending"] = gather_saved(ahead.state() if ahead else None, not self.policy.sharded)
         if cursor is not None:
             state["cursor"] = cursor
         return state
@@ -216,8 +220,10 @@ class RolloutDataModule(LightningDataModule):
         rollout = state_dict.get("rollout", {})
         self._rollout_epoch, self._steps_started = rollout.get("epoch"), int(rollout.get("steps_started", 0))
         self._drawn_at = None
-        pending = state_dict.get("pending")
-        self._saved = SavedRollout.from_state(pending) if pending is not None else None
+        rank, ranks, overlapped = self.trainer.global_rank, self.trainer.world_size, bool(self.settings.max_staleness)
+        self._saved, redraw_at = saved_for_rank(state_dict.get("pending"), rank, ranks, overlapped)
+        if redraw_at is not None:
+            self.stream.position = redraw_at
         self._current = self._pending = None
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
@@ -452,8 +458,9 @@ class RolloutDataModule(LightningDataModule):
         def sampled(ids: list[list[int]], n: int):
             return completions
 
+        scores = current.score(self.rewards, self.settings.reward_warn_s)  # a checkpoint's rollout kept its own
         rollout = collect_rollout(
-            current.prompts, current.prompt_ids, sampled, self.rewards, self.settings, self._sum_over_processes
+            current.prompts, current.prompt_ids, sampled, self.rewards, self.settings, self._sum_over_processes, scores
         )
         tokens = sum(c.policy_tokens for group in completions for c in group)
         rollout.seconds.update(generate_s=current.generate_s, sync_s=sync_s, wait_s=waited)
@@ -492,8 +499,8 @@ class RolloutDataModule(LightningDataModule):
         if saved is None:
             return None
         self.stream.position = saved.drawn_at
-        prompts = self._draw()
-        return saved.pending(prompts, self.tokenize(prompts))
+        prompts, rank, ranks = self._draw(), self.trainer.global_rank, self.trainer.world_size
+        return restore(saved, prompts, self.tokenize(prompts), rank, ranks, self._max_over_processes)
 
     def val_dataloader(self) -> DataLoader | list:  # noqa: D102
         batches = self.evaluator().validation_batches(self.val_prompts)
