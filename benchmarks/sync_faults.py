@@ -47,7 +47,7 @@ def faults(model_dir: Path, syncs: int) -> None:
             engine.start(model_dir, seed=0)
             stopped = syncs_until_stopped(engine, Trainer(model_dir), syncs)
             engine.close()
-            base = engine_cls.__mro__[2].__name__
+            base = next(c.__name__ for c in engine_cls.__mro__ if c in (HFEngine, VLLMEngine))
             fault = engine_cls.__name__.removeprefix(base.removesuffix("Engine"))
             fault += f" {' '.join(map(str, kwargs.values()))}" if kwargs else ""
             print(f"| {base} | {fault} | {dtype} | {first_wrong} | {stopped or f'not in {syncs}'} |")

@@ -89,7 +89,8 @@ def test_each_process_resumes_its_own_rollout_sampled_ahead_and_never_another_ra
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = str(tmp_path / "gathered.pt")
-    mp.start_processes(_two_ranks, args=(port, out), nprocs=2, start_method="fork")
+    # spawned, not forked: a process group an earlier test left in this process must not be inherited
+    mp.start_processes(_two_ranks, args=(port, out), nprocs=2, start_method="spawn")
     gathered = torch.load(out, weights_only=True)  # as Lightning loads a checkpoint
     sharded, replicated = gathered["sharded"], gathered["replicated"]
     assert sharded["world_size"] == 2 and sorted(sharded["ranks"]) == [0, 1]
