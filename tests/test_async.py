@@ -83,7 +83,8 @@ def test_the_next_rollout_samples_while_the_policy_trains_on_the_weights_that_wi
     # The ratio's old log-probs are the trainer's under those weights, exactly; the policy has moved since.
     scored = watch.current[3]
     policy = data.policy
-    from amir_lightning.rollout.batch import Group, make_batch
+    from amir_lightning.rollout.batch import make_batch
+    from amir_lightning.rollout.types import Group
 
     zeros = torch.zeros(8)
     groups = [Group(ids, comps, zeros, zeros) for ids, comps in zip(scored.prompt_ids, scored.completions)]

@@ -11,7 +11,7 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -21,8 +21,9 @@ from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.objectives.advantages import batch_std, group_advantages
 from amir_lightning.rewards.base import Reward, RewardInputs, call_reward
 from amir_lightning.rewards.math import MathAnswerReward
-from amir_lightning.rollout.batch import Group, make_groups
+from amir_lightning.rollout.batch import make_groups
 from amir_lightning.rollout.engine import Completion
+from amir_lightning.rollout.types import Rollout
 
 log = logging.getLogger(__name__)
 
@@ -118,32 +119,6 @@ class RolloutSettings:
                 f"zero or at the cap (zero with sequence_mask) for most sequences. {fix}"
             )
         return None
-
-
-@dataclass
-class Rollout:
-    """One collected rollout.
-
-    Attributes:
-        groups: One ``Group`` per prompt, in prompt order.
-        metrics: This process's rollout metrics (``rollout/*``, ``length/*``), not yet averaged over processes.
-        seconds: Wall time of ``generate`` and ``score``.
-        tokens: Completion tokens generated: the policy's own (``Completion.policy_tokens``).
-    """
-
-    groups: list[Group]
-    metrics: dict[str, float]
-    seconds: dict[str, float] = field(default_factory=dict)
-    tokens: int = 0
-
-    @property
-    def zero_std(self) -> list[bool]:
-        """Per group: all its rewards are equal (no policy gradient)."""
-        return [bool((g.rewards == g.rewards[0]).all()) for g in self.groups]
-
-    def trained_groups(self, drop_zero_std: bool) -> list[Group]:
-        """The groups the step trains on: all, or those with reward variance."""
-        return [g for g, zero in zip(self.groups, self.zero_std) if not (drop_zero_std and zero)]
 
 
 class RewardGuard:
