@@ -24,8 +24,8 @@ import torch
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.rewards.base import Reward
-from amir_lightning.rollout.collect import Scores
 from amir_lightning.rollout.engine import Completion
+from amir_lightning.rollout.rewarding import Scores
 
 
 @dataclass

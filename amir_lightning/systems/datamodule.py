@@ -29,11 +29,12 @@ from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rewards.base import FunctionReward, Reward
 from amir_lightning.rewards.math import MathAnswerReward
 from amir_lightning.rollout.batch import agree_on_plan, build_steps, plan_steps
-from amir_lightning.rollout.collect import RewardGuard, RolloutSettings, collect_rollout
+from amir_lightning.rollout.collect import RolloutSettings, collect_rollout
 from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig
 from amir_lightning.rollout.episodes import Environment, run_episodes
 from amir_lightning.rollout.pending import PendingRollout, SavedRollout
 from amir_lightning.rollout.policy import Policy
+from amir_lightning.rollout.rewarding import RewardGuard
 from amir_lightning.rollout.saved import gather_saved, restore, saved_for_rank
 from amir_lightning.rollout.sync import SyncCheck, SyncSettings
 from amir_lightning.rollout.types import Rollout
