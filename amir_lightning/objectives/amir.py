@@ -217,23 +217,31 @@ class AmirGRPOLoss(GRPOLoss):
         advantages: torch.Tensor,
         rewards: torch.Tensor,
         group_size: int,
-        old_token_logps: torch.Tensor | None = None,
-        ref_token_logps: torch.Tensor | None = None,
-        truncated: torch.Tensor | None = None,
-        sampling_token_logps: torch.Tensor | None = None,
+        *,
         context: StepContext | None = None,
+        **optional: torch.Tensor | None,
     ) -> LossOutput:
         """The GRPO term's output plus ``lambda *`` the pair loss pooled over the step's pairs.
 
-        The arguments are ``GRPOLoss.forward``'s.
+        Args:
+            token_logps: ``[N, T]`` as in ``GRPOLoss.forward``, like ``completion_mask``, ``advantages``,
+                ``rewards``, ``group_size`` and ``context``.
+            completion_mask: ``[N, T]``.
+            advantages: ``[N]``.
+            rewards: ``[N]``.
+            group_size: ``G``.
+            context: The step's ``StepContext``; default: this call is the whole step.
+            **optional: ``GRPOLoss.forward``'s optional tensors, by name (``old_token_logps``, ``ref_token_logps``,
+                ``truncated``, ``sampling_token_logps``).
         """
         if context is None:  # this call is the whole step: its pairs, mined once, travel in the context
             pairs = self.pairs(rewards, group_size)
+            truncated = optional.get("truncated")
             context = self.step_context(completion_mask.sum(-1), rewards, group_size, truncated, pairs=pairs)
         out = super().forward(
-            token_logps, completion_mask, advantages, rewards, group_size, old_token_logps, ref_token_logps,
-            truncated, sampling_token_logps, context,
-        )  # fmt: skip
+            token_logps, completion_mask, advantages, rewards, group_size, context=context, **optional
+        )
+        ref_token_logps = optional.get("ref_token_logps")
         pair_loss, stats, push = self.pair_loss(token_logps, completion_mask, out.rows.pairs, ref_token_logps, context)
         out.loss = out.loss + context.lambda_ * pair_loss
         out.stats.update(stats)
