@@ -123,7 +123,7 @@ def test_a_run_resumed_between_rollouts_ends_where_an_uninterrupted_run_does(tmp
     otherwise now), ending with the uninterrupted run's weights."""
     (straight_module, straight), (_, first), (module, data) = cut_and_resume(build_changing_reward, tmp_path, 3)
     assert (straight.engine.rollouts, first.engine.rollouts, data.engine.rollouts) == (4, 3, 1)
-    assert data.stream.position == straight.stream.position
+    assert data.feed.position == straight.feed.position
     for name, weight in straight_module.policy.state_dict().items():
         assert torch.equal(weight, module.policy.state_dict()[name]), name
     # straight: rollouts 1-3 as they train; cut: rollouts 2 and 3 when their checkpoints were written; resumed: 4 only
