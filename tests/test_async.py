@@ -11,6 +11,7 @@ from test_datamodule import build as build_with
 from test_datamodule import cut_and_resume, make_trainer
 
 from amir_lightning.data import ArithmeticPrompts
+from amir_lightning.rewards.base import Reward
 from amir_lightning.rollout import HFEngine, VLLMServerEngine
 from amir_lightning.rollout.collect import RolloutSettings
 from amir_lightning.systems.datamodule import RolloutDataModule
@@ -82,7 +83,8 @@ def test_the_next_rollout_samples_while_the_policy_trains_on_the_weights_that_wi
     # The ratio's old log-probs are the trainer's under those weights, exactly; the policy has moved since.
     scored = watch.current[3]
     policy = data.policy
-    from amir_lightning.rollout.batch import Group, make_batch
+    from amir_lightning.rollout.batch import make_batch
+    from amir_lightning.rollout.types import Group
 
     zeros = torch.zeros(8)
     groups = [Group(ids, comps, zeros, zeros) for ids, comps in zip(scored.prompt_ids, scored.completions)]
@@ -96,14 +98,36 @@ def test_the_next_rollout_samples_while_the_policy_trains_on_the_weights_that_wi
     data.engine.close()
 
 
+class ChangesItsMind(Reward):
+    """The completion's length on its first call, minus it on every later one: a reward that need not answer the same
+    twice (a judge sampling its verdict, a reward model in bf16), so a rollout scored again would train otherwise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def score(self, completions, answers, **kwargs) -> list[float]:  # noqa: D102
+        self.calls += 1
+        return [float(len(c)) * (1.0 if self.calls == 1 else -1.0) for c in completions]
+
+
+def build_changing_reward(tmp_path) -> tuple[AmirGRPOModule, RolloutDataModule]:
+    module, data = build(tmp_path)
+    data.rewards = [ChangesItsMind()]
+    return module, data
+
+
 def test_a_run_resumed_between_rollouts_ends_where_an_uninterrupted_run_does(tmp_path):
-    """Cut after 2 of 3 rollouts: the checkpoint holds rollout 3, sampled by rollout 2's weights, and the resumed run
-    trains on it (no new generation but the one sampled ahead), ending with the uninterrupted run's weights."""
-    (straight_module, straight), (_, first), (module, data) = cut_and_resume(build, tmp_path, 3)
+    """Cut after 2 of 3 rollouts: the checkpoint holds rollout 3, sampled by rollout 2's weights and scored, and the
+    resumed run trains on it (no new generation but the one sampled ahead, no new scoring: its reward answers
+    otherwise now), ending with the uninterrupted run's weights."""
+    (straight_module, straight), (_, first), (module, data) = cut_and_resume(build_changing_reward, tmp_path, 3)
     assert (straight.engine.rollouts, first.engine.rollouts, data.engine.rollouts) == (4, 3, 1)
-    assert data.stream.position == straight.stream.position
+    assert data.feed.position == straight.feed.position
     for name, weight in straight_module.policy.state_dict().items():
         assert torch.equal(weight, module.policy.state_dict()[name]), name
+    # straight: rollouts 1-3 as they train; cut: rollouts 2 and 3 when their checkpoints were written; resumed: 4 only
+    assert [d.rewards[0].calls for d in (straight, first, data)] == [3, 3, 1]
     for engine in (straight.engine, first.engine, data.engine):
         engine.close()
 

@@ -9,8 +9,9 @@ from amir_lightning.callbacks import LengthBiasMonitor, PairMarginMonitor, Rollo
 from amir_lightning.callbacks.length_bias import spearman_per_group
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages
 from amir_lightning.objectives.amir import PairTermSettings, PairWeightSettings
-from amir_lightning.rollout.batch import Group, build_steps, plan_steps
+from amir_lightning.rollout.batch import build_steps, plan_steps
 from amir_lightning.rollout.engine import Completion
+from amir_lightning.rollout.types import Group
 
 G = 4
 

@@ -170,7 +170,7 @@ def test_a_run_resumed_at_the_end_of_a_rollout_runs_only_the_next_one_and_ends_w
     """
     (straight_module, straight), (_, first), (module, data) = cut_and_resume(build, tmp_path, 2)
     assert (straight.engine.calls, first.engine.calls, data.engine.calls) == (2, 1, 1)
-    assert data.stream.position == straight.stream.position == 4  # 2 rollouts of 2 prompts
+    assert data.feed.position == straight.feed.position == 4  # 2 rollouts of 2 prompts
     for name, weight in straight_module.policy.state_dict().items():
         assert torch.equal(weight, module.policy.state_dict()[name]), name
 

@@ -199,6 +199,11 @@ RG = "amir_lightning.rewards.MathAnswerReward"
 # The second table: bad inputs a new user tried after the first table existed (NaN and infinities, Lightning's own
 # errors, the OS, undecodable files, wrongly typed data, foreign checkpoints). Same runner, same rules.
 MORE_CASES = [
+    (
+        "tensor-parallel in-process engine",
+        ["--data.engine", "amir_lightning.rollout.VLLMEngine", "--data.engine.init_args.tensor_parallel_size", "2"],
+        "data.engine.init_args.tensor_parallel_size 2: the in-process VLLMEngine streams weights into its worker",
+    ),
     ("negative grad clip", ["--model.max_grad_norm", "-1"], "model.max_grad_norm must be > 0 or null, got -1"),
     ("NaN grad clip", ["--model.max_grad_norm", ".nan"], "model.max_grad_norm must be > 0 or null, got nan"),
     (

@@ -49,7 +49,8 @@ TIERS = [
     {"data", "models", "rewards", "objectives"},
     {"rollout"},
     {"evaluation"},
-    {"systems", "checkpoints"},
+    {"checkpoints"},
+    {"systems"},
     {"cli", "__main__"},
 ]
 FREE_OF_LIGHTNING = {"helpers", "data", "models", "rewards", "objectives", "rollout", "evaluation"}
@@ -91,3 +92,29 @@ def test_parts_depend_one_way_and_the_lower_ones_never_import_lightning():
             if own in FREE_OF_LIGHTNING and module.split(".")[0] == "lightning":
                 wrong.append(f"{path.relative_to(ROOT)} imports {module}")
     assert not wrong, "\n".join(wrong)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_two_modules_import_each_other_even_for_type_hints():
+    """A cycle of imports (a type hint included) means two files that cannot be read apart: none is allowed."""
+    files = {module_name(p): p for p in (ROOT / "amir_lightning").rglob("*.py") if p.name != "__init__.py"}
+    graph = {name: {m for m in imports_of(path) if m in files and m != name} for name, path in files.items()}
+    cycles, done = [], set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            cycles.append(" -> ".join([*path[path.index(name) :], name]))
+            return
+        if name in done:
+            return
+        for other in sorted(graph[name]):
+            visit(other, [*path, name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+    assert not cycles, "\n".join(cycles)

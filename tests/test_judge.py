@@ -13,8 +13,8 @@ from amir_lightning.models import TinyModel
 from amir_lightning.rewards import JudgeReward, JudgeServer
 from amir_lightning.rewards.base import RewardInputs
 from amir_lightning.rewards.judge import RETRY_PROMPT
-from amir_lightning.rollout.collect import score_completions
 from amir_lightning.rollout.engine import Completion
+from amir_lightning.rollout.rewarding import score_completions
 
 
 @pytest.mark.parametrize(("reply", "expected"), REPLIES, ids=[r[:40] for r, _ in REPLIES])

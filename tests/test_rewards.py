@@ -54,8 +54,8 @@ def test_pathological_answer_times_out_to_zero_within_the_limit():
         scores = reward.correctness(["\\boxed{9999999^{9999999}}", "\\boxed{7}"], ["7", "7"])
         elapsed = time.monotonic() - start
         assert scores == [0.0, 1.0]
-        assert reward.grader.timeouts == 1
-        assert elapsed < 1.0 + 5.0  # the limit plus a worker restart, never the hours sympy would take
+        assert reward.grader.timeouts == 1  # the timeout fired
+        assert elapsed < 60  # not the hours sympy would take (a busy machine may take several seconds to restart)
     finally:
         reward.close()
 

@@ -20,7 +20,7 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from amir_lightning.systems.summary import format_bytes
+from amir_lightning.helpers.sizes import format_bytes
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import torch
 from amir_lightning.data.base import Prompt, PromptSource
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rewards.math import MathAnswerReward
-from amir_lightning.rollout.batch import Group
 from amir_lightning.rollout.engine import Completion, SamplingConfig
+from amir_lightning.rollout.types import Group
 
 
 @dataclass

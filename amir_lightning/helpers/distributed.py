@@ -70,3 +70,16 @@ def from_rank_zero(fn: Callable[[], T]) -> T:
         dist.broadcast_object_list(shared, src=0)
         value = shared[0]
     return value
+
+
+def gather_to_rank_zero(value: T) -> list[T] | None:
+    """Every process's (picklable) ``value`` in rank order on global rank 0, ``None`` elsewhere.
+
+    Every process must call it. Only rank 0 receives (``gather_object``): a value as large as a copy of the weights
+    is not sent to every process.
+    """
+    if world_size() == 1:
+        return [value]
+    gathered = [None] * world_size() if global_rank() == 0 else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered

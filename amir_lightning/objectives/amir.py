@@ -210,10 +210,38 @@ class AmirGRPOLoss(GRPOLoss):
         t = self.pair_term
         return mine_pairs(rewards, group_size, t.margin, t.mode, t.max_per_group)
 
-    def add_pair_term(
-        self, out: LossOutput, token_logps: torch.Tensor, completion_mask: torch.Tensor, ref_token_logps, context
+    def forward(
+        self,
+        token_logps: torch.Tensor,
+        completion_mask: torch.Tensor,
+        advantages: torch.Tensor,
+        rewards: torch.Tensor,
+        group_size: int,
+        *,
+        context: StepContext | None = None,
+        **optional: torch.Tensor | None,
     ) -> LossOutput:
-        """``lambda *`` the pair loss pooled over the step's pairs, added to the GRPO term's output."""
+        """The GRPO term's output plus ``lambda *`` the pair loss pooled over the step's pairs.
+
+        Args:
+            token_logps: ``[N, T]`` as in ``GRPOLoss.forward``, like ``completion_mask``, ``advantages``,
+                ``rewards``, ``group_size`` and ``context``.
+            completion_mask: ``[N, T]``.
+            advantages: ``[N]``.
+            rewards: ``[N]``.
+            group_size: ``G``.
+            context: The step's ``StepContext``; default: this call is the whole step.
+            **optional: ``GRPOLoss.forward``'s optional tensors, by name (``old_token_logps``, ``ref_token_logps``,
+                ``truncated``, ``sampling_token_logps``).
+        """
+        if context is None:  # this call is the whole step: its pairs, mined once, travel in the context
+            pairs = self.pairs(rewards, group_size)
+            truncated = optional.get("truncated")
+            context = self.step_context(completion_mask.sum(-1), rewards, group_size, truncated, pairs=pairs)
+        out = super().forward(
+            token_logps, completion_mask, advantages, rewards, group_size, context=context, **optional
+        )
+        ref_token_logps = optional.get("ref_token_logps")
         pair_loss, stats, push = self.pair_loss(token_logps, completion_mask, out.rows.pairs, ref_token_logps, context)
         out.loss = out.loss + context.lambda_ * pair_loss
         out.stats.update(stats)
@@ -257,7 +285,13 @@ class AmirGRPOLoss(GRPOLoss):
             }
         return pair_loss, stats, push
 
-    def end_step(self, step_stats: dict[str, torch.Tensor]) -> None:
-        """Update lambda from the step's pooled ``amir/pair_grad`` and ``train/pg_scale`` (not without pairs)."""
+    def end_step(self, step_stats: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Update lambda from the step's pooled ``amir/pair_grad`` and ``train/pg_scale`` (not without pairs).
+
+        Returns:
+            ``amir/lambda``: the lambda this step trained with (the next step's is set now).
+        """
+        trained_with = self.lambda_now
         if float(step_stats.get("amir/num_pairs", 0.0)) > 0.0:
             self.schedule.update(float(step_stats["amir/pair_grad"]), float(step_stats["train/pg_scale"]))
+        return {"amir/lambda": trained_with}

@@ -18,6 +18,8 @@ class StepContext:
             tokens).
         num_pairs: Preference pairs mined in the step (the pair losses are pooled over them).
         lambda_: Weight of the pair term during this step (0 for GRPO); schedules update it after the step.
+        pairs: ``LongTensor[P, 2]`` the pairs of the rows of a loss call that is the whole step (a direct call),
+            mined once; ``None`` in training, where each micro-batch mines the pairs of its own groups.
     """
 
     num_sequences: float
@@ -25,6 +27,7 @@ class StepContext:
     max_length: float
     num_pairs: float = 0.0
     lambda_: float = 0.0
+    pairs: torch.Tensor | None = None
 
 
 @dataclass

@@ -142,6 +142,7 @@ class GRPOLoss(nn.Module):
         truncated: torch.Tensor | None = None,
         world_size: int = 1,
         all_reduce: AllReduce | None = None,
+        pairs: torch.Tensor | None = None,
     ) -> StepContext:
         """The ``StepContext`` of a step from all of its completions (on this process).
 
@@ -153,13 +154,16 @@ class GRPOLoss(nn.Module):
             world_size: Processes that share the step.
             all_reduce: ``(tensor, op) -> tensor`` with op ``"sum"`` or ``"max"`` over the processes, which
                 combines their counts when ``world_size > 1`` (``aggregation.global_normalizers``).
+            pairs: The step's pairs when they are mined already: kept in the context, for a loss call that is the
+                whole step.
         """
         local = step_normalizers(
             completion_lengths, truncated, self.mask_truncated_completions, self.max_completion_length
         )
-        local["num_pairs"] = float(self.pairs(rewards, group_size).shape[0])
+        mined = self.pairs(rewards, group_size) if pairs is None else pairs
+        local["num_pairs"] = float(mined.shape[0])
         norms = global_normalizers(local, world_size, all_reduce, self.aggregation) if world_size > 1 else local
-        return StepContext(**norms, lambda_=self.lambda_now)
+        return StepContext(**norms, lambda_=self.lambda_now, pairs=pairs)
 
     def forward(
         self,
@@ -195,24 +199,17 @@ class GRPOLoss(nn.Module):
         if self.needs_reference and ref_token_logps is None:
             uses = " and ".join(self.reference_uses())
             raise ValueError(f"{type(self).__name__} with {uses} needs ref_token_logps (a reference model)")
-        if context is None:
-            context = self.step_context(completion_mask.sum(-1), rewards, group_size, truncated)
-        pairs = self.pairs(rewards, group_size)
-        out = self.policy_gradient(
+        if context is None:  # this call is the whole step: its pairs are mined once, for the context
+            pairs = self.pairs(rewards, group_size)
+            context = self.step_context(completion_mask.sum(-1), rewards, group_size, truncated, pairs=pairs)
+        pairs = context.pairs if context.pairs is not None else self.pairs(rewards, group_size)  # [P, 2]
+        loss, stats, pg_token_weight = self.policy_gradient(
             token_logps, completion_mask, advantages, old_token_logps, ref_token_logps, truncated,
             sampling_token_logps, context,
         )  # fmt: skip
         seq = sequence_logps(token_logps.detach(), completion_mask, "mean")  # [N]
-        out.stats.update(pair_stats(seq, pairs, rewards, context.num_pairs))
-        out.rows.pairs, out.rows.seq_logps = pairs, seq
-        return self.add_pair_term(out, token_logps, completion_mask, ref_token_logps, context)
-
-    def add_pair_term(
-        self, out: LossOutput, token_logps: torch.Tensor, completion_mask: torch.Tensor, ref_token_logps, context
-    ) -> LossOutput:
-        """Where a subclass adds its pair term to the GRPO term's output (GRPO has none)."""
-        del token_logps, completion_mask, ref_token_logps, context
-        return out
+        stats.update(pair_stats(seq, pairs, rewards, context.num_pairs))
+        return LossOutput(loss, stats, RowDiagnostics(seq, pg_token_weight, pairs))
 
     def trained_tokens(self, completion_mask: torch.Tensor, truncated: torch.Tensor | None) -> torch.Tensor:
         """``[N, T]`` the policy-gradient term's tokens, those the step's ``num_tokens`` counts.
@@ -233,8 +230,12 @@ class GRPOLoss(nn.Module):
         truncated: torch.Tensor | None,
         sampling_token_logps: torch.Tensor | None,
         context: StepContext,
-    ) -> LossOutput:
-        """The clipped surrogate (and k3 KL) term, aggregated with the step's normalisers (module docstring)."""
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """The clipped surrogate (and k3 KL) term, aggregated with the step's normalisers (module docstring).
+
+        Returns:
+            The term, its stats, and ``[N]`` the gradient weight each token of a row gets from it (``|A_i| w_i``).
+        """
         mask = self.trained_tokens(completion_mask, truncated).to(token_logps.dtype)  # [N, T]
         lengths = mask.sum(-1)  # [N]
         weights = row_weights(self.aggregation, lengths, vars(context)).detach()  # [N] per-token weight of row i
@@ -270,15 +271,15 @@ class GRPOLoss(nn.Module):
             loss = loss + self.kl_coef * kl
             stats["train/kl"] = kl.detach()
         stats["train/loss"] = loss.detach()
-        rows = RowDiagnostics(
-            seq_logps=token_logps.new_zeros(0),
-            pg_token_weight=(advantages.abs() * weights).detach(),
-            pairs=torch.zeros(0, 2, dtype=torch.long),
-        )
-        return LossOutput(loss=loss, stats=stats, rows=rows)
+        return loss, stats, (advantages.abs() * weights).detach()
 
-    def end_step(self, step_stats: dict[str, torch.Tensor]) -> None:
-        """Hook called once per optimisation step with the step's summed stats; GRPO keeps no state."""
+    def end_step(self, step_stats: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Once per optimisation step, with the step's summed stats: what the loss adds to the step's log.
+
+        GRPO keeps no state, and adds nothing.
+        """
+        del step_stats
+        return {}
 
 
 def pair_stats(

@@ -9,38 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import torch
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.rollout.engine import Completion
-
-if TYPE_CHECKING:
-    from amir_lightning.rollout.collect import Rollout
-
-
-@dataclass
-class Group:
-    """The G completions of one prompt, with their rewards and advantages.
-
-    Attributes:
-        prompt_ids: Tokenised prompt (chat template applied).
-        completions: The G completions.
-        rewards: ``[G]`` total (weighted) rewards.
-        advantages: ``[G]`` group advantages.
-        correct: ``[G]`` 1.0 / 0.0 answer correctness (NaN when no reward grades correctness).
-        answer: Reference answer of the prompt.
-        question: The prompt's question text.
-    """
-
-    prompt_ids: list[int]
-    completions: list[Completion]
-    rewards: torch.Tensor
-    advantages: torch.Tensor
-    correct: torch.Tensor | None = None
-    answer: str = ""
-    question: str = ""
+from amir_lightning.rollout.types import Group, Rollout
 
 
 @dataclass

@@ -27,14 +27,11 @@ The arithmetic is int32 with wrap-around, exact and the same on CPU and GPU.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from amir_lightning.rollout.engine import WeightLayout
 
 #: Elements digested at once (bounds the temporary tensors to 16 MiB each).
 _CHUNK = 1 << 22
@@ -196,6 +193,14 @@ class WeightSlot:
         if self.load_dtype is None:
             return (direct,)
         return direct, tensor_digest(tensor.to(self.load_dtype).to(self.dtype), place, picked)
+
+
+class WeightLayout(ABC):
+    """Maps the trainer's parameter names (Hugging Face's) to where an engine keeps them."""
+
+    @abstractmethod
+    def slot(self, name: str) -> WeightSlot | None:
+        """Where the engine keeps the pushed tensor ``name``; ``None``: it keeps no copy of it."""
 
 
 class PushedDigests:

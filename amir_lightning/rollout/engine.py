@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from amir_lightning.helpers.validation import check_number, raise_errors
-from amir_lightning.rollout.digest import ColumnSample, Reading, WeightSlot
+from amir_lightning.rollout.digest import ColumnSample, Reading, WeightLayout
 
 #: Sampling settings that are fields of ``SamplingConfig``, or that the rollout sets itself: not passed through.
 RESERVED = {
@@ -196,14 +196,6 @@ class Completion:
         if self.loss_mask is None:
             return len(self.token_ids)
         return int(sum(self.loss_mask[: len(self.token_ids)]))
-
-
-class WeightLayout(ABC):
-    """Maps the trainer's parameter names (Hugging Face's) to where an engine keeps them."""
-
-    @abstractmethod
-    def slot(self, name: str) -> WeightSlot | None:
-        """Where the engine keeps the pushed tensor ``name``; ``None``: it keeps no copy of it."""
 
 
 class RolloutEngine(ABC):

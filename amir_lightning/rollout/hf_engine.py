@@ -16,12 +16,11 @@ import torch
 
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.models.scoring import sequence_token_logps
-from amir_lightning.rollout.digest import ColumnSample, Reading, WeightSlot, tensor_digest
+from amir_lightning.rollout.digest import ColumnSample, Reading, WeightLayout, WeightSlot, tensor_digest
 from amir_lightning.rollout.engine import (
     Completion,
     RolloutEngine,
     SamplingConfig,
-    WeightLayout,
     check_passed_through,
 )
 

@@ -6,12 +6,15 @@ sampled from weights one rollout older than those it trains: its ``PendingRollou
 ones, ``Policy.trainable_weights``), so the trainer's log-probs of its tokens under them become the old log-probs of
 the policy ratio (``Completion.old_logprobs``), exactly as for any off-policy step.
 
-A checkpoint holds the pending rollout whole (its completions, its policy version and those weights), so a resumed run
-trains on the same rollout, with the same ratios, as an uninterrupted one.
+A checkpoint holds the pending rollout whole (its completions, its policy version and those weights) and scored (its
+rewards, so a resumed run never asks a judge or a reward model again), one per process (``rollout/saved.py``), so a
+resumed run trains on the same rollout, with the same ratios and rewards, as an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,7 +23,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from amir_lightning.data.base import Prompt
+from amir_lightning.rewards.base import Reward
 from amir_lightning.rollout.engine import Completion
+from amir_lightning.rollout.rewarding import Scores
 
 
 @dataclass
@@ -37,6 +42,7 @@ class PendingRollout:
         generate_s: How long sampling took.
         finished_at: ``time.perf_counter()`` when sampling finished.
         completions: What it sampled, once ``wait`` has returned.
+        scores: Its rewards, once ``score`` has run.
     """
 
     prompts: list[Prompt]
@@ -48,6 +54,7 @@ class PendingRollout:
     generate_s: float = 0.0
     finished_at: float | None = None
     completions: list[list[Completion]] | None = None
+    scores: Scores | None = None
     _future: Future | None = field(default=None, repr=False)
 
     def start(self, generate: Callable[[], list[list[Completion]]]) -> PendingRollout:
@@ -72,21 +79,48 @@ class PendingRollout:
             self._future = None
         return self.completions
 
+    def score(self, rewards: list[Reward], warn_s: float) -> Scores:
+        """Its rewards (``Scores.of``), computed once: the run trains on these, and a checkpoint keeps them.
+
+        Args:
+            rewards: The run's rewards (``data.rewards``).
+            warn_s: ``data.rollout.reward_warn_s``.
+
+        Returns:
+            The scores of its completions (waits for sampling to finish).
+        """
+        if self.scores is None:
+            self.scores = Scores.of(rewards, self.prompts, self.wait(), warn_s)
+        return self.scores
+
     def state(self) -> dict:
-        """Plain data for a checkpoint (waits for sampling to finish)."""
-        completions = self.wait()
-        return SavedRollout(self.drawn_at, self.version, self.weights, self.generate_s, completions).state()
+        """Plain data for a checkpoint (waits for sampling to finish); its scores when ``score`` has run."""
+        completions, digest = self.wait(), prompt_digest(self.prompt_ids)
+        return SavedRollout(
+            self.drawn_at, self.version, self.weights, self.generate_s, completions, digest, self.scores
+        ).state()
+
+
+def prompt_digest(prompt_ids: list[list[int]]) -> str:
+    """A fingerprint of a process's chat-templated prompts: a resume checks its completions belong to them."""
+    return hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest()
 
 
 @dataclass
 class SavedRollout:
-    """A pending rollout as a checkpoint holds it: redrawn from ``drawn_at``, its completions as sampled."""
+    """A pending rollout as a checkpoint holds it: redrawn from ``drawn_at``, its completions as sampled.
+
+    ``prompt_digest`` fingerprints the prompts it was sampled for (``None`` in checkpoints older than it), and
+    ``scores`` are its rewards when they were computed before the checkpoint.
+    """
 
     drawn_at: int
     version: int
     weights: dict[str, torch.Tensor]
     generate_s: float
     completions: list[list[Completion]]
+    prompt_digest: str | None = None
+    scores: Scores | None = None
 
     def state(self) -> dict:
         """What ``from_state`` reads."""
@@ -97,15 +131,25 @@ class SavedRollout:
             "weights": self.weights,
             "generate_s": self.generate_s,
             "completions": completions,
+            "prompt_digest": self.prompt_digest,
+            "scores": None if self.scores is None else dict(vars(self.scores)),
         }
 
     @classmethod
     def from_state(cls, state: dict) -> SavedRollout:  # noqa: D102
         groups = [[Completion(**c) for c in group] for group in state["completions"]]
-        return cls(int(state["drawn_at"]), int(state["version"]), state["weights"], float(state["generate_s"]), groups)
+        scores = Scores(**state["scores"]) if state.get("scores") is not None else None
+        when = int(state["drawn_at"]), int(state["version"])
+        return cls(*when, state["weights"], float(state["generate_s"]), groups, state.get("prompt_digest"), scores)
+
+    def fits(self, prompt_ids: list[list[int]]) -> bool:
+        """Whether its completions were sampled for these prompts (their count only, in an older checkpoint)."""
+        if self.prompt_digest is None:
+            return len(prompt_ids) == len(self.completions)
+        return prompt_digest(prompt_ids) == self.prompt_digest
 
     def pending(self, prompts: list[Prompt], prompt_ids: list[list[int]]) -> PendingRollout:
         """The pending rollout again, with its prompts drawn anew (the same ones: the stream is deterministic)."""
         rollout = PendingRollout(prompts, prompt_ids, self.drawn_at, self.version, self.weights)
-        rollout.generate_s, rollout.completions = self.generate_s, self.completions
+        rollout.generate_s, rollout.completions, rollout.scores = self.generate_s, self.completions, self.scores
         return rollout

@@ -30,7 +30,8 @@ from amir_lightning.models.scoring import (
     varlen_attention,
 )
 from amir_lightning.models.sources import ModelSource
-from amir_lightning.rollout.batch import Group, RolloutBatch, make_batch
+from amir_lightning.rollout.batch import RolloutBatch, make_batch
+from amir_lightning.rollout.types import Group
 
 
 @dataclass

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from amir_lightning.helpers.validation import check_number, raise_errors
-from amir_lightning.rollout.digest import ColumnSample, PushedDigests
-from amir_lightning.rollout.engine import RolloutEngine, WeightLayout
+from amir_lightning.rollout.digest import ColumnSample, PushedDigests, WeightLayout
+from amir_lightning.rollout.engine import RolloutEngine
 from amir_lightning.rollout.policy import Policy
 
 log = logging.getLogger(__name__)

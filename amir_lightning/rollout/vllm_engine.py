@@ -66,7 +66,8 @@ class VLLMEngine(RolloutEngine):
         kv_cache_memory_bytes: KV-cache size; on CPU this is what to set (256 MiB is plenty for small models).
         gpu_memory_utilization: Share of GPU memory vLLM may take (GPU only; leave room for training).
         enforce_eager: Skip CUDA graphs / compilation (always true on CPU).
-        tensor_parallel_size: GPUs per engine.
+        tensor_parallel_size: 1 (the only size an in-process engine can push weights into; ``VLLMServerEngine``
+            runs tensor-parallel engines).
         enable_prefix_caching: Reuse the KV cache of shared prompt prefixes (the G samples of a group).
         max_num_seqs: Sequences decoded together.
         progress: Show vLLM's progress bar while generating (on the global-zero process only).
@@ -100,6 +101,13 @@ class VLLMEngine(RolloutEngine):
         check_number(errors, f"{key}.kv_cache_memory_bytes", kv_cache_memory_bytes, gt=0, optional=True)
         check_number(errors, f"{key}.gpu_memory_utilization", gpu_memory_utilization, gt=0, le=1)
         check_number(errors, f"{key}.tensor_parallel_size", tensor_parallel_size, ge=1)
+        if isinstance(tensor_parallel_size, int) and tensor_parallel_size > 1:
+            errors.append(
+                f"{key}.tensor_parallel_size {tensor_parallel_size}: the in-process VLLMEngine streams weights into "
+                "its worker, and tensor-parallel workers are processes of their own that a stream cannot reach; use "
+                "data.engine.class_path amir_lightning.rollout.VLLMServerEngine with this tensor_parallel_size (its "
+                "push and exact weight check work across tensor-parallel workers)"
+            )
         check_number(errors, f"{key}.max_num_seqs", max_num_seqs, ge=1)
         raise_errors(errors)
         self.dtype, self.max_model_len = dtype, max_model_len
@@ -131,12 +139,6 @@ class VLLMEngine(RolloutEngine):
             # cuda:LOCAL_RANK: the training process's own device (srun sets SLURM_LOCALID, not LOCAL_RANK).
             import torch.distributed as dist
 
-            if self.tensor_parallel_size > 1:
-                raise ValueError(
-                    "data.engine.init_args.tensor_parallel_size > 1 with several training processes is not supported: "
-                    "each process generates for its own prompts, and a tensor-parallel vLLM group needs the same "
-                    "prompts on every member. Use tensor_parallel_size 1 (one engine per process)"
-                )
             self.progress = self.progress and dist.get_rank() == 0  # one bar, not one per process
             index = device.index if device is not None and device.type == "cuda" and device.index is not None else None
             os.environ.update(

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from amir_lightning.rollout.digest import ColumnSample, Reading, WeightSlot, tensor_digest
-from amir_lightning.rollout.engine import WeightLayout
+from amir_lightning.rollout.digest import ColumnSample, Reading, WeightLayout, WeightSlot, tensor_digest
 from amir_lightning.rollout.shards import blocks_of, param_readings, part_rows
 
 #: The name of ``FileWeightTransfer`` in vLLM's weight-transfer registry (``--weight-transfer-config``).

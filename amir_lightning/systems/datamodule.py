@@ -19,8 +19,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
 
 from amir_lightning.data.base import Prompt, PromptSource
-from amir_lightning.data.screening import check_references, screen
-from amir_lightning.data.stream import PromptStream
+from amir_lightning.data.feed import PromptFeed
 from amir_lightning.data.templates import ChatFormat, read_template, render_prompts
 from amir_lightning.evaluation.evaluator import EvaluationSettings, Evaluator
 from amir_lightning.helpers.distributed import all_reduce
@@ -29,12 +28,16 @@ from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rewards.base import FunctionReward, Reward
 from amir_lightning.rewards.math import MathAnswerReward
 from amir_lightning.rollout.batch import agree_on_plan, build_steps, plan_steps
-from amir_lightning.rollout.collect import RewardGuard, Rollout, RolloutSettings, collect_rollout
+from amir_lightning.rollout.collect import RolloutSettings, collect_rollout
 from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig
-from amir_lightning.rollout.episodes import Environment, run_episodes
+from amir_lightning.rollout.episodes import Environment
 from amir_lightning.rollout.pending import PendingRollout, SavedRollout
 from amir_lightning.rollout.policy import Policy
+from amir_lightning.rollout.rewarding import RewardGuard
+from amir_lightning.rollout.sampler import AHEAD, TRAIN, Sampler, generation_seed
+from amir_lightning.rollout.saved import gather_saved, restore, saved_for_rank
 from amir_lightning.rollout.sync import SyncCheck, SyncSettings
+from amir_lightning.rollout.types import Rollout
 from amir_lightning.systems.progress import time_left
 
 log = logging.getLogger(__name__)
@@ -118,26 +121,24 @@ class RolloutDataModule(LightningDataModule):
         raise_errors(errors)
         if warning := sampling.mismatch_warning():  # top-p/k, min-p: the weight is the kept mass Z <= 1
             log.warning(warning)
-        self.prompts, self.engine, self.environment = prompts, engine, environment
+        self.prompts, self.engine = prompts, engine
         self.rewards = [r if isinstance(r, Reward) else FunctionReward(r) for r in rewards or [MathAnswerReward()]]
         self.settings, self.sampling = rollout, sampling
         self.chat = ChatFormat(system_prompt, read_template(chat_template), dict(chat_template_kwargs or {}))
         self.max_prompt_tokens = max_prompt_tokens
         # a prompt and its completion must fit the engine's context
         self.prompt_limit = min(max_prompt_tokens, room - sampling.max_new_tokens) if room else max_prompt_tokens
-        self.bad_prompts, self.skipped_prompts, self._screened = bad_prompts, 0, False
         # Where this process is in the run, the data module's own record (state_dict): the epoch of the rollout
         # last drawn, the stream position before that draw, and how many of its steps have started.
         self._rollout_epoch: int | None = None
         self._drawn_at: int | None = None
         self._steps_started = 0
         self._rollout_times: list[float] = []  # when each rollout of this process's run was logged
-        self.sync_check = SyncCheck(sync)
+        self.sampler = Sampler(engine, environment, SyncCheck(sync))
         self.val_prompts, self.benchmarks = val_prompts, list(benchmarks or [])
         self.evaluation = evaluation.with_length_limit(sampling.max_new_tokens)
-        self.seed, self.stream = seed, PromptStream(prompts, shuffle, seed)
+        self.seed, self.feed = seed, PromptFeed(prompts, self.chat, self.prompt_limit, bad_prompts, shuffle, seed)
         self.reward_guard = RewardGuard(rollout.max_bad_rollouts)
-        self.synced_at_step: int | None = None
         self._eval_grader: MathAnswerReward | None = None
         self.policy: Policy | None = None  # handed over by the module (attach)
         # max_staleness 1: the rollout being trained, the one sampling meanwhile, and one a checkpoint brought back
@@ -171,7 +172,9 @@ class RolloutDataModule(LightningDataModule):
             )
         self.chat.check(self.tokenizer)
         if stage == "fit":
-            self.screen_prompts()
+            grading = next((r for r in self.rewards if r.needs_reference), None)
+            if skipped := self.feed.screen(self.tokenizer, grading, self.trainer.is_global_zero):
+                log_metrics(self.trainer, {"data/skipped_prompts": skipped})
             for reward in self.rewards:  # a judge's server starts here, not after the first generation
                 reward.setup()
         self.screen_evaluation_prompts(stage)
@@ -188,14 +191,17 @@ class RolloutDataModule(LightningDataModule):
         A checkpoint written after this rollout's prompts were drawn but before any of its steps started (SLURM's
         requeue checkpoint, saved whenever the signal comes, often mid-generation) holds the position before the
         draw: its resume, which runs the rollout again, draws the same prompts, as an uninterrupted run does.
+        With ``max_staleness`` 1 it holds every process's rollout sampled ahead, scored (``rollout/saved.py``).
         """
         drawn_only = self._drawn_at is not None and not self._steps_started
-        cursor = self._drawn_at if drawn_only else self.stream.position
+        cursor = self._drawn_at if drawn_only else self.feed.position
         rollout = {"epoch": self._rollout_epoch, "steps_started": self._steps_started}
-        state = {"cursor": cursor, "sync": self.sync_check.state_dict(), "rollout": rollout}
+        state = {"cursor": cursor, "sync": self.sampler.sync_check.state_dict(), "rollout": rollout}
         ahead, cursor = self._rollout_ahead()
-        if ahead is not None:
-            state["pending"] = ahead.state()  # waits for its sampling to finish
+        if ahead is not None and ahead is self._pending:  # scored now: this run and a resumed one train these scores
+            ahead.score(self.rewards, self.settings.reward_warn_s)
+        if self.settings.max_staleness:  # waits for its sampling to finish
+            state["pending"] = gather_saved(ahead.state() if ahead else None, not self.policy.sharded)
         if cursor is not None:
             state["cursor"] = cursor
         return state
@@ -207,17 +213,19 @@ class RolloutDataModule(LightningDataModule):
         again, drawing its successor again from where it was drawn.
         """
         if self._current is not None and not self._steps_started:
-            return self._current, self._pending.drawn_at if self._pending is not None else self.stream.position
+            return self._current, self._pending.drawn_at if self._pending is not None else self.feed.position
         return self._pending or self._saved, None
 
     def load_state_dict(self, state_dict: dict) -> None:  # noqa: D102
-        self.stream.position = int(state_dict["cursor"])
-        self.sync_check.load_state_dict(state_dict.get("sync", {}))
+        self.feed.position = int(state_dict["cursor"])
+        self.sampler.sync_check.load_state_dict(state_dict.get("sync", {}))
         rollout = state_dict.get("rollout", {})
         self._rollout_epoch, self._steps_started = rollout.get("epoch"), int(rollout.get("steps_started", 0))
         self._drawn_at = None
-        pending = state_dict.get("pending")
-        self._saved = SavedRollout.from_state(pending) if pending is not None else None
+        rank, ranks, overlapped = self.trainer.global_rank, self.trainer.world_size, bool(self.settings.max_staleness)
+        self._saved, redraw_at = saved_for_rank(state_dict.get("pending"), rank, ranks, overlapped)
+        if redraw_at is not None:
+            self.feed.position = redraw_at
         self._current = self._pending = None
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
@@ -251,62 +259,16 @@ class RolloutDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------ prompts
     def next_prompts(self) -> list[Prompt]:
-        """This process's ``prompts_per_process`` prompts.
-
-        Every process takes the same slice of the stream and keeps its own share, so groups never span processes
-        and the stream position stays in step everywhere.
-        """
-        self._rollout_epoch, self._drawn_at, self._steps_started = self.trainer.current_epoch, self.stream.position, 0
+        """This process's ``prompts_per_process`` prompts, recorded as the rollout this epoch draws."""
+        self._rollout_epoch, self._drawn_at, self._steps_started = self.trainer.current_epoch, self.feed.position, 0
         return self._draw()
 
     def _draw(self) -> list[Prompt]:
-        ranks, rank, per_rank = self.trainer.world_size, self.trainer.global_rank, self.settings.prompts_per_process
-        batch = self.stream.take(per_rank * ranks)
-        return batch[rank * per_rank : (rank + 1) * per_rank]
+        return self.feed.draw(self.trainer.global_rank, self.trainer.world_size, self.settings.prompts_per_process)
 
     def tokenize(self, prompts: list[Prompt]) -> list[list[int]]:
         """Chat-templated token ids; a prompt over the limit (``prompt_limit``) is an error naming it."""
-        return render_prompts(self.tokenizer, prompts, self.chat, self.prompt_limit, self.prompts.describe())
-
-    def screen_prompts(self) -> None:
-        """Render every prompt of a finite source once; leave out (or stop on) the ones that cannot be used.
-
-        What cannot be used, and what is reported, is ``data/screening.py``. Every process screens the same prompts
-        and leaves out the same ones, so their streams stay in step. A random source (a generator) has no end to
-        screen: its prompts are checked as they are drawn. A reward that grades against reference answers is refused
-        on a source that has none, naming its columns.
-        """
-        source = self.prompts
-        if source.is_random or self._screened:
-            return
-        self._screened = True
-        found = screen(source, self.tokenizer, self.chat, self.prompt_limit, self.trainer.is_global_zero)
-        check_references(source, found.answered, next((r for r in self.rewards if r.needs_reference), None))
-        if found.lost and self.trainer.is_global_zero:
-            log.warning(
-                "%d of %d training prompts have characters the tokenizer cannot encode (dropped, or turned into its "
-                "unknown token), the first at %s",
-                len(found.lost),
-                len(source),
-                found.lost[0],
-            )
-        if not found.bad:
-            return
-        first = ", ".join(list(found.bad.values())[:3])
-        limit = (
-            f"the limit is {self.prompt_limit} tokens (data.max_prompt_tokens, or max_model_len minus max_new_tokens)"
-        )
-        if self.bad_prompts == "error" or len(found.bad) == len(source):
-            raise ValueError(
-                f"{len(found.bad)} of {len(source)} training prompts cannot be used: {first}; {limit}; "
-                "data.bad_prompts: skip leaves them out"
-            )
-        self.stream.exclude(set(found.bad))
-        self.skipped_prompts = len(found.bad)
-        log_metrics(self.trainer, {"data/skipped_prompts": len(found.bad)})
-        if self.trainer.is_global_zero:
-            log.warning("skipping %d of %d training prompts that cannot be used: %s; %s", len(found.bad), len(source),
-                        first, limit)  # fmt: skip
+        return self.feed.tokenize(self.tokenizer, prompts)
 
     def screen_evaluation_prompts(self, stage: str) -> None:
         """Render the prompts evaluation will use before the engine starts; one over ``prompt_limit`` is an error.
@@ -331,32 +293,12 @@ class RolloutDataModule(LightningDataModule):
         purpose: int,
         prompts: list[Prompt] | None = None,
     ) -> list[list[Completion]]:
-        """Sample with a seed fixed by (seed, optimisation step, rank, purpose), in a forked RNG.
-
-        A rollout is then a function of the weights and its place in the run, not of hidden engine state: a resumed
-        run draws the same rollouts as an uninterrupted one, and the trainer's random stream is untouched. With an
-        ``environment`` and the ``prompts``, each completion is a multi-turn episode (each turn seeded on its own).
-        """
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-
-        def turn(ids: list[list[int]], count: int, turn_sampling: SamplingConfig, index: int):
-            with torch.random.fork_rng(devices=devices):
-                torch.manual_seed((self._seed(purpose) + 7919 * index) % 2**63)
-                return self.engine.generate(ids, count, turn_sampling)
-
-        if self.environment is None or prompts is None:
-            return turn(prompt_ids, n, sampling, 0)
-        return self.episodes(prompts, prompt_ids, n, sampling, turn)
-
-    def episodes(self, prompts, prompt_ids, n, sampling, turn) -> list[list[Completion]]:
-        """``n`` multi-turn episodes per prompt through ``environment``, ``turn(ids, n, sampling, index)`` sampling."""
-        room = getattr(self.engine, "max_model_len", None)
-        return run_episodes(self.environment, prompts, prompt_ids, n, sampling, turn, self.tokenizer, room)
+        """Sample with the seed of (seed, optimisation step, rank, ``purpose``), episodes with ``prompts``."""
+        seed = self._seed(purpose)
+        return self.sampler.generate(prompt_ids, n, sampling, seed, prompts, self.tokenizer)
 
     def _seed(self, purpose: int) -> int:
-        """The seed of a generation: (seed, optimisation step, rank, purpose)."""
-        rank = self.trainer.global_rank
-        return (((self.seed * 1_000_003 + self.trainer.global_step) * 65_537 + rank) * 8 + purpose) % 2**63
+        return generation_seed(self.seed, self.trainer.global_step, self.trainer.global_rank, purpose)
 
     def sync(self, probe_prompt: list[int], probe_answer: str) -> float:
         """Push the policy into the engine (once per optimisation step) and verify it; returns the probe gap.
@@ -365,12 +307,10 @@ class RolloutDataModule(LightningDataModule):
         """
         if self._pending is not None:  # a rollout sampling in the background finishes on the weights it started with
             self._pending.wait()
-        step = self.trainer.global_step
-        if self.synced_at_step == step:
+        probe = (probe_prompt, probe_answer)
+        report = self.sampler.push(self.policy, self.trainer.global_step, probe, self._max_over_processes)
+        if report is None:  # pushed at this step already
             return 0.0
-        self.sync_check.set_probe(self.tokenizer, probe_prompt, probe_answer)
-        report = self.sync_check.push_and_verify(self.policy, self.engine, self._max_over_processes)
-        self.synced_at_step = step
         metrics = {"rollout/sync_logp_diff": report.gap, "rollout/sync_tolerance": report.tolerance}
         log_metrics(self.trainer, metrics | {"rollout/sync_verified_tensors": report.verified})
         return report.gap
@@ -408,7 +348,7 @@ class RolloutDataModule(LightningDataModule):
         sync_s = time.perf_counter() - start
 
         def generate(ids: list[list[int]], n: int):
-            return self.generate(ids, n, self.sampling, purpose=0, prompts=prompts)
+            return self.generate(ids, n, self.sampling, purpose=TRAIN, prompts=prompts)
 
         rollout = collect_rollout(prompts, prompt_ids, generate, self.rewards, self.settings, self._sum_over_processes)
         self.engine.sleep()  # a colocated engine with sleep mode lends its memory to training until the next sync
@@ -433,7 +373,7 @@ class RolloutDataModule(LightningDataModule):
             self.sync(prompt_ids[0], prompts[0].answer)
             current = PendingRollout(prompts, prompt_ids, self._drawn_at, trainer.global_step, {})
             n = self.settings.group_size
-            current.completions = self.generate(prompt_ids, n, self.sampling, purpose=0, prompts=prompts)
+            current.completions = self.generate(prompt_ids, n, self.sampling, purpose=TRAIN, prompts=prompts)
             current.generate_s = time.perf_counter() - start
         self._rollout_epoch, self._steps_started, self._drawn_at = trainer.current_epoch, 0, None
         self._current = current
@@ -452,8 +392,9 @@ class RolloutDataModule(LightningDataModule):
         def sampled(ids: list[list[int]], n: int):
             return completions
 
+        scores = current.score(self.rewards, self.settings.reward_warn_s)  # a checkpoint's rollout kept its own
         rollout = collect_rollout(
-            current.prompts, current.prompt_ids, sampled, self.rewards, self.settings, self._sum_over_processes
+            current.prompts, current.prompt_ids, sampled, self.rewards, self.settings, self._sum_over_processes, scores
         )
         tokens = sum(c.policy_tokens for group in completions for c in group)
         rollout.seconds.update(generate_s=current.generate_s, sync_s=sync_s, wait_s=waited)
@@ -470,30 +411,24 @@ class RolloutDataModule(LightningDataModule):
 
     def _sample_ahead(self) -> PendingRollout:
         """Push the weights this epoch trains from and start sampling the next rollout from them, in the background."""
-        drawn_at = self.stream.position
+        drawn_at = self.feed.position
         prompts = self._draw()
         prompt_ids = self.tokenize(prompts)
         self.sync(prompt_ids[0], prompts[0].answer)
-        engine, n, sampling, seed = self.engine, self.settings.group_size, self.sampling, self._seed(purpose=2)
         keep = self.settings.stale_logps == "sampler"  # the weights that will score it
         version, weights = self.trainer.global_step, self.policy.trainable_weights() if keep else {}
         pending = PendingRollout(prompts, prompt_ids, drawn_at, version, weights)
-
-        def turn(ids: list[list[int]], count: int, turn_sampling: SamplingConfig, index: int):
-            return engine.generate(ids, count, turn_sampling, seed=(seed + 7919 * index) % 2**63)
-
-        if self.environment is None:
-            return pending.start(lambda: turn(prompt_ids, n, sampling, 0))
-        return pending.start(lambda: self.episodes(prompts, prompt_ids, n, sampling, turn))
+        n, seed = self.settings.group_size, self._seed(AHEAD)
+        return pending.start(self.sampler.generate_apart(prompts, prompt_ids, n, self.sampling, seed, self.tokenizer))
 
     def _restore_saved(self) -> PendingRollout | None:
         """The rollout a checkpoint held, its prompts drawn again from where they were drawn."""
         saved, self._saved = self._saved, None
         if saved is None:
             return None
-        self.stream.position = saved.drawn_at
-        prompts = self._draw()
-        return saved.pending(prompts, self.tokenize(prompts))
+        self.feed.position = saved.drawn_at
+        prompts, rank, ranks = self._draw(), self.trainer.global_rank, self.trainer.world_size
+        return restore(saved, prompts, self.tokenize(prompts), rank, ranks, self._max_over_processes)
 
     def val_dataloader(self) -> DataLoader | list:  # noqa: D102
         batches = self.evaluator().validation_batches(self.val_prompts)

@@ -187,18 +187,16 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
                 stats[key] = stats.get(key, 0.0) + value.detach().float()
             rows.append(out.rows)
             total = total + out.loss.detach()
-        self._optimizer_step(context, stats, bad)
+        self._optimizer_step(stats, bad)
         return {"loss": total, "rows": rows}
 
-    def _optimizer_step(self, context: StepContext, stats: dict[str, torch.Tensor], bad: bool) -> None:
+    def _optimizer_step(self, stats: dict[str, torch.Tensor], bad: bool) -> None:
         optimizer, guard, norm = self.optimizers(), self.bad_steps, self.max_grad_norm
         grad_norm = apply_step(self.policy, optimizer, self.lr_schedulers(), norm, bad, guard, self.global_step)
         logged = {"train/skipped_steps": self.bad_steps.skipped}
         if grad_norm is not None:  # applied on every process (never a NaN or inf gradient)
             logged |= sum_shares(stats, self.device)  # every stat is its process's share of the step
-            self.loss.end_step(logged)
-            if isinstance(self.loss, AmirGRPOLoss):
-                logged["amir/lambda"] = context.lambda_  # the step's lambda (the schedule has set the next one)
+            logged |= self.loss.end_step(logged)  # AMIR: the lambda this step trained with (the next one is set)
             logged["train/grad_norm"] = grad_norm.detach().float()
             logged["train/lr"] = optimizer.param_groups[0]["lr"]
         log_metrics(self.trainer, logged)

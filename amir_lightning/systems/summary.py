@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-GIB = 2**30
+from amir_lightning.helpers.sizes import format_bytes
 
 
 @dataclass
@@ -77,11 +77,6 @@ def estimate_memory(module, data, processes: int, device_memory: float | None = 
         total = torch.cuda.get_device_properties(device).total_memory
     share = getattr(data.engine, "gpu_memory_utilization", 0.0) if total else 0.0
     return MemoryEstimate(float(weights), float(activations), float(share * total if total else 0.0), total)
-
-
-def format_bytes(count: float) -> str:
-    """A size in GiB, or in MiB below a tenth of one."""
-    return f"{count / GIB:.1f} GiB" if count >= GIB / 10 else f"{count / 2**20:.1f} MiB"
 
 
 def planned_steps(trainer) -> int:

@@ -1,0 +1,107 @@
+"""The rollout engine as the loop uses it: generation seeded by its place in the run, and the verified weight push.
+
+A generation's seed is a pure function of (the run's seed, the optimisation step, the rank, the purpose): a rollout
+is then a function of the weights and its place in the run, not of hidden engine state, so a resumed run draws the
+same rollouts as an uninterrupted one. In-process engines sample from the global RNG, forked and seeded per call, so
+the trainer's random stream is untouched; an engine in its own process takes the seed with the request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from amir_lightning.data.base import Prompt
+from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig
+from amir_lightning.rollout.episodes import Environment, run_episodes
+from amir_lightning.rollout.policy import Policy
+from amir_lightning.rollout.sync import SyncCheck, SyncReport
+
+#: What a generation is for: the training rollout in turn, validation and tests, the rollout sampled ahead.
+TRAIN, EVALUATE, AHEAD = 0, 1, 2
+Turn = Callable[[list[list[int]], int, SamplingConfig, int], list[list[Completion]]]
+
+
+def generation_seed(seed: int, step: int, rank: int, purpose: int) -> int:
+    """The seed of a generation at optimisation ``step`` on process ``rank`` for ``purpose``."""
+    return (((seed * 1_000_003 + step) * 65_537 + rank) * 8 + purpose) % 2**63
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The seed of an episode's ``turn``-th turn (the first turn's is the generation's)."""
+    return (seed + 7919 * turn) % 2**63
+
+
+class Sampler:
+    """Generation and the weight push through one engine.
+
+    Args:
+        engine: The rollout engine.
+        environment: Where an episode's tool calls go (``data.environment``); ``None``: single-turn completions.
+        sync_check: Verifies every push (``rollout/sync.py``).
+    """
+
+    def __init__(self, engine: RolloutEngine, environment: Environment | None, sync_check: SyncCheck) -> None:
+        self.engine, self.environment, self.sync_check = engine, environment, sync_check
+        self.synced_at_step: int | None = None
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        n: int,
+        sampling: SamplingConfig,
+        seed: int,
+        prompts: list[Prompt] | None = None,
+        tokenizer=None,
+    ) -> list[list[Completion]]:
+        """``n`` completions per prompt, each turn in a forked RNG seeded from ``seed``.
+
+        With an ``environment``, the ``prompts`` and the ``tokenizer``, each completion is a multi-turn episode.
+        """
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+
+        def turn(ids: list[list[int]], count: int, turn_sampling: SamplingConfig, index: int):
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(turn_seed(seed, index))
+                return self.engine.generate(ids, count, turn_sampling)
+
+        if self.environment is None or prompts is None:
+            return turn(prompt_ids, n, sampling, 0)
+        return self.episodes(prompts, prompt_ids, n, sampling, turn, tokenizer)
+
+    def generate_apart(
+        self, prompts: list[Prompt], prompt_ids: list[list[int]], n: int, sampling: SamplingConfig, seed: int, tokenizer
+    ) -> Callable[[], list[list[Completion]]]:
+        """The generation an engine in its own process runs while the policy trains: the seed goes with each request."""
+        engine = self.engine
+
+        def turn(ids: list[list[int]], count: int, turn_sampling: SamplingConfig, index: int):
+            return engine.generate(ids, count, turn_sampling, seed=turn_seed(seed, index))
+
+        if self.environment is None:
+            return lambda: turn(prompt_ids, n, sampling, 0)
+        return lambda: self.episodes(prompts, prompt_ids, n, sampling, turn, tokenizer)
+
+    def episodes(self, prompts, prompt_ids, n, sampling, turn: Turn, tokenizer) -> list[list[Completion]]:
+        """``n`` multi-turn episodes per prompt through ``environment``, ``turn(ids, n, sampling, index)`` sampling."""
+        room = getattr(self.engine, "max_model_len", None)
+        return run_episodes(self.environment, prompts, prompt_ids, n, sampling, turn, tokenizer, room)
+
+    def push(
+        self,
+        policy: Policy,
+        step: int,
+        probe: tuple[list[int], str],
+        max_over_processes: Callable[[list[float]], list[float]],
+    ) -> SyncReport | None:
+        """Push the policy into the engine and verify it, once per optimisation ``step`` (``None``: done already).
+
+        The first push fixes the probe (a prompt's ids and its answer) for the rest of the run.
+        """
+        if self.synced_at_step == step:
+            return None
+        self.sync_check.set_probe(policy.tokenizer, *probe)
+        report = self.sync_check.push_and_verify(policy, self.engine, max_over_processes)
+        self.synced_at_step = step
+        return report

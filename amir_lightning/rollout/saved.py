@@ -1,0 +1,119 @@
+"""The rollout sampled ahead in a checkpoint, one per process (``data.rollout.max_staleness: 1``).
+
+Each process samples a rollout ahead of its own prompts (``rollout/pending.py``), but Lightning writes the data
+module's state from global rank 0 alone (DDP's file, and the ``meta.pt`` of FSDP2's distributed checkpoints). So
+every process sends its saved rollout to rank 0, which writes them by rank (``gather_saved``); on resume each process
+takes its own (``saved_for_rank``) and checks that its completions belong to the prompts it draws again
+(``restore``). A checkpoint written by another number of processes holds rollouts of other prompt shards: it is
+dropped, and its prompts are sampled again from the checkpoint's weights (the run goes on, on-policy for that
+rollout; no uninterrupted run at this size exists for it to match).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from amir_lightning.data.base import Prompt
+from amir_lightning.helpers.distributed import gather_to_rank_zero, global_rank, world_size
+from amir_lightning.rollout.pending import PendingRollout, SavedRollout
+
+log = logging.getLogger(__name__)
+
+
+def gather_saved(state: dict | None, replicated: bool) -> dict | None:
+    """Every process's saved rollout (``SavedRollout.state``) by global rank, for rank 0's checkpoint.
+
+    Every process must call it. Under DDP the kept weights (``stale_logps: sampler``) are a whole copy on every
+    rank, the same: only rank 0's are written. Under FSDP2 each rank keeps its own shards, written by rank.
+
+    Args:
+        state: This process's saved rollout (``None``: it has none, nor has any other).
+        replicated: The kept weights are the same on every process (not sharded).
+
+    Returns:
+        ``{"world_size": N, "ranks": {rank: state}}`` (on other ranks than 0, only their own), or ``None``.
+    """
+    rank = global_rank()
+    if state is not None and replicated and rank > 0:
+        state = {**state, "weights": None}  # rank 0's
+    states = gather_to_rank_zero(state)
+    by_rank = dict(enumerate(states)) if states is not None else {rank: state}
+    if all(s is None for s in by_rank.values()):
+        return None
+    return {"world_size": world_size(), "ranks": by_rank}
+
+
+def saved_for_rank(
+    pending: dict | None, rank: int, ranks: int, overlapped: bool
+) -> tuple[SavedRollout | None, int | None]:
+    """This process's saved rollout in a checkpoint's ``pending`` (``gather_saved``'s), or where to draw again.
+
+    Args:
+        pending: The checkpoint's ``pending`` entry; an older checkpoint's holds one process's rollout, unkeyed.
+        rank: This process's global rank.
+        ranks: Processes of this run.
+        overlapped: This run samples a rollout ahead (``data.rollout.max_staleness`` 1).
+
+    Returns:
+        ``(saved, None)``; or ``(None, position)`` when it cannot be resumed here (another number of processes, an
+        older checkpoint of several, or a run in turn): the prompt stream goes back to where its prompts were drawn.
+    """
+    if pending is None:
+        return None, None
+    keyed = "ranks" in pending
+    by_rank = pending["ranks"] if keyed else {0: pending}
+    written_by = int(pending["world_size"]) if keyed else None
+    own = by_rank.get(rank)
+    here = written_by == ranks if keyed else ranks == 1  # an unkeyed one is the first process's alone
+    if overlapped and own is not None and here:
+        if own["weights"] is None:  # the same on every rank: written once, by rank 0
+            own = {**own, "weights": by_rank[0]["weights"]}
+        return SavedRollout.from_state(own), None
+    drawn_at = int(next(s for s in by_rank.values() if s is not None)["drawn_at"])
+    if rank == 0:
+        why = (
+            "this run samples in turn (data.rollout.max_staleness 0)"
+            if not overlapped
+            else f"it was written by {written_by or 'several'} processes and this run has {ranks}"
+        )
+        log.warning(
+            "the checkpoint's rollout sampled ahead is dropped (%s): its prompts are sampled again from the "
+            "checkpoint's weights, at stream position %d",
+            why,
+            drawn_at,
+        )
+    return None, drawn_at
+
+
+def restore(
+    saved: SavedRollout,
+    prompts: list[Prompt],
+    prompt_ids: list[list[int]],
+    rank: int,
+    ranks: int,
+    max_over_processes: Callable[[list[float]], list[float]],
+) -> PendingRollout:
+    """``saved`` with the prompts this process drew again, once every process found its completions theirs.
+
+    Every process must call it: one whose prompts are not those its completions were sampled for (other prompts,
+    order, shard size or chat template than the run that wrote the checkpoint) stops every process with one error,
+    rather than leaving the others waiting for it.
+
+    Returns:
+        The pending rollout, completions and scores as saved, for these prompts.
+
+    Raises:
+        ValueError: Some process's saved completions belong to other prompts.
+    """
+    flags = [0.0] * ranks
+    flags[rank] = 0.0 if saved.fits(prompt_ids) else 1.0
+    wrong = [r for r, flag in enumerate(max_over_processes(flags)) if flag]
+    if wrong:
+        raise ValueError(
+            "the checkpoint's rollout sampled ahead (data.rollout.max_staleness 1) holds completions of other prompts "
+            f"than process(es) {', '.join(map(str, wrong))} draw again at stream position {saved.drawn_at}: "
+            "data.prompts, data.shuffle, data.seed, data.rollout.prompts_per_process or the chat template "
+            "(data.chat_template, data.system_prompt) differ from the run that wrote it; resume with its settings"
+        )
+    return saved.pending(prompts, prompt_ids)

@@ -1,0 +1,162 @@
+"""The rollout sampled ahead (``data.rollout.max_staleness: 1``) survives a checkpoint for every process: each rank
+resumes its own completions, with its own kept weights and its saved rewards, and never another rank's."""
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import run_amir
+from safetensors.torch import load_file
+
+from amir_lightning.data.base import Prompt
+from amir_lightning.helpers.distributed import all_reduce
+from amir_lightning.rewards.base import Reward
+from amir_lightning.rollout.collect import RolloutSettings, collect_rollout
+from amir_lightning.rollout.engine import Completion
+from amir_lightning.rollout.pending import PendingRollout, SavedRollout
+from amir_lightning.rollout.saved import gather_saved, restore, saved_for_rank
+
+ROOT = Path(__file__).parents[1]
+SERVER = {"max_model_len": 64, "kv_cache_memory_bytes": 32 * 1024**2, "threads": 1}
+FSDP2 = "{class_path: lightning.pytorch.strategies.ModelParallelStrategy}"
+
+#: What each of two processes trains on, as in the report of the bug: rank 1 must never get rank 0's answer.
+QUESTIONS = [("What is 9 + 4?", "13"), ("What is 2 + 3?", "5")]
+
+
+class CountsCalls(Reward):
+    """The completion's length, times the number of calls so far: a reward that never answers twice alike (as a
+    judge sampling its verdict, or a reward model in bf16 on another batch, need not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def score(self, completions, answers, **kwargs) -> list[float]:
+        self.calls += 1
+        return [float(len(c) * self.calls) for c in completions]
+
+
+def token_ids(question: str) -> list[int]:
+    """The prompt's "token ids" (its characters' code points; any fixed encoding does)."""
+    return [ord(ch) for ch in question]
+
+
+def sampled_ahead(rank: int) -> PendingRollout:
+    """Rank ``rank``'s rollout sampled ahead: its one prompt, two completions, its shard of the kept weights."""
+    question, answer = QUESTIONS[rank]
+    weights = {"w": torch.full((3,), float(rank + 1))}
+    pending = PendingRollout([Prompt(question, answer)], [token_ids(question)], drawn_at=6, version=2, weights=weights)
+    pending.completions = [[Completion([1, 2], answer, [-0.5, -0.25], "stop"), Completion([3], "777", [-1.0], "stop")]]
+    return pending
+
+
+def _two_ranks(rank: int, port: int, out: str) -> None:
+    """In each of two gloo processes: gather both ranks' saved rollouts (weights sharded, then replicated), and try
+    restoring rank 0's rollout on both (rank 1 draws other prompts)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        own = sampled_ahead(rank)
+        own.score([CountsCalls()], 60.0)
+        sharded, replicated = gather_saved(own.state(), False), gather_saved(own.state(), True)
+        if rank == 0:
+            torch.save({"sharded": sharded, "replicated": replicated}, out)
+        first = SavedRollout.from_state(sampled_ahead(0).state())
+
+        def max_over(values: list[float]) -> list[float]:
+            return all_reduce(torch.tensor(values, dtype=torch.float64), "max").tolist()
+
+        try:
+            restore(first, own.prompts, own.prompt_ids, rank, 2, max_over)
+        except ValueError as err:
+            Path(f"{out}.{rank}").write_text(str(err))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_each_process_resumes_its_own_rollout_sampled_ahead_and_never_another_ranks(tmp_path):
+    """Two real processes (gloo): rank 0 writes both ranks' saved rollouts, keyed by rank; on resume rank 1 takes its
+    own completions, scores and weight shard (rank 0's weights only when they are replicated, as under DDP). Rank 0's
+    rollout offered to rank 1 (what a checkpoint holding rank 0's alone gave it) stops both processes with one error;
+    such an unkeyed checkpoint is dropped on two processes, its prompts drawn again."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "gathered.pt")
+    # spawned, not forked: a process group an earlier test left in this process must not be inherited
+    mp.start_processes(_two_ranks, args=(port, out), nprocs=2, start_method="spawn")
+    gathered = torch.load(out, weights_only=True)  # as Lightning loads a checkpoint
+    sharded, replicated = gathered["sharded"], gathered["replicated"]
+    assert sharded["world_size"] == 2 and sorted(sharded["ranks"]) == [0, 1]
+    for rank, (question, answer) in enumerate(QUESTIONS):
+        saved, redraw_at = saved_for_rank(sharded, rank, 2, overlapped=True)
+        assert redraw_at is None and saved.completions[0][0].text == answer
+        assert saved.fits([token_ids(question)]) and not saved.fits([token_ids(QUESTIONS[1 - rank][0])])
+        assert torch.equal(saved.weights["w"], torch.full((3,), float(rank + 1)))  # its own shard
+        assert saved.scores.total.tolist() == [len(answer), 3.0]  # as scored before the checkpoint (call 1)
+    assert replicated["ranks"][1]["weights"] is None  # written once, by rank 0
+    saved, _ = saved_for_rank(replicated, 1, 2, overlapped=True)
+    assert saved.completions[0][0].text == "5" and torch.equal(saved.weights["w"], torch.full((3,), 1.0))
+    errors = [Path(f"{out}.{rank}").read_text() for rank in (0, 1)]
+    assert errors[0] == errors[1] and "holds completions of other prompts than process(es) 1 draw again" in errors[0]
+    assert "\n" not in errors[0] and "data.rollout.prompts_per_process" in errors[0]
+    unkeyed = sampled_ahead(0).state()  # a checkpoint of rank 0's rollout alone, as written before
+    assert saved_for_rank(unkeyed, 1, 2, overlapped=True) == (None, 6)
+    assert saved_for_rank(sharded, 0, 4, overlapped=True) == (None, 6)  # another number of processes
+    assert saved_for_rank(sharded, 0, 2, overlapped=False) == (None, 6)  # resumed in turn (max_staleness 0)
+    assert saved_for_rank(unkeyed, 0, 1, overlapped=True)[0].completions[0][0].text == "13"  # one process's
+
+
+def test_a_rollout_sampled_ahead_is_scored_once_and_resumed_with_those_scores(tmp_path):
+    """A checkpoint keeps the rollout's rewards: after a save and load, the resumed rollout trains on the rewards the
+    first scoring gave, bitwise, and the reward is not called again (it would answer otherwise)."""
+    reward = CountsCalls()
+    pending = sampled_ahead(1)
+    first = pending.score([reward], 60.0)
+    assert pending.score([reward], 60.0) is first and reward.calls == 1  # the run trains on what it saved
+    torch.save(pending.state(), tmp_path / "pending.pt")
+    saved = SavedRollout.from_state(torch.load(tmp_path / "pending.pt", weights_only=True))
+    resumed = saved.pending(pending.prompts, pending.prompt_ids)
+    settings = RolloutSettings(group_size=2, prompts_per_process=1, micro_batch_groups=1)
+    rollout = collect_rollout(
+        resumed.prompts, resumed.prompt_ids, lambda ids, n: resumed.wait(), [reward], settings, scores=resumed.scores
+    )
+    assert reward.calls == 1
+    assert torch.equal(rollout.groups[0].rewards, first.total) and rollout.metrics["rollout/reward_mean"] == 2.0
+    rescored = collect_rollout(resumed.prompts, resumed.prompt_ids, lambda ids, n: resumed.wait(), [reward], settings)
+    assert reward.calls == 2 and rescored.groups[0].rewards.tolist() == [2.0, 6.0]  # what a rescoring trains on
+
+
+def max_abs_difference(first: Path, second: Path) -> float:
+    """The largest absolute difference between two exported policies' weights (same names required)."""
+    a, b = load_file(first / "policy" / "model.safetensors"), load_file(second / "policy" / "model.safetensors")
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("strategy", "stale_logps"), [("ddp", "current"), (FSDP2, "sampler")], ids=["ddp", "fsdp2"])
+def test_two_processes_resumed_a_rollout_ahead_end_where_an_uninterrupted_run_does(tmp_path, strategy, stale_logps):
+    """2 processes share one vLLM server, which samples the next rollout while they train. Cut after rollout 2 of 3
+    and resumed with ``--ckpt_path last``: each rank trains its own saved rollout 3 (under FSDP2 ``sampler``, with
+    its own shard of the weights that sampled it), ending with the uninterrupted run's weights, bitwise."""
+    engine = json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": SERVER})
+    common = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.engine", engine]
+    common += ["--trainer.devices", "2", "--trainer.strategy", strategy, "--trainer.deterministic", "true"]
+    common += ["--data.rollout.max_staleness", "1", "--data.rollout.stale_logps", stale_logps]
+    common += ["--data.rollout.prompts_per_process", "4", "--data.rollout.micro_batch_groups", "4"]
+    common += ["--trainer.check_val_every_n_epoch", "50"]
+    run_amir([*common, "--trainer.max_epochs", "3", "--trainer.logger.init_args.name", "full"], tmp_path)
+    part = [*common, "--trainer.logger.init_args.name", "part"]
+    run_amir([*part, "--trainer.max_epochs", "2"], tmp_path)
+    run_amir([*part, "--trainer.max_epochs", "3", "--ckpt_path", "last"], tmp_path)
+    runs = tmp_path / "runs"
+    difference = max_abs_difference(runs / "full" / "version_0", runs / "part" / "version_0")
+    print(f"max abs weight difference, resumed vs uninterrupted ({stale_logps}): {difference}")
+    assert difference == 0.0
