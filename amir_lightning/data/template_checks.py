@@ -3,8 +3,9 @@
 Rendering is sandboxed already: the template reaches the tokenizer's ``apply_chat_template``, which renders it in
 transformers' Jinja ``ImmutableSandboxedEnvironment`` (``ChatFormat.render``; nothing here renders it otherwise),
 where a Python object's internals are out of reach. That sandbox turns many such accesses into an empty string
-(``{{ ''.__class__ }}`` rendered nothing, and the run started). ``unsafe_access`` finds every one the template
-writes, so it is refused at start with its name and line; ``check_structure`` refuses a template that would train
+(``{{ ''.__class__ }}`` rendered nothing, and the run started). ``unsafe_access`` finds every such name written
+out, and computed ones on the path of a prompt it renders, so the template is refused at start naming them and their
+line; what it cannot see stays inside transformers' sandbox. ``check_structure`` refuses a template that would train
 on prompts that are not what the user asked: one that drops the user's message or the system prompt, or writes no
 generation prompt (the policy would go on writing the user's turn).
 """
