@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from amir_lightning.data.base import Prompt
+from amir_lightning.helpers.http import ServerError
 from amir_lightning.helpers.validation import check_number, raise_errors
 
 log = logging.getLogger(__name__)
@@ -204,7 +206,7 @@ def call_reward(reward: Reward, inputs: RewardInputs, warn_s: float = 60.0) -> l
     try:
         with _heartbeat(reward.name, warn_s):
             return reward(inputs.copy())
-    except RewardError:
+    except (RewardError, ServerError, SIGTERMException):  # a judge's server, a preemption: not the reward's fault
         raise
     except (Exception, SystemExit) as err:  # sys.exit() in a reward would end the run as if it had finished
         raise RewardError(f"reward {reward.name} ({_raised_at(err)}) raised {type(err).__name__}: {err}") from err
