@@ -211,7 +211,7 @@ def wait_for(endpoint: Endpoint, timeout: float, key: str, refused_s: float | No
     server another training process started), when it has no ``/health``, or when ``timeout`` passes.
     """
     start = time.monotonic()
-    refused_since = None
+    refused_since, grace = None, min(refused_s or timeout, timeout)
     while True:
         stops.raise_if_stopped()
         now, answer = time.monotonic(), health(endpoint.url)
@@ -223,8 +223,8 @@ def wait_for(endpoint: Endpoint, timeout: float, key: str, refused_s: float | No
         if answer == "refused" and refused_s is not None:
             if refused_since is None:
                 refused_since = now
-                log.info("no server at %s yet (connection refused); waiting %g s for one", endpoint.url, refused_s)
-            if now - refused_since >= min(refused_s, timeout):
+                log.info("no server at %s yet (connection refused); waiting %g s for one", endpoint.url, grace)
+            if now - refused_since >= grace:
                 raise ServerError(f"no server at {endpoint.url} (connection refused for {now - refused_since:.0f} "
                                   f"s); {endpoint.absent}")  # fmt: skip
         elif answer != "refused":

@@ -66,22 +66,29 @@ class RewardModel(Reward):
         """Load the model and its tokenizer (the first ``score`` does)."""
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        path = self.source.resolve()
+        key = f"data.rewards: {self.name}.model"
+        try:
+            path = self.source.resolve()
+        except FileNotFoundError as err:
+            raise FileNotFoundError(str(err).replace("model.policy.init_args.name_or_path", key)) from None
         here = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         device = torch.device(self.device or here)
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=getattr(torch, dtype))
-        labels = self.model.config.num_labels
-        if labels != 1:
-            raise ValueError(
-                f"data.rewards: {self.name} needs a reward model with one output, and {path} has {labels} "
-                "(num_labels); a classifier with several labels is not a reward model"
-            )
-        # The score is read at the last column of left-padded rows; no id is padding to transformers' pooling.
+        self.model, info = AutoModelForSequenceClassification.from_pretrained(
+            path, dtype=getattr(torch, dtype), output_loading_info=True
+        )
+        _check_head(self.model, info, path, key)
+        # The score is read at the last column of left-padded rows; no id is padding to transformers' pooling, and
+        # the padding's id is never read (a tokenizer without a pad token pads with 0).
         self.model.config.pad_token_id = -1
         self.model.to(device).eval().requires_grad_(False)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        if context is not None and context < self.max_length:
+            log.info("%s: max_length %d is over the model's context (max_position_embeddings %d): sequences keep "
+                     "their last %d tokens", self.name, self.max_length, context, context)  # fmt: skip
+            self.max_length = context
 
     def text(self, prompt: str | list[dict], completion: str) -> str:
         """The conversation the model scores, as text: ``prompt`` is the question or the prompt's messages."""
@@ -129,3 +136,20 @@ class RewardModel(Reward):
 
     def close(self) -> None:  # noqa: D102
         self.model = None
+
+
+def _check_head(model, info: dict, path, key: str) -> None:
+    """Refuse a model whose score head did not load from its files (it would score at random) or has several labels."""
+    missing = [k for k in info.get("missing_keys", ()) if not k.startswith(model.base_model_prefix + ".")]
+    if missing:
+        kinds = ", ".join(getattr(model.config, "architectures", None) or ["a model of another kind"])
+        raise ValueError(
+            f"{key} {path} is not a sequence-classification model: its files have no score head ({missing[0]} "
+            f"missing; it is {kinds}), so every score would come from random weights"
+        )
+    labels = model.config.num_labels
+    if labels != 1:
+        raise ValueError(
+            f"{key} {path} has {labels} outputs (num_labels): a reward model has one; a classifier with several "
+            "labels is not a reward model"
+        )

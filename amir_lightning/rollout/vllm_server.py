@@ -34,7 +34,7 @@ import torch
 
 from amir_lightning.helpers.distributed import from_rank_zero, global_rank, world_size
 from amir_lightning.helpers.http import Endpoint, ServerError, read, request
-from amir_lightning.helpers.serving import ServerProcess, free_port, reachable_url, wait_for
+from amir_lightning.helpers.serving import REFUSED_S, ServerProcess, free_port, reachable_url, wait_for
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rollout import server_setup
 from amir_lightning.rollout.digest import ColumnSample, Reading, WeightSlot
@@ -165,7 +165,7 @@ class VLLMServerEngine(RolloutEngine):
         key = f"{KEY}.startup_timeout"
         if self.server is not None:
             return self.server.wait_until_ready(self.startup_timeout, key)
-        wait_for(self.endpoint, self.startup_timeout, key, refused_s=server_setup.REFUSED_S if self.given_url else None)
+        wait_for(self.endpoint, self.startup_timeout, key, refused_s=REFUSED_S if self.given_url else None)
 
     @property
     def process(self):

@@ -1,0 +1,127 @@
+"""Faults of the servers a run talks to (the vLLM server engine's, the judge's) and of reward models: each case
+stops the run with its exit code and one line naming the server, the route and the key, and leaves no process.
+
+The junk servers are a stdlib HTTP server (``tests/helpers/junk_server.py``); the cases that need vLLM itself start
+the tiny model on a real server and are marked ``slow``; the ways a run with a server can end are in
+``tests/helpers/server_runs.py``.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from helpers.junk_server import JunkServer
+
+from amir_lightning.cli import main
+from amir_lightning.helpers.serving import free_port, group_members
+
+ROOT = Path(__file__).parents[1]
+HELPERS = Path(__file__).parent / "helpers"
+TINY = str(ROOT / "configs" / "tiny.yaml")
+BASE = ["fit", "--config", TINY, "--trainer.max_epochs", "1", "--trainer.check_val_every_n_epoch", "50"]
+HF = ["--data.engine", "amir_lightning.rollout.HFEngine", "--data.engine.init_args.progress", "false"]
+EXPECT = "data.engine.init_args.url must be a vLLM server started with VLLM_SERVER_DEV_MODE=1 AMIR_VLLM_SERVER=1"
+
+
+def fit_here(tmp_path, monkeypatch, capsys, extra) -> tuple[int, str, float]:
+    """``amir fit`` in this process: (exit status, the ``amir: error:`` line or stderr, seconds)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AMIR_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("AMIR_DEBUG", raising=False)
+    monkeypatch.setattr(sys, "argv", ["amir"])
+    start = time.monotonic()
+    try:
+        main([*BASE, *extra])
+        code = 0
+    except SystemExit as exit_info:
+        code = exit_info.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("amir: error:")]
+    return code, lines[0] if len(lines) == 1 else err, time.monotonic() - start
+
+
+def server_engine(**init_args) -> list[str]:
+    return ["--data.engine", json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine",
+                                         "init_args": init_args})]  # fmt: skip
+
+
+def judge(**init_args) -> list[str]:
+    reward = {"class_path": "amir_lightning.rewards.JudgeReward", "init_args": {"model": "judge", **init_args}}
+    return [*HF, "--data.rewards", json.dumps([reward])]
+
+
+MODELS = ("/v1/models",)  # the judge's server lists its model, then answers its chat requests as the mode says
+# (case, junk server mode or None (nothing listens), its good routes, arguments from its url, exit status, the error
+# line's parts)
+CASES = [
+    ("engine url where nothing listens", None, (), lambda url: server_engine(url=url, startup_timeout=3), 3,
+     ["no server at {url} (connection refused for 3 s); start one with the command VLLMServerEngine.server_command "
+      "gives, or drop data.engine.init_args.url to let the run start one"]),
+    ("engine url at a proxy's HTML page", "html", (), lambda url: server_engine(url=url), 3,
+     ["the vLLM server at {url} answered /init_weight_transfer_engine with text/html, not JSON ('<html><body>Please "
+      "sign in</body></html>'): " + EXPECT]),
+    ("engine url at a server of other JSON", "json", (), lambda url: server_engine(url=url), 3,
+     ["the vLLM server at {url} answered /v1/completions without what it must send (KeyError: 'choices'; it sent "
+      '{{"status": "ok", "data": []}}): ' + EXPECT]),
+    ("engine url at a vLLM without the RL routes", "404", (), lambda url: server_engine(url=url), 3,
+     ["the vLLM server at {url} has no route /init_weight_transfer_engine (404): " + EXPECT]),
+    ("engine url at a server that answers 500", "500", (), lambda url: server_engine(url=url), 3,
+     ["the vLLM server at {url} refused /init_weight_transfer_engine (500): oops"]),
+    ("engine url at a server that never answers", "silent", (), lambda url: server_engine(url=url, request_timeout=2), 3,
+     ["the vLLM server at {url} did not answer /init_weight_transfer_engine within 2 s "
+      "(data.engine.init_args.request_timeout); it was not started by this run and answers /health (busy)"]),
+    ("transfer_dir not writable", "json", (), lambda url: server_engine(url=url, transfer_dir="/sys"), 2,
+     ["data.engine.init_args.transfer_dir /sys cannot hold the pushed weights: Operation not permitted"]),
+    ("judge url where nothing listens", None, (), lambda url: judge(url=url), 3,
+     ["no server at {url} (connection refused at /v1/models); start one (vllm serve MODEL), or give "
+      "data.rewards: judge.serve instead of url to let the run start one"]),
+    ("judge url at a proxy's HTML page", "html", (), lambda url: judge(url=url), 3,
+     ["the judge (judge) at {url} answered /v1/models with text/html, not JSON ('<html><body>Please sign in"]),
+    ("judge url at a server of other JSON", "json", MODELS, lambda url: judge(url=url, retries=0), 3,
+     ["the judge (judge) at {url} answered /v1/chat/completions without what it must send (KeyError: 'choices'"]),
+    ("judge url at a server that never answers", "silent", MODELS, lambda url: judge(url=url, timeout_s=2), 3,
+     ["the judge (judge) at {url} did not answer /v1/chat/completions within 2 s (data.rewards: judge.timeout_s); "
+      "it was not started by this run and answers /health (busy)"]),
+    ("judge url at a server that answers 500", "500", MODELS, lambda url: judge(url=url, retries=1), 3,
+     ["the judge (judge) at {url} refused /v1/chat/completions (500): oops"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "mode", "good", "args", "status", "expected"), CASES, ids=[c[0] for c in CASES])
+def test_a_server_fault_is_one_line_naming_the_server_the_route_and_the_key(case, mode, good, args, status, expected,
+                                                                           tmp_path, monkeypatch, capsys):  # fmt: skip
+    """Before: 600 s of silence (nothing listening), ``amir: error: Expecting value: line 1 column 1 (char 0)``
+    (HTML), tracebacks (other JSON, 404, 500, silent), an OS error without the key (transfer_dir)."""
+    if mode is None:
+        url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+        code, line, seconds = fit_here(tmp_path, monkeypatch, capsys, args(url))
+    else:
+        with JunkServer(mode, good) as server:
+            url = server.url
+            code, line, seconds = fit_here(tmp_path, monkeypatch, capsys, args(url))
+    assert code == status, line[-3000:]
+    assert line.startswith("amir: error: "), line[-3000:]
+    for part in expected:
+        assert part.format(url=url) in line
+    assert seconds < 60
+
+
+def test_a_judge_server_that_fails_is_asked_again_only_where_asking_again_can_help():
+    """A 500 is asked again ``retries`` times; a server that does not answer within ``timeout_s`` is not (before:
+    each of ``retries + 1`` asks waited ``timeout_s``)."""
+    from amir_lightning.helpers.http import ServerError
+    from amir_lightning.rewards import JudgeReward
+
+    for mode, asked in (("500", 3), ("silent", 1)):
+        with JunkServer(mode, MODELS) as server:
+            reward = JudgeReward(url=server.url, model="judge", retries=2, timeout_s=1)
+            reward.setup()
+            with pytest.raises(ServerError, match="/v1/chat/completions"):
+                reward.ask(reward.messages("1+1?", "2", "2"))
+        assert server.requests["/v1/chat/completions"] == asked, (mode, server.requests)
