@@ -19,7 +19,7 @@ import pytest
 from helpers.junk_server import JunkServer
 
 from amir_lightning.cli import main
-from amir_lightning.helpers.serving import free_port, group_members
+from amir_lightning.helpers.serving import free_port
 
 ROOT = Path(__file__).parents[1]
 HELPERS = Path(__file__).parent / "helpers"
@@ -125,3 +125,81 @@ def test_a_judge_server_that_fails_is_asked_again_only_where_asking_again_can_he
             with pytest.raises(ServerError, match="/v1/chat/completions"):
                 reward.ask(reward.messages("1+1?", "2", "2"))
         assert server.requests["/v1/chat/completions"] == asked, (mode, server.requests)
+
+
+# ---------------------------------------------------------------------------------------------- reward models
+def reward_model(path) -> list[str]:
+    return [*HF, "--data.rewards", json.dumps([{"class_path": "amir_lightning.rewards.RewardModel",
+                                                "init_args": {"model": str(path)}}])]  # fmt: skip
+
+
+def test_a_causal_lm_given_as_reward_model_stops_before_the_first_rollout_in_one_line(tmp_path, monkeypatch, capsys):
+    """Before: after the first rollout's generation, a traceback ending in "a classifier with several labels is not a
+    reward model" (exit 1); with ``num_labels: 1`` in its config, a random score head scored every completion."""
+    from amir_lightning.models import TinyModel
+
+    path = TinyModel(alphabet="0123456789=", seed=5, cache_dir=str(tmp_path / "models")).resolve()
+    code, line, _ = fit_here(tmp_path, monkeypatch, capsys, reward_model(path))
+    assert code == 2, line[-3000:]
+    assert line == (f"amir: error: data.rewards: reward_model.model {path} is not a sequence-classification model "
+                    "(it is Qwen2ForCausalLM): its score head would be random weights")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def short_reward_model(tmp_path_factory):
+    """A tiny reward model of 32 positions whose tokenizer has no pad token."""
+    import shutil
+
+    from amir_lightning.models import PRINTABLE_ALPHABET, TinyModel
+
+    built = TinyModel(alphabet=PRINTABLE_ALPHABET, head="reward", seed=3, max_position_embeddings=32,
+                      cache_dir=str(tmp_path_factory.mktemp("rm"))).resolve()  # fmt: skip
+    path = tmp_path_factory.mktemp("no_pad") / "model"
+    shutil.copytree(built, path)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        file = path / name
+        if file.exists():
+            config = json.loads(file.read_text())
+            config.pop("pad_token", None)
+            file.write_text(json.dumps(config))
+    return str(path)
+
+
+def scored(path, prompts, completions, **kwargs):
+    from amir_lightning.data.base import Prompt
+    from amir_lightning.rewards import RewardModel
+    from amir_lightning.rewards.base import RewardInputs
+
+    reward = RewardModel(path, **kwargs)
+    inputs = RewardInputs(completions, [Prompt(question=p, answer="") for p in prompts], [[1]] * len(prompts),
+                          ["stop"] * len(prompts))  # fmt: skip
+    return reward, reward(inputs)
+
+
+def alone(reward, text):
+    import torch
+
+    ids = reward.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][:, -32:]
+    with torch.no_grad():
+        return reward.model(input_ids=ids).logits[0, 0].item()
+
+
+def test_a_reward_tokenizer_without_a_pad_token_scores_each_sequence_as_alone(short_reward_model):
+    """transformers gives such a tokenizer a pad token past the model's vocabulary (before: an IndexError in the
+    embedding at the first batch of two lengths); the padding is masked out, so any id of the vocabulary pads."""
+    reward, got = scored(short_reward_model, ["What is 2 + 2?", "1?"], ["4", "one, surely"], batch_size=2)
+    assert reward.tokenizer.pad_token_id >= reward.model.get_input_embeddings().num_embeddings  # past the vocabulary
+    assert got == pytest.approx([alone(reward, "What is 2 + 2?4"), alone(reward, "1?one, surely")], abs=1e-5)
+
+
+def test_a_sequence_over_the_reward_models_context_is_scored_on_its_end(short_reward_model, caplog):
+    """``max_length`` (4096 by default) is held to the model's 32 positions: a 60-token conversation keeps its last 32
+    (before: all 60 went through a model of 32 positions)."""
+    caplog.set_level("INFO")
+    reward, (got,) = scored(short_reward_model, ["What is 2 + 2?"], ["4" * 46])
+    assert reward.max_length == 32
+    assert got == pytest.approx(alone(reward, "What is 2 + 2?" + "4" * 46), abs=1e-5)
+    said = [r.getMessage() for r in caplog.records]
+    assert "reward_model: max_length 4096 is over the model's context (max_position_embeddings 32): sequences keep "\
+        "their last 32 tokens" in said
+    assert "reward_model: 1 of 1 sequences are over max_length 32 tokens; their ends were scored" in said
