@@ -73,7 +73,7 @@ CASES = [
      ["the vLLM server at {url} has no route /init_weight_transfer_engine (404): " + EXPECT]),
     ("engine url at a server that answers 500", "500", (), lambda url: server_engine(url=url), 3,
      ["the vLLM server at {url} refused /init_weight_transfer_engine (500): oops"]),
-    ("engine url at a server that never answers", "silent", (), lambda url: server_engine(url=url, request_timeout=2), 3,
+    ("engine url at a silent server", "silent", (), lambda url: server_engine(url=url, request_timeout=2), 3,
      ["the vLLM server at {url} did not answer /init_weight_transfer_engine within 2 s "
       "(data.engine.init_args.request_timeout); it was not started by this run and answers /health (busy)"]),
     ("transfer_dir not writable", "json", (), lambda url: server_engine(url=url, transfer_dir="/sys"), 2,
@@ -85,7 +85,7 @@ CASES = [
      ["the judge (judge) at {url} answered /v1/models with text/html, not JSON ('<html><body>Please sign in"]),
     ("judge url at a server of other JSON", "json", MODELS, lambda url: judge(url=url, retries=0), 3,
      ["the judge (judge) at {url} answered /v1/chat/completions without what it must send (KeyError: 'choices'"]),
-    ("judge url at a server that never answers", "silent", MODELS, lambda url: judge(url=url, timeout_s=2), 3,
+    ("judge url at a silent server", "silent", MODELS, lambda url: judge(url=url, timeout_s=2), 3,
      ["the judge (judge) at {url} did not answer /v1/chat/completions within 2 s (data.rewards: judge.timeout_s); "
       "it was not started by this run and answers /health (busy)"]),
     ("judge url at a server that answers 500", "500", MODELS, lambda url: judge(url=url, retries=1), 3,
@@ -200,6 +200,197 @@ def test_a_sequence_over_the_reward_models_context_is_scored_on_its_end(short_re
     assert reward.max_length == 32
     assert got == pytest.approx(alone(reward, "What is 2 + 2?" + "4" * 46), abs=1e-5)
     said = [r.getMessage() for r in caplog.records]
-    assert "reward_model: max_length 4096 is over the model's context (max_position_embeddings 32): sequences keep "\
+    assert (
+        "reward_model: max_length 4096 is over the model's context (max_position_embeddings 32): sequences keep "
         "their last 32 tokens" in said
+    )
     assert "reward_model: 1 of 1 sequences are over max_length 32 tokens; their ends were scored" in said
+
+
+# ---------------------------------------------------------------------------------------------- real vLLM servers
+SERVER = {"max_model_len": 64, "kv_cache_memory_bytes": 32 * 1024**2, "threads": 1}
+
+
+def tree(pid: int) -> set[int]:
+    """``pid`` and its descendants now, from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        fields = proc_stat(name)
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(name))
+    found, todo = set(), [pid]
+    while todo:
+        found.add(todo[-1])
+        todo += [c for c in children.get(todo.pop(), []) if c not in found]
+    return found
+
+
+def proc_stat(pid) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def leftovers(pid: int, known: set[int]) -> list[int]:
+    """Processes left (zombies aside) of the server whose process was ``pid``: of ``known`` (its tree when the run
+    went on), of its process group or session, or its watcher."""
+    found = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        fields = proc_stat(name)
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as file:
+                cmdline = file.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if fields is None or fields[0] == "Z":
+            continue
+        if int(name) in known or str(pid) in fields[2:4] or f"amir-server-watch {pid}" in cmdline:
+            found.append(int(name))
+    return found
+
+
+def count_after(pid: int, known: set[int], within: float = 20.0) -> tuple[int, float]:
+    """The processes of the server left ``within`` seconds (or as soon as there are none), and the seconds taken."""
+    start = time.monotonic()
+    while leftovers(pid, known) and time.monotonic() - start < within:
+        time.sleep(0.2)
+    return len(leftovers(pid, known)), time.monotonic() - start
+
+
+class Watched:
+    """A process whose output lines are kept as they come, each with the time it came."""
+
+    def __init__(self, command: list[str], cwd, env) -> None:
+        self.process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True)  # fmt: skip
+        self.lines: list[tuple[float, str]] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def wait_for(self, text: str, timeout: float = 300) -> tuple[float, str]:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            for when, line in list(self.lines):
+                if text in line:
+                    return when, line
+            if self.process.poll() is not None and not self.reader.is_alive():
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no line with {text!r}:\n" + "\n".join(line for _, line in self.lines[-40:]))
+
+    def end(self, timeout: float = 120) -> tuple[int, float]:
+        code = self.process.wait(timeout=timeout)
+        self.reader.join(10)
+        return code, time.monotonic()
+
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+
+def report(name: str, **figures) -> None:
+    """Print a test's figures (``pytest -s`` shows them)."""
+    print(f"\nFIGURES {name}: {json.dumps(figures)}")
+
+
+def hung_fit(tmp_path, extra_init=None) -> tuple[Watched, int, set[int], float]:
+    """``amir fit`` of 3 rollouts whose server is stopped (SIGSTOP) before rollout 2 samples: the run, the server's
+    process, its tree then, and when the stop was sent."""
+    init = {**SERVER, "at_call": 2, **(extra_init or {})}
+    engine = json.dumps({"class_path": "server_runs.StopsServerAt", "init_args": init})
+    args = ["fit", "--config", TINY, "--trainer.max_epochs", "3", "--trainer.check_val_every_n_epoch", "50"]
+    env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(HELPERS), PYTHONUNBUFFERED="1")
+    env.pop("AMIR_DEBUG", None)
+    run = Watched([sys.executable, "-m", "amir_lightning", *args, "--data.engine", engine], tmp_path, env)
+    _, started = run.wait_for("started the vLLM server at")
+    pid = int(started.split("(process ")[1].split(";")[0])
+    stopped, _ = run.wait_for("test: SIGSTOP sent to the vLLM server")
+    return run, pid, tree(pid), stopped
+
+
+@pytest.mark.slow
+def test_a_hung_server_is_named_in_seconds_and_sigterm_ends_the_run_at_once_resumably(tmp_path):
+    """The server stopped (SIGSTOP) in the middle of the run: one line names it and its process's state within
+    seconds; SIGTERM then ends the run at once with exit 143 and the line naming the checkpoint, and nothing of the
+    server is left. Before: silent for 150 s and more, SIGTERM ignored until SIGKILL, its engine cores left."""
+    run, pid, known, stopped = hung_fit(tmp_path)
+    said, line = run.wait_for("has not answered /v1/completions for")
+    assert f"its process {pid} is stopped (state T: SIGSTOP or a debugger)" in line
+    assert "(data.engine.init_args.request_timeout), or stops at SIGTERM" in line
+    before = len(leftovers(pid, known))
+    sent = time.monotonic()
+    run.process.send_signal(signal.SIGTERM)
+    code, ended = run.end()
+    assert code == 143, run.text()[-3000:]
+    last = "runs/tiny/version_0/checkpoints/last.ckpt"
+    assert run.lines[-1][1] == (f"amir: stopped by SIGTERM with 1 of 3 rollouts done; the last checkpoint is {last}: "
+                                "resume with the same command and --ckpt_path last")  # fmt: skip
+    import torch
+
+    assert torch.load(tmp_path / last, weights_only=True)["global_step"] == 1
+    left, waited = count_after(pid, known)
+    report("hung server, SIGTERM", first_line_s=round(said - stopped, 1), sigterm_to_exit_s=round(ended - sent, 1),
+           exit=code, server_processes_before=before, left_after=left)  # fmt: skip
+    assert said - stopped < 60 and ended - sent < 20 and left == 0
+
+
+@pytest.mark.slow
+def test_a_hung_server_stops_the_run_at_its_deadline_in_one_line(tmp_path):
+    run, pid, known, stopped = hung_fit(tmp_path, {"request_timeout": 20})
+    code, ended = run.end()
+    assert code == 3, run.text()[-3000:]
+    url = run.wait_for("started the vLLM server at")[1].split(" at ")[1].split(" ")[0]
+    assert run.lines[-1][1] == (f"amir: error: the vLLM server at {url} did not answer /v1/completions within 20 s "
+                                f"(data.engine.init_args.request_timeout); its process {pid} is stopped (state T: "
+                                "SIGSTOP or a debugger)")  # fmt: skip
+    left, _ = count_after(pid, known)
+    report("hung server, deadline 20 s", stop_to_exit_s=round(ended - stopped, 1), exit=code, left_after=left)
+    assert left == 0
+
+
+ENDINGS = ["normal", "error", "sigterm", "sigint", "sigkill", "server_sigkill"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from amir_lightning.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending", ENDINGS)
+def test_nothing_of_a_started_server_outlives_the_run(ending, tiny_dir, tmp_path):
+    """However the run ends, the server and everything it started (vLLM's engine core, the resource tracker) end
+    too. SIGTERM and Ctrl-C come while a request is blocked on the stopped server, and end it at once."""
+    env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+    run = Watched([sys.executable, str(HELPERS / "server_runs.py"), ending, str(tiny_dir)], tmp_path, env)
+    pid = int(run.wait_for("server ")[1].split()[1])
+    time.sleep(1.0)  # its first generation runs
+    known = tree(pid)
+    before = len(leftovers(pid, known))
+    sent = time.monotonic()
+    if ending in ("sigterm", "sigint"):
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(2.0)  # a request waits on it
+        sent = time.monotonic()
+        run.process.send_signal(signal.SIGTERM if ending == "sigterm" else signal.SIGINT)
+    elif ending == "sigkill":
+        run.process.kill()
+    elif ending == "server_sigkill":
+        os.kill(pid, signal.SIGKILL)
+    code, ended = run.end()
+    expected = {"normal": 0, "error": 1, "sigterm": 143, "sigint": 130, "sigkill": -9, "server_sigkill": 3}[ending]
+    assert code == expected, run.text()[-3000:]
+    if ending == "server_sigkill":
+        assert "ServerError: the vLLM server at http://127.0.0.1:" in run.text()
+        assert "died while answering /v1/completions (killed by SIGKILL; its output: " in run.text()
+    left, waited = count_after(pid, known)
+    report(f"ending {ending}", exit=code, server_processes_before=before, left_after=left,
+           exit_s=round(ended - sent, 1), gone_after_exit_s=round(waited, 1))  # fmt: skip
+    assert left == 0

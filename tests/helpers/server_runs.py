@@ -3,8 +3,9 @@
 ``StopsServerAt`` is a ``VLLMServerEngine`` that stops its own server (SIGSTOP: a hung server) before the
 ``at_call``-th generation sends its requests. Run as a script (``python server_runs.py MODE MODEL_DIR``), this file
 starts a server engine, says its process (``server N``) and ends as ``MODE`` says: ``normal`` (it returns),
-``error`` (an exception), ``sigterm`` (it waits for SIGTERM, in a generation), ``sigkill`` (it waits to be killed),
-``server_sigkill`` (it generates until its server is killed).
+``error`` (an exception), ``sigterm`` and ``sigint`` (it generates until the signal comes, which the test sends
+once it has stopped the server: a request is blocked), ``sigkill`` (it waits to be killed), ``server_sigkill`` (it
+generates until its server is killed).
 """
 
 from __future__ import annotations
@@ -46,12 +47,14 @@ def main(mode: str, model_dir: str) -> None:
     engine.start(model_dir, seed=0)
     print(f"server {engine.server.pid}", flush=True)
     sampling = SamplingConfig(max_new_tokens=8)
+    engine.generate([[1, 2, 3]], 2, sampling)
+    time.sleep(3.0 if mode in ("normal", "error") else 0.0)  # the test looks at the server's processes meanwhile
     if mode == "error":
         raise RuntimeError("the run failed")
     if mode == "sigkill":
         time.sleep(600)
     try:
-        while mode in ("sigterm", "server_sigkill"):
+        while mode in ("sigterm", "sigint", "server_sigkill"):
             engine.generate([[1, 2, 3]] * 4, 2, sampling)
     except ServerError as err:
         print(f"ServerError: {err}", flush=True)
@@ -59,6 +62,9 @@ def main(mode: str, model_dir: str) -> None:
     except SystemExit:  # SIGTERMException
         print("stopped by SIGTERM", flush=True)
         sys.exit(143)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":
