@@ -370,7 +370,7 @@ def test_nothing_of_a_started_server_outlives_the_run(ending, tiny_dir, tmp_path
     too. SIGTERM and Ctrl-C come while a request is blocked on the stopped server, and end it at once."""
     env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
     run = Watched([sys.executable, str(HELPERS / "server_runs.py"), ending, str(tiny_dir)], tmp_path, env)
-    pid = int(run.wait_for("server ")[1].split()[1])
+    pid = int(run.wait_for("SERVER PID ")[1].split()[2])
     time.sleep(1.0)  # its first generation runs
     known = tree(pid)
     before = len(leftovers(pid, known))

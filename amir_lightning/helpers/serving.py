@@ -189,9 +189,10 @@ class ServerProcess:
                     self.process.wait(timeout=STOP_S)
                 except subprocess.TimeoutExpired:
                     pass
-            end = time.monotonic() + 2.0  # its children end a moment after it
-            while group_members(self.pid) and time.monotonic() < end:
-                time.sleep(0.1)
+                end = time.monotonic() + 2.0  # its children end a moment after it
+                while group_members(self.pid) and time.monotonic() < end:
+                    time.sleep(0.1)
+            # where it ended by itself (killed), its children are orphans that do not end
             if group_members(self.pid) or self.process.poll() is None:
                 _signal_group(self.pid, signal.SIGKILL)
             self.process.wait()

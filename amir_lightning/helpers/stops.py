@@ -13,6 +13,9 @@ import signal
 import threading
 from collections.abc import Callable
 
+# Imported here, not when a signal comes: an import inside the handler would wait on the import lock
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
 _stop: list[str] = []  # the reason, once asked: SIGTERM, SIGINT, or "exit" (the run is ending)
 _listeners: list[Callable[[str], None]] = []
 
@@ -38,8 +41,6 @@ def on_stop(listener: Callable[[str], None]) -> None:
 def interruption(reason: str) -> BaseException:
     """The exception a request interrupted by ``reason`` raises: what the run makes of that signal."""
     if reason == "SIGTERM":
-        from lightning.pytorch.utilities.exceptions import SIGTERMException
-
         return SIGTERMException()
     if reason == "SIGINT":
         return KeyboardInterrupt()

@@ -2,7 +2,7 @@
 
 ``StopsServerAt`` is a ``VLLMServerEngine`` that stops its own server (SIGSTOP: a hung server) before the
 ``at_call``-th generation sends its requests. Run as a script (``python server_runs.py MODE MODEL_DIR``), this file
-starts a server engine, says its process (``server N``) and ends as ``MODE`` says: ``normal`` (it returns),
+starts a server engine, says its process (``SERVER PID N``) and ends as ``MODE`` says: ``normal`` (it returns),
 ``error`` (an exception), ``sigterm`` and ``sigint`` (it generates until the signal comes, which the test sends
 once it has stopped the server: a request is blocked), ``sigkill`` (it waits to be killed), ``server_sigkill`` (it
 generates until its server is killed).
@@ -45,7 +45,7 @@ def main(mode: str, model_dir: str) -> None:
     stops.catch_stop_signals()  # as `amir` does: SIGTERM ends a blocked request and runs the exit handlers
     engine = VLLMServerEngine(**SERVER)
     engine.start(model_dir, seed=0)
-    print(f"server {engine.server.pid}", flush=True)
+    print(f"SERVER PID {engine.server.pid}", flush=True)
     sampling = SamplingConfig(max_new_tokens=8)
     engine.generate([[1, 2, 3]], 2, sampling)
     time.sleep(3.0 if mode in ("normal", "error") else 0.0)  # the test looks at the server's processes meanwhile
