@@ -304,7 +304,8 @@ def hung_fit(tmp_path, extra_init=None) -> tuple[Watched, int, set[int], float]:
     init = {**SERVER, "at_call": 2, **(extra_init or {})}
     engine = json.dumps({"class_path": "server_runs.StopsServerAt", "init_args": init})
     args = ["fit", "--config", TINY, "--trainer.max_epochs", "3", "--trainer.check_val_every_n_epoch", "50"]
-    env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(HELPERS), PYTHONUNBUFFERED="1")
+    path = os.pathsep.join(filter(None, [str(HELPERS), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"), PYTHONPATH=path, PYTHONUNBUFFERED="1")
     env.pop("AMIR_DEBUG", None)
     run = Watched([sys.executable, "-m", "amir_lightning", *args, "--data.engine", engine], tmp_path, env)
     _, started = run.wait_for("started the vLLM server at")

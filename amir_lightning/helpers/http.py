@@ -188,9 +188,10 @@ def _failure(exchange: _Exchange, err: BaseException) -> BaseException:
         return ServerError(f"{where} died while answering {route} ({process.exit_text()}; its output: "
                            f"{process.log_path})", tail=process.log_tail())  # fmt: skip
     tail = process.log_tail() if process is not None else ""
-    if reason == "deadline" or isinstance(err, TimeoutError):
+    if reason == "deadline" or isinstance(err, TimeoutError):  # a stopped server's output says nothing of it
+        state = describe(endpoint)
         return ServerError(f"{where} did not answer {route} within {exchange.deadline_s:g} s "
-                           f"({exchange.deadline_key}); {describe(endpoint)}", tail=tail)  # fmt: skip
+                           f"({exchange.deadline_key}); {state}", tail="" if "stopped" in state else tail)  # fmt: skip
     if isinstance(err, ConnectionRefusedError):
         return ServerError(f"no server at {endpoint.url} (connection refused at {route}); {endpoint.absent}")
     return ServerError(f"{where} did not answer {route}: {type(err).__name__}: {err}", tail=tail, transient=True)

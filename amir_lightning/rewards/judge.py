@@ -14,7 +14,8 @@ filled with ``{question}`` (the prompt's last user message), ``{completion}`` an
 without one). The score is read as people write it (``8/10``, ``Score: 8``, ``9. It is right``: ``judge_parse``),
 on the scale ``[0, max_score]``, and divided by ``max_score``. A reply without one is asked again
 (``unparsed_retries``), then counts as ``on_unparsed`` says; ``judge/unparsed_frac`` logs how many. A request that
-fails is retried ``retries`` times, then the run stops naming the judge and its answer.
+fails is retried ``retries`` times, then the run stops (exit 3) in one line naming the judge, the route and its
+answer (``helpers/http.py``).
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ class JudgeReward(Reward):
         max_tokens: Longest reply.
         temperature: The judge's sampling temperature (0: its most likely reply).
         concurrency: Requests in flight at once.
-        timeout_s: Seconds one request may take.
-        retries: Further tries of a request that failed.
+        timeout_s: Seconds one request may take (a judge silent for a minute is said in a line meanwhile).
+        retries: Further tries of a request that failed where trying again can help (an error answer, a
+            connection reset); a judge that does not answer within ``timeout_s``, or is gone, stops the run.
         api_key_env: Environment variable holding the API key (``OPENAI_API_KEY`` for a hosted endpoint).
         weight: Multiplier in the total reward.
         name: Metric name (default ``judge``).

@@ -14,6 +14,11 @@ weights travel as a safetensors file (``/dev/shm`` where there is one) that the 
 ``FileWeightTransfer`` (``rollout/vllm_worker.py``); the exact sync check reads them back through
 ``AmirWorkerExtension``'s methods on ``/collective_rpc``. The trainer never imports vLLM for this engine.
 
+Every request has a deadline and the server is watched (``helpers/http.py``): a silent or stopped server is named
+in a line within a minute, one whose process is gone stops the run at once, SIGTERM ends a blocked request at once,
+and each fault is one line naming the server, the route and the key (``ServerError``). The started server's whole
+process group ends with the run (``helpers/serving.py``).
+
 A server started for a ``url`` must run with the same two settings: ``VLLM_SERVER_DEV_MODE=1 AMIR_VLLM_SERVER=1``
 in its environment and ``--weight-transfer-config '{"backend": "amir_file"}' --worker-extension-cls
 amir_lightning.rollout.vllm_worker.AmirWorkerExtension --logprobs-mode processed_logprobs`` (``server_command``

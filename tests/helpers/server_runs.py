@@ -32,8 +32,8 @@ class StopsServerAt(VLLMServerEngine):
     def generate(self, prompts, n, sampling, seed=None):  # noqa: D102
         self.calls += 1
         if self.calls == self.at_call:
-            os.kill(self.server.pid, signal.SIGSTOP)
-            log.warning("test: SIGSTOP sent to the vLLM server (process %d)", self.server.pid)
+            os.kill(self.process.pid, signal.SIGSTOP)
+            log.warning("test: SIGSTOP sent to the vLLM server (process %d)", self.process.pid)
         return super().generate(prompts, n, sampling, seed)
 
 
@@ -45,7 +45,7 @@ def main(mode: str, model_dir: str) -> None:
     stops.catch_stop_signals()  # as `amir` does: SIGTERM ends a blocked request and runs the exit handlers
     engine = VLLMServerEngine(**SERVER)
     engine.start(model_dir, seed=0)
-    print(f"SERVER PID {engine.server.pid}", flush=True)
+    print(f"SERVER PID {engine.process.pid}", flush=True)
     sampling = SamplingConfig(max_new_tokens=8)
     engine.generate([[1, 2, 3]], 2, sampling)
     time.sleep(3.0 if mode in ("normal", "error") else 0.0)  # the test looks at the server's processes meanwhile
