@@ -395,3 +395,65 @@ def test_nothing_of_a_started_server_outlives_the_run(ending, tiny_dir, tmp_path
     report(f"ending {ending}", exit=code, server_processes_before=before, left_after=left,
            exit_s=round(ended - sent, 1), gone_after_exit_s=round(waited, 1))  # fmt: skip
     assert left == 0
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    from amir_lightning.rollout import VLLMServerEngine
+
+    engine = VLLMServerEngine(**SERVER)
+    engine.start(tiny_dir, seed=0)
+    yield engine
+    engine.close()
+
+
+def pushed(tiny_dir) -> list:
+    from amir_lightning.models import HFModel
+    from amir_lightning.rollout.policy import Policy
+
+    policy = Policy(HFModel(str(tiny_dir)))
+    policy.build(__import__("torch").float32)
+    return list(policy.model.state_dict().items())
+
+
+@pytest.mark.slow
+def test_a_full_transfer_dir_is_one_line_naming_it(server, tiny_dir):
+    """The push's file is ``/dev/full`` (every write there fails with ENOSPC, as on a full file system). Before: a
+    safetensors traceback ending in ``No space left on device`` that named neither the file nor the key."""
+    from amir_lightning.helpers.http import ServerError
+
+    path = server._workdir / f"push_{server.pushes + 1}.safetensors"
+    path.symlink_to("/dev/full")
+    with pytest.raises(ServerError) as caught:
+        server.load_weights(pushed(tiny_dir))
+    assert str(caught.value).startswith(
+        f"could not write the pushed weights to {path} "
+        "(data.engine.init_args.transfer_dir): No space left on device; they need "
+    )
+    assert " MiB are free there" in str(caught.value) and not path.exists()
+    assert server.pushes == 0
+
+
+@pytest.mark.slow
+def test_a_weight_file_the_server_cannot_read_is_one_line_naming_transfer_dir(server, tiny_dir, monkeypatch):
+    """The server does not see the trainer's transfer folder (another machine, another container): the file is gone
+    when it loads it. Before: the answer to ``/resume`` after it ("EngineCore encountered an issue") hid the cause.
+    Last of the module: the failed load leaves the server's engine broken."""
+    from amir_lightning.helpers.http import ServerError
+
+    post = server._post
+
+    def elsewhere(route, body=None):
+        if route == "/update_weights":
+            Path(body["update_info"]["path"]).unlink()
+        return post(route, body)
+
+    monkeypatch.setattr(server, "_post", elsewhere)
+    with pytest.raises(ServerError) as caught:
+        server.load_weights(pushed(tiny_dir))
+    message = str(caught.value)
+    assert message.startswith(f"the vLLM server at {server.url} refused /update_weights (500): ")
+    assert "No such file or directory" in message and "\n" not in message
+    assert message.endswith(f"it could not read the pushed weights {server._workdir}/push_1.safetensors: the server "
+                            "must see data.engine.init_args.transfer_dir at the same path (the same machine, or a "
+                            "shared file system)")  # fmt: skip
