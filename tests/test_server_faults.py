@@ -416,22 +416,44 @@ def pushed(tiny_dir) -> list:
     return list(policy.model.state_dict().items())
 
 
+@pytest.fixture
+def full_dir(tmp_path):
+    """A file system of 64 KiB (a tmpfs; skipped where this process may not mount one)."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)], capture_output=True).returncode:
+        pytest.skip("needs to mount a small tmpfs (root)")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
 @pytest.mark.slow
-def test_a_full_transfer_dir_is_one_line_naming_it(server, tiny_dir):
-    """The push's file is ``/dev/full`` (every write there fails with ENOSPC, as on a full file system). Before: a
-    safetensors traceback ending in ``No space left on device`` that named neither the file nor the key."""
+def test_a_full_transfer_dir_is_one_line_naming_it(server, tiny_dir, full_dir, monkeypatch):
+    """Before: a safetensors traceback ending in ``No space left on device`` that named neither the file nor the
+    key; now found before the write."""
     from amir_lightning.helpers.http import ServerError
 
-    path = server._workdir / f"push_{server.pushes + 1}.safetensors"
-    path.symlink_to("/dev/full")
+    monkeypatch.setattr(server, "_workdir", full_dir)  # where the pushes go, in data.engine.init_args.transfer_dir
     with pytest.raises(ServerError) as caught:
         server.load_weights(pushed(tiny_dir))
-    assert str(caught.value).startswith(
-        f"could not write the pushed weights to {path} "
-        "(data.engine.init_args.transfer_dir): No space left on device; they need "
-    )
-    assert " MiB are free there" in str(caught.value) and not path.exists()
-    assert server.pushes == 0
+    assert str(caught.value) == (f"could not write the pushed weights to {full_dir}/push_1.safetensors "
+                                 "(data.engine.init_args.transfer_dir): No space left on device; they need 0.29 MiB "
+                                 "and 0.06 MiB are free there")  # fmt: skip
+    assert server.pushes == 0 and list(full_dir.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_transfer_folder_removed_under_the_run_is_one_line_naming_it(server, tiny_dir, tmp_path, monkeypatch):
+    """A job's clean-up emptied ``/dev/shm`` while the run goes on."""
+    from amir_lightning.helpers.http import ServerError
+
+    gone = tmp_path / "cleaned"
+    monkeypatch.setattr(server, "_workdir", gone)
+    with pytest.raises(ServerError) as caught:
+        server.load_weights(pushed(tiny_dir))
+    assert str(caught.value) == (f"could not write the pushed weights to {gone}/push_1.safetensors "
+                                 "(data.engine.init_args.transfer_dir): No such file or directory; they need 0.29 "
+                                 "MiB")  # fmt: skip
 
 
 @pytest.mark.slow
@@ -454,6 +476,7 @@ def test_a_weight_file_the_server_cannot_read_is_one_line_naming_transfer_dir(se
     message = str(caught.value)
     assert message.startswith(f"the vLLM server at {server.url} refused /update_weights (500): ")
     assert "No such file or directory" in message and "\n" not in message
-    assert message.endswith(f"it could not read the pushed weights {server._workdir}/push_1.safetensors: the server "
+    assert message.endswith(f"it could not read the pushed weights {server._workdir}/push_{server.pushes + 1}"
+                            ".safetensors: the server "
                             "must see data.engine.init_args.transfer_dir at the same path (the same machine, or a "
                             "shared file system)")  # fmt: skip

@@ -7,6 +7,7 @@ reading the server's answers.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -89,20 +90,21 @@ def write_weights(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """``tensors`` as a safetensors file at ``path``; a ``ServerError`` naming ``transfer_dir`` when it cannot be."""
     from safetensors.torch import save_file
 
-    need = sum(t.numel() * t.element_size() for t in tensors.values())
-    free = shutil.disk_usage(path.parent).free
-    short = need > free
+    need, free = sum(t.numel() * t.element_size() for t in tensors.values()), None
     try:
-        if short:
-            raise OSError(28, "No space left on device")
+        free = shutil.disk_usage(path.parent).free
+        if need > free:  # found before writing, not after filling the file system
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         save_file(tensors, str(path))
     except Exception as err:  # safetensors reports a failed write as its own error, with the OS error in its text
         path.unlink(missing_ok=True)
         cause = getattr(err, "strerror", None) or str(err)
-        for known in ("No space left on device", "File too large", "Permission denied", "Read-only file system"):
+        for known in ("No space left on device", "File too large", "Permission denied", "No such file or directory",
+                      "Read-only file system", "Disk quota exceeded"):  # fmt: skip
             cause = known if known in cause else cause
+        room = f" and {free / 2**20:.2f} MiB are free there" if free is not None else ""
         raise ServerError(f"could not write the pushed weights to {path} ({KEY}.transfer_dir): {cause}; they need "
-                          f"{need / 2**20:.0f} MiB and {free / 2**20:.0f} MiB are free there") from None  # fmt: skip
+                          f"{need / 2**20:.2f} MiB{room}") from None  # fmt: skip
 
 
 def push_weights(engine: VLLMServerEngine, tensors: dict[str, torch.Tensor]) -> None:
