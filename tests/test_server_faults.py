@@ -459,8 +459,8 @@ def test_a_transfer_folder_removed_under_the_run_is_one_line_naming_it(server, t
 @pytest.mark.slow
 def test_a_weight_file_the_server_cannot_read_is_one_line_naming_transfer_dir(server, tiny_dir, monkeypatch):
     """The server does not see the trainer's transfer folder (another machine, another container): the file is gone
-    when it loads it. Before: the answer to ``/resume`` after it ("EngineCore encountered an issue") hid the cause.
-    Last of the module: the failed load leaves the server's engine broken."""
+    when it loads it. Before: a traceback ending in the server's 500 answer, naming neither the file's folder nor
+    transfer_dir. Last of the module: the failed load leaves the server's engine broken."""
     from amir_lightning.helpers.http import ServerError
 
     post = server._post

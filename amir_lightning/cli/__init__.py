@@ -67,7 +67,7 @@ def main(args: ArgsType = None) -> None:
     # The module's logged values are reduced over processes already (torchmetrics, or sync_dist). Lightning still
     # asks for sync_dist on one device whenever torch.distributed is up, as the in-process vLLM engine makes it.
     warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\(", category=PossibleUserWarning)
-    restore = stops.catch_stop_signals()  # a request blocked on a server ends at SIGTERM or Ctrl-C
+    restore = stops.catch_stop_signals(SIGTERMException)  # a request blocked on a server ends at SIGTERM or Ctrl-C
     try:
         _run(args, argv)
     finally:

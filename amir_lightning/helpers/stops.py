@@ -4,7 +4,8 @@ Lightning's SIGTERM handler only sets a flag that its loops read between batches
 thread alone: a request blocked on a server (in the main thread, on a pool's threads, or sampling the next rollout
 ahead) would wait out its deadline. ``catch_stop_signals`` adds a handler that records the stop and tells every
 listener (``helpers/http.py`` shuts the sockets of the requests in flight), so each one ends in the exception the run
-already turns into its exit: ``SIGTERMException`` (exit 143, one line naming the checkpoint) or ``KeyboardInterrupt``.
+already turns into its exit: the SIGTERM exception it names (``amir`` names Lightning's ``SIGTERMException``: exit
+143, one line naming the checkpoint) or ``KeyboardInterrupt``. Nothing here imports Lightning.
 """
 
 from __future__ import annotations
@@ -13,11 +14,9 @@ import signal
 import threading
 from collections.abc import Callable
 
-# Imported here, not when a signal comes: an import inside the handler would wait on the import lock
-from lightning.pytorch.utilities.exceptions import SIGTERMException
-
 _stop: list[str] = []  # the reason, once asked: SIGTERM, SIGINT, or "exit" (the run is ending)
 _listeners: list[Callable[[str], None]] = []
+_sigterm: list[type[BaseException]] = [SystemExit]  # what a request interrupted by SIGTERM raises
 
 
 def request_stop(reason: str) -> None:
@@ -41,10 +40,15 @@ def on_stop(listener: Callable[[str], None]) -> None:
 def interruption(reason: str) -> BaseException:
     """The exception a request interrupted by ``reason`` raises: what the run makes of that signal."""
     if reason == "SIGTERM":
-        return SIGTERMException()
+        return _sigterm[0]() if _sigterm[0] is not SystemExit else SystemExit(143)
     if reason == "SIGINT":
         return KeyboardInterrupt()
     return RuntimeError("the run is ending: the request was abandoned")
+
+
+def is_stop(err: BaseException) -> bool:
+    """Whether ``err`` is what a stop asked for raises (not an error of the code it went through)."""
+    return bool(_stop) and isinstance(err, (_sigterm[0], KeyboardInterrupt))
 
 
 def raise_if_stopped() -> None:
@@ -53,14 +57,16 @@ def raise_if_stopped() -> None:
         raise interruption(_stop[0])
 
 
-def catch_stop_signals() -> Callable[[], None]:
+def catch_stop_signals(sigterm: type[BaseException] = SystemExit) -> Callable[[], None]:
     """Record SIGTERM and Ctrl-C as stops (Lightning's own handlers still run); returns what puts the old ones back.
 
-    While Lightning's trainer runs, its SIGTERM handler calls this one after its own. Outside it (the engine
-    starting, the export after the fit), SIGTERM raises ``SIGTERMException`` in the main thread, so it still ends
-    in exit 143 with the servers this run started stopped, not in the default kill that skips ``atexit``.
+    A request interrupted by SIGTERM raises ``sigterm()`` (``SystemExit(143)`` by default). While Lightning's trainer
+    runs, its SIGTERM handler calls this one after its own. Outside it (the engine starting, the export after the
+    fit), SIGTERM raises it in the main thread, so it still ends in exit 143 with the servers this run started
+    stopped, not in the default kill that skips ``atexit``.
     """
     _stop.clear()
+    _sigterm[0] = sigterm
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     old_term, old_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
@@ -81,6 +87,7 @@ def catch_stop_signals() -> Callable[[], None]:
 
     def restore() -> None:
         _stop.clear()
+        _sigterm[0] = SystemExit
         signal.signal(signal.SIGTERM, old_term)
         if signal.getsignal(signal.SIGINT) is on_int:
             signal.signal(signal.SIGINT, old_int)

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from amir_lightning.data.base import Prompt
+from amir_lightning.helpers import stops
 from amir_lightning.helpers.http import ServerError
 from amir_lightning.helpers.validation import check_number, raise_errors
 
@@ -206,9 +206,11 @@ def call_reward(reward: Reward, inputs: RewardInputs, warn_s: float = 60.0) -> l
     try:
         with _heartbeat(reward.name, warn_s):
             return reward(inputs.copy())
-    except (RewardError, ServerError, SIGTERMException):  # a judge's server, a preemption: not the reward's fault
+    except (RewardError, ServerError):  # a judge's server: named as such
         raise
     except (Exception, SystemExit) as err:  # sys.exit() in a reward would end the run as if it had finished
+        if stops.is_stop(err):  # a preemption, not the reward's error
+            raise
         raise RewardError(f"reward {reward.name} ({_raised_at(err)}) raised {type(err).__name__}: {err}") from err
     finally:
         if state is not None:
