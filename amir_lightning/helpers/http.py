@@ -126,7 +126,7 @@ def one_line(text: str | bytes, limit: int = 300) -> str:
 def describe(endpoint: Endpoint) -> str:
     """The state of a server's process in words (``its process 12 is stopped (state T: SIGSTOP or a debugger)``)."""
     process = endpoint.process
-    state = process.state() if process is not None else "elsewhere"
+    state = process.state() if process is not None else ""
     if state == "stopped":
         return f"its process {process.pid} is stopped (state T: SIGSTOP or a debugger)"
     if state == "gone":
@@ -141,8 +141,7 @@ class _Exchange:
 
     def __init__(self, endpoint: Endpoint, route: str, deadline_s: float, deadline_key: str) -> None:
         self.endpoint, self.route, self.deadline_s, self.deadline_key = endpoint, route, deadline_s, deadline_key
-        self.started = time.monotonic()
-        self.deadline = self.started + deadline_s
+        self.started, self.deadline = time.monotonic(), time.monotonic() + deadline_s
         self.aborted: str | None = None  # deadline, gone, or a stop's reason
         self.sock: socket.socket | None = None
         self.lock = threading.Lock()
@@ -224,7 +223,7 @@ class _Watcher:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.live: set[_Exchange] = set()
-        self.said: dict[str, tuple[float, str]] = {}  # url -> when and what was last said of it
+        self.said: dict[str, tuple[float, str, float]] = {}  # url -> what was last said of it
         self.thread: threading.Thread | None = None
         stops.on_stop(self.abort_all)
 
@@ -282,11 +281,14 @@ class _Watcher:
         if age < (STOPPED_SAY_S if stopped else SAY_AFTER_S):
             self.said.pop(endpoint.url, None)
             return
-        state = describe(endpoint)
-        last = self.said.get(endpoint.url)
-        if last is not None and last[1] == state and now - last[0] < SAY_AGAIN_S:
+        last = self.said.get(endpoint.url)  # when it was said, what, and when /health was last asked
+        if last is not None and ("stopped" in last[1]) == stopped and now - last[2] < SAY_AFTER_S:
             return
-        self.said[endpoint.url] = (now, state)
+        state = describe(endpoint)
+        if last is not None and last[1] == state and now - last[0] < SAY_AGAIN_S:
+            self.said[endpoint.url] = (last[0], state, now)
+            return
+        self.said[endpoint.url] = (now, state, now)
         count = f" ({len(waiting)} requests waiting)" if len(waiting) > 1 else ""
         log.log(logging.INFO if "(busy)" in state else logging.WARNING,
                 "%s at %s has not answered %s for %.0f s%s; %s; it has %g s (%s), or stops at SIGTERM",
