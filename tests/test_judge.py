@@ -8,7 +8,7 @@ import pytest
 from helpers.chat_server import ChatServer
 from judge_replies import MAX_SCORE, REPLIES
 
-from amir_lightning.helpers.serving import post_json
+from amir_lightning.helpers.http import ServerError
 from amir_lightning.models import TinyModel
 from amir_lightning.rewards import JudgeReward, JudgeServer
 from amir_lightning.rewards.base import RewardInputs
@@ -153,10 +153,10 @@ def test_a_judge_served_here_grades_each_completion_as_its_own_reply_says(tmp_pa
         assert judge(inputs) == scores
         for prompt, completion, score in zip(prompts, completions, scores):
             body = judge.request_body([{"role": "user", "content": prompt.question + completion + prompt.answer}])
-            reply = post_json(judge.url, "/v1/chat/completions", body, 60, "judge", None)
+            reply = judge._request("/v1/chat/completions", body)
             assert score == judge.parse(reply["choices"][0]["message"]["content"])
         assert judge.on_vllm and body["chat_template_kwargs"] == {"enable_thinking": False}
-        thinking = post_json(judge.url, "/v1/chat/completions", body | {"chat_template_kwargs": {}}, 60, "judge", None)
+        thinking = judge._request("/v1/chat/completions", body | {"chat_template_kwargs": {}})
         assert reply["usage"]["prompt_tokens"] == thinking["usage"]["prompt_tokens"] + 1
         assert judge.model == "judge" and len({s for s in scores if s is not None}) > 1
         assert not any(math.isnan(s) for s in scores if s is not None)
@@ -171,7 +171,7 @@ def test_a_judge_url_that_does_not_answer_is_one_line_naming_it():
 
     url = f"http://127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens there
     judge = JudgeReward(url=url, timeout_s=5)
-    with pytest.raises(ValueError, match=f"data.rewards: judge.url {url} did not answer /v1/models"):
+    with pytest.raises(ServerError, match=f"no server at {url} \\(connection refused at /v1/models\\)"):
         judge.setup()
 
 

@@ -75,7 +75,7 @@ def test_a_classifier_with_several_labels_is_refused(tmp_path):
     AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     reward = RewardModel(str(tmp_path))
-    with pytest.raises(ValueError, match="needs a reward model with one output, and .* has 3 \\(num_labels\\)"):
+    with pytest.raises(ValueError, match="reward_model.model .* has 3 outputs \\(num_labels\\): a reward model has"):
         reward(inputs([Prompt(question="a", answer="")], ["b"]))
 
 

@@ -10,6 +10,7 @@ import torch
 from conftest import read_scalars, run_amir
 from helpers.engines import ServerDropsHalf, ServerSwapsParts, SkipsPushes, perturb
 
+from amir_lightning.helpers.serving import group_members
 from amir_lightning.models import HFModel, build_tiny_model
 from amir_lightning.rollout import SamplingConfig, VLLMServerEngine
 from amir_lightning.rollout.policy import Policy
@@ -130,7 +131,9 @@ def test_a_fit_with_the_server_engine_learns_the_tiny_task(tmp_path):
     engine = json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": SERVER})
     args = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.engine", engine]
     args += ["--validate_before_fit", "true", "--trainer.check_val_every_n_epoch", "10"]
-    run_amir([*args, "--trainer.max_epochs", "20"], tmp_path)
+    result = run_amir([*args, "--trainer.max_epochs", "20"], tmp_path)
+    pid = int(result.stderr.split("started the vLLM server at ")[1].split("(process ")[1].split(";")[0])
+    assert group_members(pid) == []  # the server and what it started ended with the run
     scalars = read_scalars(tmp_path / "runs" / "tiny" / "version_0")
     reward = scalars["rollout/reward_mean"]
     assert len(reward) == 20

@@ -4,8 +4,9 @@ amir fit --config configs/demo.yaml
 amir validate --config configs/demo.yaml
 amir fit --config configs/qwen.yaml --model.loss amir_lightning.objectives.GRPOLoss
 
-Exit codes: 0 done, 1 a reward's or environment's own error, 2 bad input (one line naming the key or file), 130 Ctrl-C,
-143 SIGTERM.
+Exit codes: 0 done, 1 a reward's or environment's own error, 2 bad input (one line naming the key or file), 3 a
+server failed or stopped answering (its last output lines, then one line naming it, the route and the key), 130
+Ctrl-C, 143 SIGTERM.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from amir_lightning.checkpoints.writing import CheckpointWriteError
 from amir_lightning.cli.app import AmirCLI, build_cli, link_completion_length
+from amir_lightning.helpers import stops
 from amir_lightning.helpers.console import PipeSafeStdout, quiet_second_interrupt, user_traceback
+from amir_lightning.helpers.http import ServerError
 from amir_lightning.helpers.messages import user_message
 from amir_lightning.helpers.preflight import check_config_files
 from amir_lightning.models.export import HubPushError
@@ -66,9 +69,25 @@ def main(args: ArgsType = None) -> None:
     # The module's logged values are reduced over processes already (torchmetrics, or sync_dist). Lightning still
     # asks for sync_dist on one device whenever torch.distributed is up, as the in-process vLLM engine makes it.
     warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\(", category=PossibleUserWarning)
+    restore = stops.catch_stop_signals(SIGTERMException)  # a request blocked on a server ends at SIGTERM or Ctrl-C
+    try:
+        _run(args, argv)
+    finally:
+        stops.request_stop("exit")  # a request still in flight on another thread must not hold the exit
+        restore()
+
+
+def _run(args: ArgsType, argv: list[str]) -> None:
+    """The CLI, each way it can end turned into its exit code and one line."""
     try:
         check_config_files(argv or [])
         build_cli(args)
+    except ServerError as err:  # the server's own last lines, then one line naming it, the route and the key
+        if os.environ.get("AMIR_DEBUG"):
+            raise
+        tail = "".join(f"  {line}\n" for line in err.tail.splitlines())
+        sys.stderr.write((f"its last output lines:\n{tail}" if tail else "") + f"amir: error: {err}\n")
+        raise SystemExit(3) from None
     except USER_ERRORS as err:
         # Bad input is reported in one line that names the key or file; AMIR_DEBUG=1 shows the traceback.
         if os.environ.get("AMIR_DEBUG"):

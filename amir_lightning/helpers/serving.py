@@ -1,33 +1,69 @@
-"""Server processes this run starts (a vLLM server for rollouts or for a judge), and JSON over HTTP to a server.
+"""Server processes this run starts (a vLLM server for rollouts or for a judge), and waiting for a server to answer.
 
-The process ends with the run however the run ends: ``atexit``, and on Linux ``PR_SET_PDEATHSIG`` (the kernel sends
-it SIGTERM when the process that started it dies, SIGKILL included). The kernel ties that signal to the *thread*
-that started the server, so it is asked for only from the main thread (a server started from a worker thread would
-stop when that thread ends). Requests go to the server directly, never
-through a cluster's HTTP proxy.
+Nothing a server starts outlives the run. The server leads a session of its own (``start_new_session``), so its
+children (vLLM's engine core, multiprocessing's resource tracker) are in its process group, and ``close`` ends the
+whole group, whether the server ended first or not; ``atexit`` calls it. Where the run's process is killed outright
+(SIGKILL: no ``atexit``), a small watcher process ends the group: it holds the read end of a pipe whose write end
+only the run's process holds, and the kernel closes that end however the process dies. The server also gets
+SIGTERM from the kernel when the thread that started it ends (``PR_SET_PDEATHSIG``; asked only from the main thread,
+where that thread is the process).
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
+import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
+
+from amir_lightning.helpers import stops
+from amir_lightning.helpers.http import Endpoint, ServerError, health
 
 log = logging.getLogger(__name__)
 
-#: Requests to a server go to it directly: a cluster's HTTP proxy settings would send them to the proxy.
-DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 #: The training processes' group, which a started server must not join.
 TRAINER_GROUP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
                  "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
+STOP_S = 10.0  # a server's time to end after SIGTERM, before SIGKILL
+REFUSED_S = 15.0  # how long a given url may refuse connections (a server launched beside the run binds its port)
+
+#: The watcher: waits for the run's process to go (its pipe's end of file), then ends the server's process group.
+WATCH = """
+import os, signal, sys, time
+group = int(sys.argv[2])
+def members():
+    found = []
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        try:
+            with open(f"/proc/{name}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[2] == str(group) and fields[0] != "Z":
+            found.append(name)
+    return found
+while os.read(0, 1):
+    pass
+if members():
+    for sig in (signal.SIGTERM, signal.SIGCONT):
+        try:
+            os.killpg(group, sig)
+        except OSError:
+            pass
+    end = time.monotonic() + 10
+    while members() and time.monotonic() < end:
+        time.sleep(0.2)
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except OSError:
+        pass
+"""
 
 
 def free_port(host: str) -> int:
@@ -42,8 +78,27 @@ def reachable_url(host: str, port: int) -> str:
     return f"http://{socket.gethostname() if host in ('0.0.0.0', '::') else host}:{port}"
 
 
+def group_members(group: int) -> list[int]:
+    """The processes of process group ``group`` that have not ended (zombies left out), from ``/proc``."""
+    found = []
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        fields = _stat(name)
+        if fields is not None and fields[2] == str(group) and fields[0] != "Z":
+            found.append(int(name))
+    return found
+
+
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name: state, ppid, pgrp, session, ..."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 class ServerProcess:
-    """A server started here: its process, its address and its output file.
+    """A server started here: its process (the leader of its own process group), its address and its output file.
 
     Args:
         command: The command line (``python -m vllm.entrypoints.openai.api_server ...``).
@@ -56,30 +111,61 @@ class ServerProcess:
     def __init__(self, command: list[str], env: dict[str, str], url: str, log_path: Path, what: str) -> None:
         self.url, self.log_path, self.what = url, Path(log_path), what
         on_main = threading.current_thread() is threading.main_thread()
+        self._lock = threading.Lock()
         with self.log_path.open("w") as out:
-            self.process = subprocess.Popen(
-                command, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_end_with_parent if on_main else None
-            )
+            self.process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True,
+                                            preexec_fn=_end_with_parent if on_main else None)  # fmt: skip
+        self.pid = self.process.pid  # and its process group's id
+        read_end, self._lifeline = os.pipe()
+        self._watcher = subprocess.Popen([sys.executable, "-c", WATCH, "amir-server-watch", str(self.pid)],
+                                         stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                         start_new_session=True)  # fmt: skip
+        os.close(read_end)
         atexit.register(self.close)
-        log.info("started %s at %s (its output: %s)", what, url, log_path)
+        log.info("started %s at %s (process %d; its output: %s)", what, url, self.pid, log_path)
+
+    def state(self) -> str:
+        """``gone`` (it ended), ``stopped`` (SIGSTOP, a debugger) or ``running``."""
+        if self.process.poll() is not None:
+            return "gone"
+        fields = _stat(self.pid)
+        return "stopped" if fields is not None and fields[0] in ("T", "t") else "running"
+
+    def gone_within(self, seconds: float) -> bool:
+        """Whether it ends within ``seconds`` (a closed connection comes a moment before its exit status)."""
+        try:
+            self.process.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def exit_text(self) -> str:
+        """How it ended (``exit 1``, ``killed by SIGKILL``), or ``still running``."""
+        code = self.process.poll()
+        if code is None:
+            return "still running"
+        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
 
     def wait_until_ready(self, timeout: float, key: str) -> None:
-        """Return once ``/health`` answers; an error with the end of its output when it stops or ``timeout`` passes.
-
-        ``key`` names the setting that holds ``timeout``.
-        """
+        """Return once ``/health`` answers; a ``ServerError`` when it stops first or ``timeout`` (``key``) passes."""
         deadline = time.monotonic() + timeout
         while True:
+            stops.raise_if_stopped()
             if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"{self.what} stopped while starting (exit {self.process.returncode}):\n{self.log_tail()}"
-                )
-            if healthy(self.url):
+                self.close()
+                raise ServerError(f"{self.what} stopped while starting ({self.exit_text()}): {self.last_error()} "
+                                  f"(its output: {self.log_path})", tail=self.log_tail())  # fmt: skip
+            if health(self.url) == "ok":
                 return
             if time.monotonic() > deadline:
+                state = self.state()
                 self.close()
-                raise TimeoutError(f"{self.what} at {self.url} did not answer within {key} ({timeout:g} s):\n"
-                                   + self.log_tail())  # fmt: skip
+                raise ServerError(
+                    f"{self.what} at {self.url} did not answer /health within {key} ({timeout:g} s); "
+                    f"its process was {state} (its output: {self.log_path})",
+                    tail=self.log_tail(),
+                )
             time.sleep(0.5)
 
     def log_tail(self, lines: int = 20) -> str:
@@ -88,69 +174,81 @@ class ServerProcess:
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
+    def last_error(self) -> str:
+        """The last line of its output that names an error (else its last line)."""
+        lines = [line.strip() for line in self.log_tail(200).splitlines() if line.strip()]
+        errors = [line for line in lines if "Error" in line or "error:" in line]
+        return (errors or lines or ["no output"])[-1][:300]
+
     def close(self) -> None:
-        """Stop it (SIGTERM, then SIGKILL after 30 s)."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        """End it and every process of its group: SIGTERM (and SIGCONT, should it be stopped), SIGKILL after 10 s."""
+        with self._lock:
+            if self.process.poll() is None:
+                _signal_group(self.pid, signal.SIGTERM, signal.SIGCONT)
+                try:
+                    self.process.wait(timeout=STOP_S)
+                except subprocess.TimeoutExpired:
+                    pass
+                end = time.monotonic() + 2.0  # its children end a moment after it
+                while group_members(self.pid) and time.monotonic() < end:
+                    time.sleep(0.1)
+            # where it ended by itself (killed), its children are orphans that do not end
+            if group_members(self.pid) or self.process.poll() is None:
+                _signal_group(self.pid, signal.SIGKILL)
+            self.process.wait()
+            if self._lifeline is not None:
+                os.close(self._lifeline)  # the watcher finds the group empty and ends
+                self._lifeline = None
+                try:
+                    self._watcher.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self._watcher.kill()
 
 
-def wait_for(url: str, timeout: float, key: str, what: str) -> None:
-    """Return once the server at ``url`` (started elsewhere) answers; ``key`` names the setting of ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not healthy(url):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} at {url} did not answer within {key} ({timeout:g} s)")
+def wait_for(endpoint: Endpoint, timeout: float, key: str, refused_s: float | None = REFUSED_S) -> None:
+    """Return once the server at ``endpoint`` (started elsewhere) answers ``/health``; ``key`` names ``timeout``.
+
+    A ``ServerError`` when nothing listens there for ``refused_s`` (``None``: any refusal is waited out, as for a
+    server another training process started), when it has no ``/health``, or when ``timeout`` passes.
+    """
+    start = time.monotonic()
+    refused_since, grace = None, min(refused_s or timeout, timeout)
+    while True:
+        stops.raise_if_stopped()
+        now, answer = time.monotonic(), health(endpoint.url)
+        if answer == "ok":
+            return
+        if answer == "404":
+            raise ServerError(f"{endpoint.what} at {endpoint.url} has no route /health (404): {endpoint.url_key} "
+                              f"must be {endpoint.expect}")  # fmt: skip
+        if answer == "refused" and refused_s is not None:
+            if refused_since is None:
+                refused_since = now
+                log.info("no server at %s yet (connection refused); waiting %g s for one", endpoint.url, grace)
+            if now - refused_since >= grace:
+                raise ServerError(f"no server at {endpoint.url} (connection refused for {now - refused_since:.0f} "
+                                  f"s); {endpoint.absent}")  # fmt: skip
+        elif answer != "refused":
+            refused_since = None
+        if now - start > timeout:
+            raise ServerError(
+                f"{endpoint.what} at {endpoint.url} did not answer /health within {key} "
+                f"({timeout:g} s; it {'refused connections' if answer == 'refused' else 'was silent'})"
+            )
         time.sleep(0.5)
 
 
-def healthy(url: str) -> bool:
-    """Whether the server at ``url`` answers ``/health``."""
-    try:
-        with DIRECT.open(f"{url}/health", timeout=5) as response:
-            return response.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return False
-
-
-def post_json(
-    url: str,
-    route: str,
-    body: dict | None,
-    timeout: float,
-    what: str,
-    server: ServerProcess | None,
-    headers: dict[str, str] | None = None,
-) -> dict:
-    """POST ``body`` as JSON to ``url + route`` and return the answer's JSON.
-
-    Errors name ``what`` and the route, with the end of the output of ``server`` (when this run started it) where it
-    did not answer.
-    """
-    data = json.dumps(body or {}).encode()
-    request = urllib.request.Request(
-        f"{url}{route}", data=data, headers={"Content-Type": "application/json", **(headers or {})}, method="POST"
-    )
-    try:
-        with DIRECT.open(request, timeout=timeout) as response:
-            text = response.read()
-    except urllib.error.HTTPError as err:
-        detail = err.read().decode(errors="replace")[:2000]
-        raise RuntimeError(f"{what} at {url} refused {route} ({err.code}): {detail}") from None
-    except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
-        tail = "\n" + server.log_tail() if server is not None else ""
-        raise RuntimeError(f"{what} at {url} did not answer {route}: {err}{tail}") from None
-    return json.loads(text) if text else {}
+def _signal_group(group: int, *signums: int) -> None:
+    for signum in signums:
+        try:
+            os.killpg(group, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _end_with_parent() -> None:
-    """Run in the server's process before it starts: it gets SIGTERM when the process that started it dies."""
+    """Run in the server's process before it starts: it gets SIGTERM when the thread that started it dies."""
     if sys.platform.startswith("linux"):
         import ctypes
-        import signal
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

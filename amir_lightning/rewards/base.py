@@ -26,6 +26,8 @@ from typing import Any
 import torch
 
 from amir_lightning.data.base import Prompt
+from amir_lightning.helpers import stops
+from amir_lightning.helpers.http import ServerError
 from amir_lightning.helpers.validation import check_number, raise_errors
 
 log = logging.getLogger(__name__)
@@ -204,9 +206,11 @@ def call_reward(reward: Reward, inputs: RewardInputs, warn_s: float = 60.0) -> l
     try:
         with _heartbeat(reward.name, warn_s):
             return reward(inputs.copy())
-    except RewardError:
+    except (RewardError, ServerError):  # a judge's server: named as such
         raise
     except (Exception, SystemExit) as err:  # sys.exit() in a reward would end the run as if it had finished
+        if stops.is_stop(err):  # a preemption, not the reward's error
+            raise
         raise RewardError(f"reward {reward.name} ({_raised_at(err)}) raised {type(err).__name__}: {err}") from err
     finally:
         if state is not None:

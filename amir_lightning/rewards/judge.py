@@ -14,7 +14,8 @@ filled with ``{question}`` (the prompt's last user message), ``{completion}`` an
 without one). The score is read as people write it (``8/10``, ``Score: 8``, ``9. It is right``: ``judge_parse``),
 on the scale ``[0, max_score]``, and divided by ``max_score``. A reply without one is asked again
 (``unparsed_retries``), then counts as ``on_unparsed`` says; ``judge/unparsed_frac`` logs how many. A request that
-fails is retried ``retries`` times, then the run stops naming the judge and its answer.
+fails is retried ``retries`` times, then the run stops (exit 3) in one line naming the judge, the route and its
+answer (``helpers/http.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Literal
 
 from amir_lightning.helpers import serving
+from amir_lightning.helpers.http import Endpoint, ServerError, read, request
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rewards.judge_parse import parse_score, strip_thinking
@@ -81,8 +83,9 @@ class JudgeReward(Reward):
         max_tokens: Longest reply.
         temperature: The judge's sampling temperature (0: its most likely reply).
         concurrency: Requests in flight at once.
-        timeout_s: Seconds one request may take.
-        retries: Further tries of a request that failed.
+        timeout_s: Seconds one request may take (a judge silent for a minute is said in a line meanwhile).
+        retries: Further tries of a request that failed where trying again can help (an error answer, a
+            connection reset); a judge that does not answer within ``timeout_s``, or is gone, stops the run.
         api_key_env: Environment variable holding the API key (``OPENAI_API_KEY`` for a hosted endpoint).
         weight: Multiplier in the total reward.
         name: Metric name (default ``judge``).
@@ -147,13 +150,28 @@ class JudgeReward(Reward):
             self.url = from_rank_zero(self._launch)
             if self.server is None:  # another process started it: wait for it here too
                 key = f"data.rewards: {self.name}.serve.startup_timeout"
-                serving.wait_for(self.url, self.serve.startup_timeout, key, "the judge's vLLM server")
+                serving.wait_for(self.endpoint, self.serve.startup_timeout, key, refused_s=None)
         if self.model is None or self.on_vllm is None:
-            served = self._get("/v1/models").get("data") or []
+            answer = self._request("/v1/models", None, "GET")
+            served = read(self.endpoint, "/v1/models", answer, lambda a: [(m["id"], m.get("owned_by")) for m in
+                                                                            a.get("data") or []])  # fmt: skip
             if self.model is None and not served:
                 raise ValueError(f"data.rewards: {self.name}.url {self.url} lists no model at /v1/models: set model")
-            self.model = self.model or served[0]["id"]
-            self.on_vllm = any(m.get("owned_by") == "vllm" for m in served)
+            self.model = self.model or served[0][0]
+            self.on_vllm = any(owner == "vllm" for _, owner in served)
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """The judge's server, and how its failures are named."""
+        what = f"the judge's vLLM server ({self.name})" if self.serve is not None else f"the judge ({self.name})"
+        absent = (f"start one (vllm serve MODEL), or give data.rewards: {self.name}.serve instead of url to let the "
+                  "run start one")  # fmt: skip
+        return Endpoint(self.url, what, f"data.rewards: {self.name}.url", "an OpenAI-compatible chat server (vLLM, "
+                        "SGLang, a hosted API)", absent, self.server, self._headers())  # fmt: skip
+
+    def _request(self, route: str, body: dict | None, method: str = "POST") -> dict:
+        return request(self.endpoint, route, body, deadline_s=self.timeout_s,
+                       deadline_key=f"data.rewards: {self.name}.timeout_s", method=method)  # fmt: skip
 
     def _launch(self) -> str:
         import torch
@@ -166,20 +184,6 @@ class JudgeReward(Reward):
         self.server = serving.ServerProcess(command, self.serve.env(), url, log_path, what)
         self.server.wait_until_ready(self.serve.startup_timeout, f"data.rewards: {self.name}.serve.startup_timeout")
         return url
-
-    def _get(self, route: str) -> dict:
-        import json
-        import urllib.request
-
-        request = urllib.request.Request(f"{self.url}{route}", headers=self._headers())
-        try:
-            with serving.DIRECT.open(request, timeout=self.timeout_s) as response:
-                return json.loads(response.read())
-        except (OSError, ValueError) as err:  # URLError and HTTPError are OSErrors; a reply that is not JSON
-            raise ValueError(
-                f"data.rewards: {self.name}.url {self.url} did not answer {route} as an OpenAI-compatible server "
-                f"does: {err}"
-            ) from None
 
     def _headers(self) -> dict[str, str]:
         key = os.environ.get(self.api_key_env) if self.api_key_env else None
@@ -207,14 +211,13 @@ class JudgeReward(Reward):
     def ask(self, messages: list[dict[str, str]]) -> str:
         """The judge's reply to one request (retried ``retries`` times)."""
         body = self.request_body(messages)
+        route = "/v1/chat/completions"
         for attempt in range(self.retries + 1):
             try:
-                answer = serving.post_json(
-                    self.url, "/v1/chat/completions", body, self.timeout_s, "the judge", self.server, self._headers()
-                )
-                return answer["choices"][0]["message"]["content"] or ""
-            except RuntimeError:
-                if attempt == self.retries:
+                answer = self._request(route, body)
+                return read(self.endpoint, route, answer, lambda a: a["choices"][0]["message"]["content"] or "")
+            except ServerError as err:
+                if attempt == self.retries or not err.transient:  # a server gone or silent is not asked again
                     raise
                 time.sleep(min(2.0**attempt, 30.0))
         raise AssertionError("unreachable")

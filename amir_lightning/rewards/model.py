@@ -9,7 +9,9 @@ assistant's answer, written with the reward model's own chat template (the one i
 texts one per line when it has none. Sequences are scored in batches, left-padded, with position ids that skip the
 padding, so a batch gives the scores each sequence gets alone; the score is the classifier's output at the last
 token. The model loads at the first rollout, on the training process's device (each process scores its own
-completions), and is frozen.
+completions), and is frozen; its config is checked before (``setup``): a model that is not a sequence classifier
+with one output (a causal LM: its score head would be random) stops the run in one line. A tokenizer without a pad
+token is fine (the padding's id is never read), and ``max_length`` is held to the model's context.
 """
 
 from __future__ import annotations
@@ -62,26 +64,51 @@ class RewardModel(Reward):
         self.batch_size, self.max_length, self.device, self.dtype = batch_size, max_length, device, dtype
         self.model = self.tokenizer = None
 
+    def setup(self) -> None:
+        """Before the first rollout: refuse a model whose config is not a reward model's (its kind, its outputs)."""
+        from transformers import AutoConfig
+
+        path = self._path()
+        config = AutoConfig.from_pretrained(path)
+        kinds = getattr(config, "architectures", None) or []
+        if kinds and not any(kind.endswith("ForSequenceClassification") for kind in kinds):
+            raise ValueError(f"data.rewards: {self.name}.model {path} is not a sequence-classification model (it is "
+                             f"{', '.join(kinds)}): its score head would be random weights")  # fmt: skip
+        _check_labels(config.num_labels, path, f"data.rewards: {self.name}.model")
+
+    def _path(self):
+        try:
+            return self.source.resolve()
+        except FileNotFoundError as err:
+            raise FileNotFoundError(
+                str(err).replace("model.policy.init_args.name_or_path", f"data.rewards: {self.name}.model")
+            ) from None
+
     def load(self) -> None:
         """Load the model and its tokenizer (the first ``score`` does)."""
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        path = self.source.resolve()
+        key, path = f"data.rewards: {self.name}.model", self._path()
         here = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         device = torch.device(self.device or here)
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=getattr(torch, dtype))
-        labels = self.model.config.num_labels
-        if labels != 1:
-            raise ValueError(
-                f"data.rewards: {self.name} needs a reward model with one output, and {path} has {labels} "
-                "(num_labels); a classifier with several labels is not a reward model"
-            )
-        # The score is read at the last column of left-padded rows; no id is padding to transformers' pooling.
+        self.model, info = AutoModelForSequenceClassification.from_pretrained(
+            path, dtype=getattr(torch, dtype), output_loading_info=True
+        )
+        _check_head(self.model, info, path, key)
+        # The score is read at the last column of left-padded rows; no id is padding to transformers' pooling, and
+        # the padding's id is never read (masked out): any id of the vocabulary pads.
         self.model.config.pad_token_id = -1
         self.model.to(device).eval().requires_grad_(False)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        pad, rows = self.tokenizer.pad_token_id, self.model.get_input_embeddings().num_embeddings
+        # A tokenizer without a pad token may give one past the model's vocabulary (an IndexError in the embedding)
+        self.pad_id = pad if pad is not None and 0 <= pad < rows else 0
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        if context is not None and context < self.max_length:
+            log.info("%s: max_length %d is over the model's context (max_position_embeddings %d): sequences keep "
+                     "their last %d tokens", self.name, self.max_length, context, context)  # fmt: skip
+            self.max_length = context
 
     def text(self, prompt: str | list[dict], completion: str) -> str:
         """The conversation the model scores, as text: ``prompt`` is the question or the prompt's messages."""
@@ -129,3 +156,23 @@ class RewardModel(Reward):
 
     def close(self) -> None:  # noqa: D102
         self.model = None
+
+
+def _check_head(model, info: dict, path, key: str) -> None:
+    """Refuse a model whose score head did not load from its files (it would score at random) or has several labels."""
+    missing = [k for k in info.get("missing_keys", ()) if not k.startswith(model.base_model_prefix + ".")]
+    if missing:
+        kinds = ", ".join(getattr(model.config, "architectures", None) or ["a model of another kind"])
+        raise ValueError(
+            f"{key} {path} is not a sequence-classification model: its files have no score head ({missing[0]} "
+            f"missing; it is {kinds}), so every score would come from random weights"
+        )
+    _check_labels(model.config.num_labels, path, key)
+
+
+def _check_labels(labels: int, path, key: str) -> None:
+    if labels != 1:
+        raise ValueError(
+            f"{key} {path} has {labels} outputs (num_labels): a reward model has one; a classifier with several "
+            "labels is not a reward model"
+        )

@@ -14,6 +14,11 @@ weights travel as a safetensors file (``/dev/shm`` where there is one) that the 
 ``FileWeightTransfer`` (``rollout/vllm_worker.py``); the exact sync check reads them back through
 ``AmirWorkerExtension``'s methods on ``/collective_rpc``. The trainer never imports vLLM for this engine.
 
+Every request has a deadline and the server is watched (``helpers/http.py``): a silent or stopped server is named
+in a line within a minute, one whose process is gone stops the run at once, SIGTERM ends a blocked request at once,
+and each fault is one line naming the server, the route and the key (``ServerError``). The started server's whole
+process group ends with the run (``helpers/serving.py``).
+
 A server started for a ``url`` must run with the same two settings: ``VLLM_SERVER_DEV_MODE=1 AMIR_VLLM_SERVER=1``
 in its environment and ``--weight-transfer-config '{"backend": "amir_file"}' --worker-extension-cls
 amir_lightning.rollout.vllm_worker.AmirWorkerExtension --logprobs-mode processed_logprobs`` (``server_command``
@@ -25,10 +30,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
-import os
 import shutil
-import sys
-import tempfile
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,29 +38,17 @@ from pathlib import Path
 import torch
 
 from amir_lightning.helpers.distributed import from_rank_zero, global_rank, world_size
-from amir_lightning.helpers.serving import (
-    TRAINER_GROUP,
-    ServerProcess,
-    free_port,
-    post_json,
-    reachable_url,
-    wait_for,
-)
+from amir_lightning.helpers.http import Endpoint, ServerError, read, request
+from amir_lightning.helpers.serving import REFUSED_S, ServerProcess, free_port, reachable_url, wait_for
 from amir_lightning.helpers.validation import check_number, raise_errors
+from amir_lightning.rollout import server_setup
 from amir_lightning.rollout.digest import ColumnSample, Reading, WeightSlot
-from amir_lightning.rollout.engine import (
-    Completion,
-    RolloutEngine,
-    SamplingConfig,
-    WeightLayout,
-    check_passed_through,
-)
+from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig, WeightLayout, check_passed_through
+from amir_lightning.rollout.server_setup import KEY
 from amir_lightning.rollout.shards import merge_workers
-from amir_lightning.rollout.vllm_worker import FILE_BACKEND, decode
+from amir_lightning.rollout.vllm_worker import decode
 
 log = logging.getLogger(__name__)
-
-KEY = "data.engine.init_args"
 
 
 class VLLMServerEngine(RolloutEngine):
@@ -82,7 +72,10 @@ class VLLMServerEngine(RolloutEngine):
         enable_prefix_caching: Reuse the KV cache of shared prompt prefixes (the G samples of a group).
         transfer_dir: Where pushed weights are written for the server to load (``/dev/shm`` when it exists).
         startup_timeout: Seconds the started server may take to answer.
-        request_timeout: Seconds one request may take (a rollout is one request).
+        request_timeout: Seconds one request may take (a prompt's samples are one request); ``None``: from what it
+            asks (2 minutes, plus 2 s for each token a sequence may write, per wave of ``max_num_seqs``
+            sequences; 10 minutes for a weight update). A server silent for a minute is said in a line with the
+            state of its process, and one whose process is gone stops the run at once.
         log_file: Where the started server's output goes (default: a file beside the pushed weights).
     """
 
@@ -102,7 +95,7 @@ class VLLMServerEngine(RolloutEngine):
         enable_prefix_caching: bool = True,
         transfer_dir: str | None = None,
         startup_timeout: float = 600.0,
-        request_timeout: float = 3600.0,
+        request_timeout: float | None = None,
         log_file: str | None = None,
     ) -> None:
         errors: list[str] = []
@@ -113,7 +106,7 @@ class VLLMServerEngine(RolloutEngine):
         check_number(errors, f"{KEY}.max_num_seqs", max_num_seqs, ge=1)
         check_number(errors, f"{KEY}.threads", threads, ge=1, optional=True)
         check_number(errors, f"{KEY}.startup_timeout", startup_timeout, gt=0)
-        check_number(errors, f"{KEY}.request_timeout", request_timeout, gt=0)
+        check_number(errors, f"{KEY}.request_timeout", request_timeout, gt=0, optional=True)
         if url is not None and (devices is not None or cpu_cores is not None):
             errors.append(f"{KEY}: url names a running server; devices and cpu_cores are for one started here")
         if cpu_cores is not None and shutil.which("taskset") is None:
@@ -125,8 +118,9 @@ class VLLMServerEngine(RolloutEngine):
         self.gpu_memory_utilization, self.tensor_parallel_size = gpu_memory_utilization, tensor_parallel_size
         self.max_num_seqs, self.enable_prefix_caching = max_num_seqs, enable_prefix_caching
         self.transfer_dir, self.startup_timeout, self.request_timeout = transfer_dir, startup_timeout, request_timeout
-        self.log_file = log_file
+        self.log_file, self.given_url = log_file, url
         self.server: ServerProcess | None = None  # the server this process started
+        self._sequences = 1  # sequences this process has in flight (a generation request's deadline counts them)
         self.pushes = 0  # the weight version the server holds (0: the files it started from)
         self._slots: dict[str, WeightSlot | None] = {}
         self._workdir: Path | None = None
@@ -136,36 +130,11 @@ class VLLMServerEngine(RolloutEngine):
     # ------------------------------------------------------------------ the server
     def server_command(self, model_dir: Path, port: int, seed: int, on_gpu: bool) -> list[str]:
         """The command line of a server for ``model_dir`` on ``port`` (the environment is ``server_env``'s)."""
-        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
-        command += ["--host", self.host, "--port", str(port), "--seed", str(seed), "--dtype", dtype]
-        command += ["--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs)]
-        command += ["--tensor-parallel-size", str(self.tensor_parallel_size), "--logprobs-mode", "processed_logprobs"]
-        command += ["--weight-transfer-config", json.dumps({"backend": FILE_BACKEND})]
-        command += ["--worker-extension-cls", "amir_lightning.rollout.vllm_worker.AmirWorkerExtension"]
-        command += ["--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching"]
-        command += ["--disable-uvicorn-access-log"]
-        if on_gpu:
-            command += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
-        else:  # a seeded request whose prompt is split over steps crashes vLLM's CPU sampler: never split prompts
-            command += ["--enforce-eager", "--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes or 256 * 1024**2)]
-            command += ["--no-enable-chunked-prefill"]
-        if self.kv_cache_memory_bytes and on_gpu:
-            command += ["--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes)]
-        if self.cpu_cores is not None:
-            command = ["taskset", "-c", self.cpu_cores, *command]
-        return command
+        return server_setup.server_command(self, model_dir, port, seed, on_gpu)
 
     def server_env(self) -> dict[str, str]:
         """The started server's environment: the RL routes on, the transfer backend registered in its workers."""
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", AMIR_VLLM_SERVER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        for key in TRAINER_GROUP:  # the server's workers form a group of their own, not the trainer's
-            env.pop(key, None)
-        if self.devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = self.devices
-        if self.threads is not None:
-            env["OMP_NUM_THREADS"] = str(self.threads)
-        return env
+        return server_setup.server_env(self)
 
     def start(self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0) -> None:
         """Start the server (or reach the one at ``url``); with several training processes, the first starts it.
@@ -174,14 +143,17 @@ class VLLMServerEngine(RolloutEngine):
         weights, and every process reads them back for its sync check.
         """
         del device, local_rank  # the server has devices of its own
-        base = Path(self.transfer_dir or ("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()))
-        self._workdir = Path(tempfile.mkdtemp(prefix="amir_vllm_server_", dir=base))
+        self._workdir = server_setup.make_workdir(self.transfer_dir)
         # where the first process started it (or the url given)
         self.url = from_rank_zero(lambda: self.url or self._launch(model_dir, seed))
+        absent = server_setup.ABSENT if self.given_url else "the server the first training process started is gone"
+        self.endpoint = Endpoint(self.url, "the vLLM server", f"{KEY}.url", server_setup.EXPECT, absent, self.server)
         self._wait_until_ready()
         if global_rank() == 0:
             self._post("/init_weight_transfer_engine", {"init_info": {}})
-            self._post("/v1/completions", {"prompt": [0], "max_tokens": 1})  # the first request is seconds slower
+            # the first request is seconds slower; its answer shows the server sends what generate reads
+            warm = {"prompt": [0], "max_tokens": 1, "logprobs": 0, "return_token_ids": True}
+            server_setup.completions(self.endpoint, self._post("/v1/completions", warm), 1)
         _barrier()
         self._started = True
 
@@ -198,7 +170,7 @@ class VLLMServerEngine(RolloutEngine):
         key = f"{KEY}.startup_timeout"
         if self.server is not None:
             return self.server.wait_until_ready(self.startup_timeout, key)
-        wait_for(self.url, self.startup_timeout, key, "the vLLM server")
+        wait_for(self.endpoint, self.startup_timeout, key, refused_s=REFUSED_S if self.given_url else None)
 
     @property
     def process(self):
@@ -206,7 +178,8 @@ class VLLMServerEngine(RolloutEngine):
         return self.server.process if self.server is not None else None
 
     def _post(self, route: str, body: dict | None = None) -> dict:
-        return post_json(self.url, route, body, self.request_timeout, "the vLLM server", self.server)
+        deadline = server_setup.deadline(self, route, body, self._sequences)
+        return request(self.endpoint, route, body, deadline_s=deadline, deadline_key=f"{KEY}.request_timeout")
 
     # ------------------------------------------------------------------ the engine
     def generate(
@@ -222,19 +195,16 @@ class VLLMServerEngine(RolloutEngine):
         body = {"n": n, **sampling.vllm_params(), "logprobs": 0, "return_token_ids": True}
 
         def one(index: int) -> list[Completion]:
-            choices = self._post("/v1/completions", body | {"prompt": list(prompts[index]), "seed": base + index * n})
-            group = []
-            for choice in sorted(choices["choices"], key=lambda c: c["index"]):
-                logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
-                reason = "length" if choice["finish_reason"] == "length" else "stop"
-                group.append(Completion(list(choice["token_ids"]), choice["text"], logprobs, reason))
-            if len(group) != n:
-                raise RuntimeError(f"the vLLM server returned {len(group)} completions for n = {n}")
-            return group
+            answer = self._post("/v1/completions", body | {"prompt": list(prompts[index]), "seed": base + index * n})
+            return server_setup.completions(self.endpoint, answer, n)
 
         # Every prompt in flight at once: the server batches them as it would one request.
-        with ThreadPoolExecutor(max_workers=min(len(prompts), 256) or 1) as pool:
-            return list(pool.map(one, range(len(prompts))))
+        self._sequences = len(prompts) * n * world_size()
+        try:
+            with ThreadPoolExecutor(max_workers=min(len(prompts), 256) or 1) as pool:
+                return list(pool.map(one, range(len(prompts))))
+        finally:
+            self._sequences = 1
 
     def check_sampling(self, sampling: SamplingConfig) -> None:  # noqa: D102
         try:  # the fields of the server's completion request, where this process has vLLM to read them from
@@ -253,30 +223,10 @@ class VLLMServerEngine(RolloutEngine):
             self.pushes += 1
             return
         try:
-            self._push({name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in named_tensors})
+            tensors = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in named_tensors}
+            server_setup.push_weights(self, tensors)
         finally:
             _barrier()
-
-    def _push(self, tensors: dict[str, torch.Tensor]) -> None:
-        from safetensors.torch import save_file
-
-        if not tensors:
-            raise ValueError("load_weights got no tensors: the engine would keep stale weights")
-        path = self._workdir / f"push_{self.pushes + 1}.safetensors"
-        save_file(tensors, str(path))
-        del tensors
-        try:
-            self._post("/pause?mode=wait")  # requests in flight finish on the old weights
-            try:
-                self._post("/start_weight_update")
-                self._post("/update_weights", {"update_info": {"path": str(path)}})
-                self._post("/finish_weight_update", {"weight_version": str(self.pushes + 1)})
-                self._post("/reset_prefix_cache")
-            finally:
-                self._post("/resume")
-        finally:
-            path.unlink(missing_ok=True)
-        self.pushes += 1
 
     def weight_layout(self) -> WeightLayout:  # noqa: D102
         return _ServerLayout(self)
@@ -286,25 +236,30 @@ class VLLMServerEngine(RolloutEngine):
         missing = [n for n in names if n not in self._slots]
         if missing:
             results = self._post("/collective_rpc", {"method": "amir_weight_slots", "args": [json.dumps(missing)]})
-            self._slots.update(decode(results["results"][0]))
+            self._slots.update(read(self.endpoint, "/collective_rpc", results, lambda a: decode(a["results"][0])))
         return {n: self._slots[n] for n in names}
 
     def held_weights(self, columns: ColumnSample) -> dict[str, list[Reading]]:  # noqa: D102
         results = self._post(
             "/collective_rpc", {"method": "amir_held_weights", "args": [json.dumps([columns.seed, columns.count])]}
         )
-        return merge_workers([decode(r) for r in results["results"]])
+        return merge_workers(read(self.endpoint, "/collective_rpc", results, lambda a: list(map(decode, a["results"]))))
 
     def score(self, prompt: list[int], completion: list[int]) -> list[float]:  # noqa: D102
         ids = list(prompt) + list(completion)
         body = {"prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
         try:
-            entries = self._post("/v1/completions", body)["choices"][0]["prompt_logprobs"][len(prompt) :]
-        except RuntimeError as err:
+            answer = self._post("/v1/completions", body)
+        except ServerError as err:
             if "Out of range float" not in str(err):
                 raise
             return [float("nan")] * len(completion)  # the server cannot write an infinite log-prob: not finite
-        return [float(entry[str(token)]["logprob"]) for token, entry in zip(completion, entries)]
+
+        def logps(answer: dict) -> list[float]:
+            entries = answer["choices"][0]["prompt_logprobs"][len(prompt) :]
+            return [float(entry[str(token)]["logprob"]) for token, entry in zip(completion, entries, strict=True)]
+
+        return read(self.endpoint, "/v1/completions", answer, logps)
 
     def close(self) -> None:
         """Stop the server this process started (a server at a given ``url`` keeps running)."""

@@ -1,0 +1,178 @@
+"""What ``VLLMServerEngine`` needs around its server, each fault in one line naming the key.
+
+The command and environment, the transfer folder and the weight push through it, the deadline of each request, and
+reading the server's answers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from amir_lightning.helpers.http import Endpoint, ServerError, read
+from amir_lightning.helpers.serving import TRAINER_GROUP
+from amir_lightning.rollout.engine import Completion
+from amir_lightning.rollout.vllm_worker import FILE_BACKEND
+
+if TYPE_CHECKING:
+    from amir_lightning.rollout.vllm_server import VLLMServerEngine
+
+KEY = "data.engine.init_args"
+#: What a ``url`` must be, said when its answers are not a vLLM server's.
+EXPECT = (
+    "a vLLM server started with VLLM_SERVER_DEV_MODE=1 AMIR_VLLM_SERVER=1 and the flags VLLMServerEngine."
+    "server_command gives (the RL routes, the amir_file weight transfer and its worker extension)"
+)
+ABSENT = f"start one with the command VLLMServerEngine.server_command gives, or drop {KEY}.url to let the run start one"
+BASE_S = 120.0  # a generation request's deadline: this, plus PER_TOKEN_S for each token a sequence may write
+PER_TOKEN_S = 2.0  # a decoding step of the whole batch, generously (tens of ms on a GPU)
+ROUTE_S = 600.0  # the other routes: a weight file loaded, the weights read back
+#: What the server's answer to a weight update says when it could not read the pushed file.
+UNREAD = ("No such file", "Permission denied", "deserializ", "Header", "safetensors")
+
+
+def server_command(engine: VLLMServerEngine, model_dir: Path, port: int, seed: int, on_gpu: bool) -> list[str]:
+    """The command line of ``engine``'s server for ``model_dir`` on ``port``."""
+    dtype = engine.dtype if engine.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+    command += ["--host", engine.host, "--port", str(port), "--seed", str(seed), "--dtype", dtype]
+    command += ["--max-model-len", str(engine.max_model_len), "--max-num-seqs", str(engine.max_num_seqs)]
+    command += ["--tensor-parallel-size", str(engine.tensor_parallel_size), "--logprobs-mode", "processed_logprobs"]
+    command += ["--weight-transfer-config", json.dumps({"backend": FILE_BACKEND})]
+    command += ["--worker-extension-cls", "amir_lightning.rollout.vllm_worker.AmirWorkerExtension"]
+    command += ["--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching"]
+    command += ["--disable-uvicorn-access-log"]
+    kv_bytes = engine.kv_cache_memory_bytes
+    if on_gpu:
+        command += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
+        command += ["--kv-cache-memory-bytes", str(kv_bytes)] if kv_bytes else []
+    else:  # a seeded request whose prompt is split over steps crashes vLLM's CPU sampler: never split prompts
+        command += ["--enforce-eager", "--kv-cache-memory-bytes", str(kv_bytes or 256 * 1024**2)]
+        command += ["--no-enable-chunked-prefill"]
+    if engine.cpu_cores is not None:
+        command = ["taskset", "-c", engine.cpu_cores, *command]
+    return command
+
+
+def server_env(engine: VLLMServerEngine) -> dict[str, str]:
+    """The started server's environment: the RL routes on, the transfer backend registered in its workers."""
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", AMIR_VLLM_SERVER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    for key in TRAINER_GROUP:  # the server's workers form a group of their own, not the trainer's
+        env.pop(key, None)
+    if engine.devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = engine.devices
+    if engine.threads is not None:
+        env["OMP_NUM_THREADS"] = str(engine.threads)
+    return env
+
+
+def make_workdir(transfer_dir: str | None) -> Path:
+    """A folder of this run's own in ``transfer_dir`` (default ``/dev/shm``, else the temporary folder)."""
+    base = Path(transfer_dir or ("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()))
+    try:
+        return Path(tempfile.mkdtemp(prefix="amir_vllm_server_", dir=base))
+    except OSError as err:
+        raise ValueError(f"{KEY}.transfer_dir {base} cannot hold the pushed weights: {err.strerror or err} (it must "
+                         "be a writable folder the server also sees)") from None  # fmt: skip
+
+
+def write_weights(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """``tensors`` as a safetensors file at ``path``; a ``ServerError`` naming ``transfer_dir`` when it cannot be."""
+    from safetensors.torch import save_file
+
+    need, free = sum(t.numel() * t.element_size() for t in tensors.values()), None
+    try:
+        free = shutil.disk_usage(path.parent).free
+        if need > free:  # found before writing, not after filling the file system
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        save_file(tensors, str(path))
+    except Exception as err:  # safetensors reports a failed write as its own error, with the OS error in its text
+        path.unlink(missing_ok=True)
+        cause = getattr(err, "strerror", None) or str(err)
+        for known in ("No space left on device", "File too large", "Permission denied", "No such file or directory",
+                      "Read-only file system", "Disk quota exceeded"):  # fmt: skip
+            cause = known if known in cause else cause
+        room = f" and {free / 2**20:.2f} MiB are free there" if free is not None else ""
+        raise ServerError(f"could not write the pushed weights to {path} ({KEY}.transfer_dir): {cause}; they need "
+                          f"{need / 2**20:.2f} MiB{room}") from None  # fmt: skip
+
+
+def push_weights(engine: VLLMServerEngine, tensors: dict[str, torch.Tensor]) -> None:
+    """Push ``tensors`` into ``engine``'s server: a file in its transfer folder, loaded through vLLM's update routes.
+
+    ``/pause`` (requests in flight finish on the old weights), ``/start_weight_update``, ``/update_weights``,
+    ``/finish_weight_update`` with the push's number as the weight version, ``/reset_prefix_cache``, ``/resume``.
+    """
+    if not tensors:
+        raise ValueError("load_weights got no tensors: the engine would keep stale weights")
+    path = engine._workdir / f"push_{engine.pushes + 1}.safetensors"
+    write_weights(path, tensors)
+    del tensors
+    try:
+        engine._post("/pause?mode=wait")
+        try:
+            engine._post("/start_weight_update")
+            _load(engine, path)
+            engine._post("/finish_weight_update", {"weight_version": str(engine.pushes + 1)})
+            engine._post("/reset_prefix_cache")
+        except BaseException:
+            with contextlib.suppress(ServerError):  # the first failure is the one to name
+                engine._post("/resume")
+            raise
+        engine._post("/resume")
+    finally:
+        path.unlink(missing_ok=True)
+    engine.pushes += 1
+
+
+def _load(engine: VLLMServerEngine, path: Path) -> None:
+    try:
+        engine._post("/update_weights", {"update_info": {"path": str(path)}})
+    except ServerError as err:
+        if any(sign in str(err) for sign in UNREAD):  # the server does not see the trainer's folder
+            raise ServerError(f"{err}; it could not read the pushed weights {path}: the server must see "
+                              f"{KEY}.transfer_dir at the same path (the same machine, or a shared file system)",
+                              tail=err.tail) from None  # fmt: skip
+        raise
+
+
+def deadline(engine: VLLMServerEngine, route: str, body: dict | None, sequences: int) -> float:
+    """Seconds a request may take: ``request_timeout``, else from what it asks.
+
+    Generation: ``BASE_S`` plus ``PER_TOKEN_S`` for each token a sequence may write, times the waves the server
+    decodes ``sequences`` in (``max_num_seqs`` at a time). Other routes: ``ROUTE_S``.
+    """
+    if engine.request_timeout is not None:
+        return engine.request_timeout
+    if route == "/v1/completions" and body is not None:
+        waves = math.ceil(max(sequences, 1) / engine.max_num_seqs)
+        return BASE_S + PER_TOKEN_S * int(body.get("max_tokens") or 16) * waves
+    return ROUTE_S
+
+
+def completions(endpoint: Endpoint, answer: dict, n: int) -> list[Completion]:
+    """The ``n`` completions of a ``/v1/completions`` answer (token ids and their sampling log-probs)."""
+
+    def parse(answer: dict) -> list[Completion]:
+        group = []
+        for choice in sorted(answer["choices"], key=lambda c: c["index"]):
+            logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+            reason = "length" if choice["finish_reason"] == "length" else "stop"
+            group.append(Completion([int(t) for t in choice["token_ids"]], choice["text"], logprobs, reason))
+        return group
+
+    group = read(endpoint, "/v1/completions", answer, parse)
+    if len(group) != n:
+        raise ServerError(f"{endpoint.what} at {endpoint.url} returned {len(group)} completions for n = {n}: "
+                          f"{endpoint.url_key} must be {endpoint.expect}")  # fmt: skip
+    return group
