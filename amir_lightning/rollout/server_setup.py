@@ -15,17 +15,16 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from amir_lightning.helpers.http import Endpoint, ServerError, read
 from amir_lightning.helpers.serving import TRAINER_GROUP
-from amir_lightning.rollout.engine import Completion
+from amir_lightning.rollout.engine import Completion, RolloutEngine
 from amir_lightning.rollout.vllm_worker import FILE_BACKEND
 
-if TYPE_CHECKING:
-    from amir_lightning.rollout.vllm_server import VLLMServerEngine
+#: ``VLLMServerEngine``, whose settings these functions read (not imported: it imports this module).
+ServerEngine = RolloutEngine
 
 KEY = "data.engine.init_args"
 #: What a ``url`` must be, said when its answers are not a vLLM server's.
@@ -41,7 +40,7 @@ ROUTE_S = 600.0  # the other routes: a weight file loaded, the weights read back
 UNREAD = ("No such file", "Permission denied", "deserializ", "Header", "safetensors")
 
 
-def server_command(engine: VLLMServerEngine, model_dir: Path, port: int, seed: int, on_gpu: bool) -> list[str]:
+def server_command(engine: ServerEngine, model_dir: Path, port: int, seed: int, on_gpu: bool) -> list[str]:
     """The command line of ``engine``'s server for ``model_dir`` on ``port``."""
     dtype = engine.dtype if engine.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
@@ -64,7 +63,7 @@ def server_command(engine: VLLMServerEngine, model_dir: Path, port: int, seed: i
     return command
 
 
-def server_env(engine: VLLMServerEngine) -> dict[str, str]:
+def server_env(engine: ServerEngine) -> dict[str, str]:
     """The started server's environment: the RL routes on, the transfer backend registered in its workers."""
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", AMIR_VLLM_SERVER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     for key in TRAINER_GROUP:  # the server's workers form a group of their own, not the trainer's
@@ -107,7 +106,7 @@ def write_weights(path: Path, tensors: dict[str, torch.Tensor]) -> None:
                           f"{need / 2**20:.2f} MiB{room}") from None  # fmt: skip
 
 
-def push_weights(engine: VLLMServerEngine, tensors: dict[str, torch.Tensor]) -> None:
+def push_weights(engine: ServerEngine, tensors: dict[str, torch.Tensor]) -> None:
     """Push ``tensors`` into ``engine``'s server: a file in its transfer folder, loaded through vLLM's update routes.
 
     ``/pause`` (requests in flight finish on the old weights), ``/start_weight_update``, ``/update_weights``,
@@ -135,7 +134,7 @@ def push_weights(engine: VLLMServerEngine, tensors: dict[str, torch.Tensor]) -> 
     engine.pushes += 1
 
 
-def _load(engine: VLLMServerEngine, path: Path) -> None:
+def _load(engine: ServerEngine, path: Path) -> None:
     try:
         engine._post("/update_weights", {"update_info": {"path": str(path)}})
     except ServerError as err:
@@ -146,7 +145,7 @@ def _load(engine: VLLMServerEngine, path: Path) -> None:
         raise
 
 
-def deadline(engine: VLLMServerEngine, route: str, body: dict | None, sequences: int) -> float:
+def deadline(engine: ServerEngine, route: str, body: dict | None, sequences: int) -> float:
     """Seconds a request may take: ``request_timeout``, else from what it asks.
 
     Generation: ``BASE_S`` plus ``PER_TOKEN_S`` for each token a sequence may write, times the waves the server
