@@ -141,20 +141,21 @@ class SyncCheck:
             raise RuntimeError("SyncCheck.set_probe must run before the first sync")
         pushed = self._push(policy, engine)
         wrong: list[str] = []
-        verified = 0
+        verified = checked = 0  # tensors compared with the push; and every engine tensor the check looked at
         if pushed is not None:
             held = engine.held_weights(pushed.columns)
             if held is None:
                 pushed = None
             else:
                 wrong, verified = pushed.mismatches(held), pushed.compared(held)
+                checked = len(set(pushed.parts) | set(held))
         if pushed is None:
             self._say_unverified(engine)
         gap = float("nan") if wrong else max(abs(a - b) for a, b in zip(*self.scores(policy, engine)))
         gap, any_wrong = reduce_max([gap, float(bool(wrong))])
         self.syncs += 1
         if any_wrong:
-            self._stop(wrong, verified)
+            self._stop(wrong, checked)
         float32 = pushed is not None and pushed.dtypes == {torch.float32}
         return SyncReport(gap, self._probe_level(gap, verified > 0, float32), verified)
 
@@ -173,12 +174,12 @@ class SyncCheck:
             log.info("weight sync: the engine keeps no copy of %s (not verified)", ", ".join(pushed.unheld[:8]))
         return pushed
 
-    def _stop(self, wrong: list[str], verified: int) -> None:
+    def _stop(self, wrong: list[str], checked: int) -> None:
         where = "this process's engine" if wrong else "the engine of another process"
         first = f"; the first: {wrong[0]}" if wrong else ""
         raise StaleEngineError(
             f"rollout engine is stale: after weight sync {self.syncs} {where} holds other weights than the trainer "
-            f"pushed ({len(wrong) or 'some'} of {verified or 'its'} tensors differ, read back from the engine{first}). "
+            f"pushed ({len(wrong) or 'some'} of {checked or 'its'} tensors differ, read back from the engine{first}). "
             "It did not take the update as pushed, so training would continue on rollouts from another policy. Check "
             "that the engine loads every pushed tensor (parameter names, dtypes, a custom load_weights)."
         )
