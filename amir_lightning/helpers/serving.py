@@ -181,9 +181,9 @@ class ServerProcess:
         return (errors or lines or ["no output"])[-1][:300]
 
     def close(self) -> None:
-        """End it and every process of its group: SIGTERM (and SIGCONT, should it be stopped), SIGKILL after 10 s."""
+        """End it and every process of its group: SIGTERM, then SIGKILL after 10 s (at once where it is stopped)."""
         with self._lock:
-            if self.process.poll() is None:
+            if self.state() == "running":  # a stopped (hung) one is killed: it would only wake to shut down
                 _signal_group(self.pid, signal.SIGTERM, signal.SIGCONT)
                 try:
                     self.process.wait(timeout=STOP_S)
@@ -226,8 +226,8 @@ def wait_for(endpoint: Endpoint, timeout: float, key: str, refused_s: float | No
                 refused_since = now
                 log.info("no server at %s yet (connection refused); waiting %g s for one", endpoint.url, grace)
             if now - refused_since >= grace:
-                raise ServerError(f"no server at {endpoint.url} (connection refused for {now - refused_since:.0f} "
-                                  f"s); {endpoint.absent}")  # fmt: skip
+                raise ServerError(f"no server at {endpoint.url} (connection refused for {grace:g} s); "
+                                  f"{endpoint.absent}")  # fmt: skip
         elif answer != "refused":
             refused_since = None
         if now - start > timeout:
