@@ -259,21 +259,27 @@ class PushedDigests:
     def mismatches(self, held: dict[str, list[Reading]]) -> list[str]:
         """Descriptions of every engine tensor that does not hold what was pushed, in push order.
 
-        A tensor the push fills must be read back in every way it was digested (whole, sampled columns): one the
-        engine does not read back is a mismatch too, not a tensor skipped.
+        A tensor the push fills that the engine does not read back is not compared here: ``unread`` lists it, and
+        the sync says so.
         """
         wrong = [f"the push holds different values for the tied {c}" for c in self.conflicts]
         for key in self.parts:
             readings, pushed_as = held.get(key, []), " and ".join(self.sources[key])
             unread = [w for w in (False, True) if self._digested(key, w) and not any(r.sampled == w for r in readings)]
             stale = sum(r.digest not in self.expected(key, r.sampled) for r in readings)
-            if unread:
-                wrong.append(f"{key}, which the engine did not read back (pushed as {pushed_as})")
-            elif stale:
+            if stale and not unread:
                 copies = f"{stale} of its {len(readings)} copies differ; " if len(readings) > 1 else ""
                 wrong.append(f"{key} ({copies}pushed as {pushed_as})")
         wrong += [f"{key}, which no pushed tensor fills" for key in held if key not in self.parts]
         return wrong
+
+    def unread(self, held: dict[str, list[Reading]]) -> list[str]:
+        """Engine tensors the push fills that the engine did not read back in every way they were digested."""
+        return [
+            key
+            for key in self.parts
+            if any(self._digested(key, w) and not any(r.sampled == w for r in held.get(key, [])) for w in (False, True))
+        ]
 
     def compared(self, held: dict[str, list[Reading]]) -> int:
         """The engine tensors whose read-back was compared with the push."""

@@ -112,6 +112,7 @@ class SyncCheck:
         self._layout: WeightLayout | None = None
         self._warned_at = 0.0  # the probe gap of the last warning
         self._said_unverified = False
+        self._said_unread = False
 
     def set_probe(self, tokenizer, prompt_ids: list[int], answer: str) -> None:
         """Fix the probe (once per run): ``prompt_ids``, then the answer's first tokens and EOS."""
@@ -149,6 +150,7 @@ class SyncCheck:
             else:
                 wrong, verified = pushed.mismatches(held), pushed.compared(held)
                 checked = len(set(pushed.parts) | set(held))
+                self._say_unread(pushed.unread(held))
         if pushed is None:
             self._say_unverified(engine)
         gap = float("nan") if wrong else max(abs(a - b) for a, b in zip(*self.scores(policy, engine)))
@@ -215,6 +217,13 @@ class SyncCheck:
                 weights,
             )
         return level
+
+    def _say_unread(self, unread: list[str]) -> None:
+        if unread and not self._said_unread:
+            self._said_unread = True
+            log.warning(
+                "weight sync: the engine did not read back %s: not compared with the push", ", ".join(unread[:8])
+            )
 
     def _say_unverified(self, engine: RolloutEngine) -> None:
         if not self._said_unverified:
