@@ -75,9 +75,7 @@ def test_a_hung_server_stops_the_run_at_its_deadline_in_one_line(tmp_path):
     assert left == 0
 
 
-# Ctrl-C once left a CI run blocked for over 120 s (its own runs end in 0.5-3.2 s): a known fault, kept visible.
-SIGINT_LOST = pytest.mark.xfail(strict=False, reason="a Ctrl-C can be lost while a request waits on a stopped server")
-ENDINGS = ["normal", "error", "sigterm", pytest.param("sigint", marks=SIGINT_LOST), "sigkill", "server_sigkill"]
+ENDINGS = ["normal", "error", "sigterm", "sigint", "sigkill", "server_sigkill"]
 
 
 @pytest.fixture(scope="module")

@@ -106,3 +106,8 @@ def _run(args: ArgsType, argv: list[str]) -> None:
     except KeyboardInterrupt:  # before or after the trainer runs (Lightning handles Ctrl-C while it does)
         sys.stderr.write("amir: interrupted\n")
         raise SystemExit(130) from None
+    except SystemExit as err:  # Lightning's graceful Ctrl-C shutdown ends in exit 1, the code of a reward's error
+        if err.code == 1 and stops.stop_reason() == "SIGINT":
+            sys.stderr.write("amir: interrupted\n")
+            raise SystemExit(130) from None
+        raise

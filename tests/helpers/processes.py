@@ -5,9 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
+
+
+def with_ctrl_c() -> None:
+    """Let Ctrl-C reach the process, as it reaches a terminal's foreground job (``preexec_fn``).
+
+    A command a non-interactive shell starts in the background (``cmd &``, as CI runners may start the suite)
+    inherits SIGINT ignored, and Python keeps an ignored SIGINT ignored: the run would never see the test's Ctrl-C.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def tree(pid: int) -> set[int]:
@@ -63,7 +73,7 @@ class Watched:
 
     def __init__(self, command: list[str], cwd, env) -> None:
         self.process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True)  # fmt: skip
+                                        text=True, preexec_fn=with_ctrl_c)  # fmt: skip
         self.lines: list[tuple[float, str]] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
