@@ -20,6 +20,7 @@ The paper defines no length metric; these are this project's.
 from __future__ import annotations
 
 import torch
+from typing_extensions import override
 
 from amir_lightning.callbacks._base import StepMonitor, micro_batches
 from amir_lightning.helpers.tracking import log_histogram, log_metrics
@@ -54,8 +55,9 @@ class LengthBiasMonitor(StepMonitor):
         super().__init__()
         self.write_histogram, self.long_tokens = histogram, long_tokens
 
+    @override
     @torch.no_grad()
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: D102
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         for micro, rows in micro_batches(outputs, batch):
             self._add(micro, rows)
         self._flush(trainer, pl_module)

@@ -11,6 +11,7 @@ whole distribution.
 from __future__ import annotations
 
 import torch
+from typing_extensions import override
 
 from amir_lightning.callbacks._base import StepMonitor, micro_batches
 from amir_lightning.helpers.tracking import log_histogram, log_metrics
@@ -27,8 +28,9 @@ class PairMarginMonitor(StepMonitor):
         super().__init__()
         self.write_histogram = histogram
 
+    @override
     @torch.no_grad()
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: D102
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         for _, rows in micro_batches(outputs, batch):
             self.cat("margins", rows.seq_logps[rows.pairs[:, 0]] - rows.seq_logps[rows.pairs[:, 1]])
         _, cats = self.computed()

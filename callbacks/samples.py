@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lightning import Callback
+from typing_extensions import override
 
 from amir_lightning.helpers.tracking import log_table
 
@@ -24,7 +25,8 @@ class RolloutSampleLogger(Callback):
             raise ValueError("RolloutSampleLogger needs every_n_epochs, num_prompts and max_chars >= 1")
         self.every_n_epochs, self.num_prompts, self.max_chars = every_n_epochs, num_prompts, max_chars
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: D102
+    @override
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         # Every step of a rollout refers to it (RolloutStep.rollout); the first one shows it.
         rollout = getattr(batch, "rollout", None)
         if batch_idx or rollout is None or not rollout.groups or trainer.current_epoch % self.every_n_epochs:

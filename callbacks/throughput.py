@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from lightning import Callback
+from typing_extensions import override
 
 from amir_lightning.helpers.tracking import log_metrics
 
@@ -25,20 +26,24 @@ class ThroughputMonitor(Callback):
         self._train_tokens = 0.0
         self._rollout = None  # the epoch's rollout, as its steps refer to it
 
-    def on_train_epoch_start(self, trainer, pl_module) -> None:  # noqa: D102
+    @override
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._train_s, self._train_tokens, self._rollout = 0.0, 0.0, None
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: D102
+    @override
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._start = time.perf_counter()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: D102
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._rollout = getattr(batch, "rollout", None)
         if self._start is not None and self._rollout is not None:
             self._train_s += time.perf_counter() - self._start
             real = [micro for micro in batch.micro_batches if not micro.filler]
             self._train_tokens += sum(float(micro.attention_mask.sum()) for micro in real)
 
-    def on_train_epoch_end(self, trainer, pl_module) -> None:  # noqa: D102
+    @override
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
         rollout = self._rollout
         if rollout is None:  # an epoch resumed after its steps ran: nothing was timed
             return

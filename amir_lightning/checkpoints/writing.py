@@ -19,6 +19,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
+from typing_extensions import override
 
 from amir_lightning.helpers.sizes import format_bytes
 
@@ -34,7 +35,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     Lightning's default checkpoint writer.
     """
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:  # noqa: D102
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"AtomicCheckpointIO takes no storage_options, got {storage_options!r}")
         fs, target = url_to_fs(str(path))
@@ -62,7 +64,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             torch.save(checkpoint, fh)
         fs.mv(tmp, target)
 
-    def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None):  # noqa: D102
+    @override
+    def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None):
         try:
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         except (RuntimeError, EOFError, OSError) as err:  # cut short or changed since the start-up check

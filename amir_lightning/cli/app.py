@@ -15,6 +15,7 @@ from jsonargparse import lazy_instance
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
+from typing_extensions import override
 
 from amir_lightning.checkpoints.checks import check_base_model, check_checkpoint, check_compatible, saved_checkpoint
 from amir_lightning.checkpoints.resume import fit_checkpoints_to_storage, keep_given_model_values, resolve_resume
@@ -61,7 +62,8 @@ def link_completion_length(config) -> None:
 class _Parser(LightningArgumentParser):
     """jsonargparse's parser, reporting a bad argument in one line instead of the usage of every option."""
 
-    def error(self, message: str, ex: Exception | None = None):  # noqa: D102
+    @override
+    def error(self, message: str, ex: Exception | None = None):
         if not self.exit_on_error or os.environ.get("AMIR_DEBUG") or os.environ.get("JSONARGPARSE_DEBUG"):
             return super().error(message, ex)
         parser = getattr(ex, "subcommand_parser", None) or self
@@ -86,7 +88,8 @@ class AmirCLI(LightningCLI):
         """The trainer methods ``amir`` runs: fit, validate and test (Lightning's predict has nothing to predict)."""
         return {k: v for k, v in LightningCLI.subcommands().items() if k != "predict"}
 
-    def add_arguments_to_parser(self, parser) -> None:  # noqa: D102
+    @override
+    def add_arguments_to_parser(self, parser) -> None:
         # The training log-probs must be those of the distribution that was sampled.
         parser.link_arguments("data.sampling.temperature", "model.temperature")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
@@ -100,7 +103,8 @@ class AmirCLI(LightningCLI):
             help="Run validation once before training (held-out accuracy of the initial policy).",
         )
 
-    def parse_arguments(self, parser, args) -> None:  # noqa: D102
+    @override
+    def parse_arguments(self, parser, args) -> None:
         super().parse_arguments(parser, args)
         self.given = copy.deepcopy(self.config)  # before --ckpt_path's saved hyperparameters are laid over it
         subcommand = self.config.get("subcommand")
@@ -108,7 +112,8 @@ class AmirCLI(LightningCLI):
             resolve_resume(self.config[subcommand])
             check_checkpoint(self.config[subcommand].get("ckpt_path"))
 
-    def before_instantiate_classes(self) -> None:  # noqa: D102
+    @override
+    def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand) if self.subcommand else self.config  # run=False: no subcommand
         if config is None:
             return
@@ -123,7 +128,8 @@ class AmirCLI(LightningCLI):
             keep_given_model_values(self.given[self.subcommand]["model"], config)
         link_completion_length(config)
 
-    def instantiate_classes(self) -> None:  # noqa: D102
+    @override
+    def instantiate_classes(self) -> None:
         super().instantiate_classes()
         self.datamodule.attach(self.model.handle)  # the data side's one way to the policy
         path = self.config[self.subcommand].get("ckpt_path") if self.subcommand else None
@@ -133,7 +139,8 @@ class AmirCLI(LightningCLI):
             own, optional = self.model.expected_shapes()
             check_compatible(own, saved["state_dict"], path, optional)
 
-    def instantiate_trainer(self, **kwargs):  # noqa: D102
+    @override
+    def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)
         install_atomic_checkpoints(trainer)  # a checkpoint is never half-written, whatever kills the run
         bar = trainer.progress_bar_callback

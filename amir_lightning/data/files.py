@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from typing_extensions import override
+
 from amir_lightning.data.base import Prompt, PromptSource
 from amir_lightning.helpers.extras import missing as missing_extra
 
@@ -152,7 +154,8 @@ class JsonlPrompts(PromptSource):
     def __getitem__(self, index: int) -> Prompt:
         return self.items[index % len(self.items)]
 
-    def describe(self) -> str:  # noqa: D102
+    @override
+    def describe(self) -> str:
         return f"JsonlPrompts({self.path}, {len(self.items)} prompts)"
 
 
@@ -212,5 +215,6 @@ class HFDatasetPrompts(PromptSource):
     def __getitem__(self, index: int) -> Prompt:
         return self.items[index % len(self.items)]
 
-    def describe(self) -> str:  # noqa: D102
+    @override
+    def describe(self) -> str:
         return f"HFDatasetPrompts({self.label}, {len(self.items)} prompts)"

@@ -7,6 +7,8 @@ import itertools
 import random
 from typing import Literal
 
+from typing_extensions import override
+
 from amir_lightning.data.base import Prompt, PromptSource
 from amir_lightning.helpers.extras import missing
 
@@ -130,7 +132,8 @@ class ArithmeticPrompts(PromptSource):
         question = self.template.replace("{expression}", expression)
         return Prompt(question, answer, {"expression": expression})
 
-    def describe(self) -> str:  # noqa: D102
+    @override
+    def describe(self) -> str:
         return (
             f"ArithmeticPrompts({self.num_terms} terms in [{self.min_value}, {self.max_value}], "
             f"ops {self.operators!r}, split {self.split})"
@@ -166,5 +169,6 @@ class ReasoningGymPrompts(PromptSource):
         item = self.dataset[index % self.size]
         return Prompt(str(item["question"]), str(item["answer"]), {"task": self.task, "index": index % self.size})
 
-    def describe(self) -> str:  # noqa: D102
+    @override
+    def describe(self) -> str:
         return f"ReasoningGymPrompts({self.task}, {self.size})"

@@ -19,6 +19,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.ext import Extension
 from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from typing_extensions import override
 
 #: The question of the prompt the template is tried on: text no template adds by itself.
 PROBE_QUESTION = "What is 17 + 25?"
@@ -30,7 +31,8 @@ class _GenerationBlock(Extension):
 
     tags = {"generation"}
 
-    def parse(self, parser: Parser) -> nodes.Node:  # noqa: D102
+    @override
+    def parse(self, parser: Parser) -> nodes.Node:
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return nodes.Scope(body, lineno=lineno)
@@ -39,7 +41,8 @@ class _GenerationBlock(Extension):
 class _StrictSandbox(ImmutableSandboxedEnvironment):
     """The sandbox, where reaching for an internal raises instead of rendering nothing."""
 
-    def unsafe_undefined(self, obj: Any, attribute: str) -> Undefined:  # noqa: D102
+    @override
+    def unsafe_undefined(self, obj: Any, attribute: str) -> Undefined:
         raise SecurityError(f"{attribute!r} of a {type(obj).__name__!r} when rendered")
 
 

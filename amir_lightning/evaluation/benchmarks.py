@@ -6,6 +6,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from typing_extensions import override
+
 from amir_lightning.data.base import Prompt, PromptSource
 from amir_lightning.data.files import DataFileError
 from amir_lightning.helpers.extras import missing
@@ -119,5 +121,6 @@ class BenchmarkPrompts(PromptSource):
     def __getitem__(self, index: int) -> Prompt:
         return self.items[index % len(self.items)]
 
-    def describe(self) -> str:  # noqa: D102
+    @override
+    def describe(self) -> str:
         return f"BenchmarkPrompts({self.name}, {len(self.items)} problems)"

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 from torchmetrics import Metric
+from typing_extensions import override
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -50,5 +51,6 @@ class PassAtK(Metric):
         self.total += torch.tensor(values, dtype=torch.float64, device=self.total.device).sum(0)
         self.problems += len(values)
 
-    def compute(self) -> dict[int, torch.Tensor]:  # noqa: D102
+    @override
+    def compute(self) -> dict[int, torch.Tensor]:
         return {k: self.total[i] / self.problems.clamp(min=1) for i, k in enumerate(self.ks)}

@@ -12,6 +12,8 @@ import sys
 import threading
 import traceback
 
+from typing_extensions import override
+
 
 def quiet_second_interrupt() -> None:
     """Ctrl-C raises ``KeyboardInterrupt`` once (Lightning's graceful shutdown); a second one ends the process.
@@ -45,23 +47,27 @@ class PipeSafeStdout(io.TextIOBase):
     def __init__(self, stream) -> None:
         self.stream = stream
 
-    def write(self, text: str) -> int:  # noqa: D102
+    @override
+    def write(self, text: str) -> int:
         try:
             return self.stream.write(text)
         except BrokenPipeError:
             self._drop()
             return len(text)
 
-    def flush(self) -> None:  # noqa: D102
+    @override
+    def flush(self) -> None:
         try:
             self.stream.flush()
         except BrokenPipeError:
             self._drop()
 
-    def isatty(self) -> bool:  # noqa: D102
+    @override
+    def isatty(self) -> bool:
         return self.stream.isatty()
 
-    def fileno(self) -> int:  # noqa: D102
+    @override
+    def fileno(self) -> int:
         return self.stream.fileno()
 
     def _drop(self) -> None:

@@ -13,6 +13,8 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Literal
 
+from typing_extensions import override
+
 from amir_lightning.models.bundled import cache_root, materialize_smollm2
 from amir_lightning.models.tiny import DEFAULT_ALPHABET, build_tiny_model
 
@@ -41,7 +43,8 @@ class HFModel(ModelSource):
     def __init__(self, name_or_path: str, revision: str | None = None, trust_remote_code: bool = False) -> None:
         self.name_or_path, self.revision, self.trust_remote_code = name_or_path, revision, trust_remote_code
 
-    def resolve(self) -> Path:  # noqa: D102
+    @override
+    def resolve(self) -> Path:
         local = Path(self.name_or_path).expanduser()
         if local.is_dir():
             if not (local / "config.json").is_file():
@@ -91,7 +94,8 @@ class BundledSmolLM2(ModelSource):
     ) -> None:
         self.cache_dir, self.wheel, self.prefer_hub, self.hub_id = cache_dir, wheel, prefer_hub, hub_id
 
-    def resolve(self) -> Path:  # noqa: D102
+    @override
+    def resolve(self) -> Path:
         if self.prefer_hub and os.environ.get("HF_HUB_OFFLINE") != "1" and self.wheel is None:
             from huggingface_hub import snapshot_download
 
@@ -165,7 +169,8 @@ class TinyModel(ModelSource):
         )
         self.cache_dir = cache_dir
 
-    def resolve(self) -> Path:  # noqa: D102
+    @override
+    def resolve(self) -> Path:
         key = hashlib.sha256(json.dumps(self.kwargs, sort_keys=True).encode()).hexdigest()[:12]
         target = Path(self.cache_dir or cache_root() / "models") / f"tiny-qwen2-{key}"
         if not (target / "config.json").is_file():

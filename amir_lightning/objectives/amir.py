@@ -40,6 +40,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.objectives.base import LossOutput, StepContext
@@ -198,7 +199,8 @@ class AmirGRPOLoss(GRPOLoss):
         self.pair_term = pair_term
         self.schedule = LambdaSchedule(pair_weight)
 
-    def reference_uses(self) -> list[str]:  # noqa: D102
+    @override
+    def reference_uses(self) -> list[str]:
         return super().reference_uses() + ([] if self.pair_term.reference_free else ["pair_term.reference_free=False"])
 
     @property

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.helpers import stops
@@ -173,12 +174,14 @@ class FunctionReward(Reward):
         self.timeout_s = timeout_s
         self.concurrent = inspect.iscoroutinefunction(self.function)
 
-    def score(self, completions: Sequence, answers: Sequence, **kwargs) -> list[float | None]:  # noqa: D102
+    @override
+    def score(self, completions: Sequence, answers: Sequence, **kwargs) -> list[float | None]:
         if self.concurrent:
             return asyncio.run(self.function(completions, **kwargs))
         return self.function(completions, **kwargs)
 
-    def __call__(self, inputs: RewardInputs) -> list[float | None]:  # noqa: D102
+    @override
+    def __call__(self, inputs: RewardInputs) -> list[float | None]:
         def call():
             return self.score(inputs.trl_completions(), inputs.answers, **inputs.kwargs())
 

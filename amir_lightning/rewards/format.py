@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from typing_extensions import override
+
 from amir_lightning.rewards.base import Reward
 
 _STRICT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
@@ -27,7 +29,8 @@ class ThinkAnswerFormatReward(Reward):
         super().__init__(weight, name)
         self.value = score
 
-    def score(self, completions: Sequence[str], answers: Sequence[str], **kwargs) -> list[float]:  # noqa: D102
+    @override
+    def score(self, completions: Sequence[str], answers: Sequence[str], **kwargs) -> list[float]:
         return [self.value if _STRICT.match(c) else 0.0 for c in completions]
 
 
@@ -51,7 +54,8 @@ class TagCountReward(Reward):
         super().__init__(weight, name)
         self.tags, self.per_tag = tuple(tags), per_tag
 
-    def score(self, completions: Sequence[str], answers: Sequence[str], **kwargs) -> list[float]:  # noqa: D102
+    @override
+    def score(self, completions: Sequence[str], answers: Sequence[str], **kwargs) -> list[float]:
         return [sum(self.per_tag for tag in self.tags if c.count(tag) == 1) for c in completions]
 
 
@@ -68,7 +72,8 @@ class AnswerNumberReward(Reward):
         super().__init__(weight, name)
         self.value = score
 
-    def score(self, completions: Sequence[str], answers: Sequence[str], **kwargs) -> list[float]:  # noqa: D102
+    @override
+    def score(self, completions: Sequence[str], answers: Sequence[str], **kwargs) -> list[float]:
         out = []
         for c in completions:
             match = _ANSWER.search(c)

@@ -32,6 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
+from typing_extensions import override
+
 from amir_lightning.helpers import serving
 from amir_lightning.helpers.http import Endpoint, ServerError, read, request
 from amir_lightning.helpers.validation import check_number, raise_errors
@@ -263,7 +265,8 @@ class JudgeReward(Reward):
         """Of the last ``score``: ``unparsed_frac`` (replies with no score after the retries), ``retried_frac``."""
         return dict(self._metrics)
 
-    def close(self) -> None:  # noqa: D102
+    @override
+    def close(self) -> None:
         if self.serve is not None:  # a server this run started (here or in another process) is gone after the run
             if self.server is not None:
                 self.server.close()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from typing_extensions import override
+
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rewards.grading import grade_answer
@@ -71,5 +73,6 @@ class MathAnswerReward(Reward):
             out[i] = self.correct_score if ok == 1.0 else self.wrong_score
         return out
 
-    def close(self) -> None:  # noqa: D102
+    @override
+    def close(self) -> None:
         self.grader.close()

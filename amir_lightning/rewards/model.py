@@ -20,6 +20,7 @@ import logging
 from collections.abc import Sequence
 
 import torch
+from typing_extensions import override
 
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.models.sources import HFModel, ModelSource
@@ -154,7 +155,8 @@ class RewardModel(Reward):
             self.load()
         return self.scores(self.encode([self.text(p, c) for p, c in zip(kwargs["prompts"], completions)]))
 
-    def close(self) -> None:  # noqa: D102
+    @override
+    def close(self) -> None:
         self.model = None
 
 

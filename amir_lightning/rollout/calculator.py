@@ -15,6 +15,8 @@ import math
 import operator
 import re
 
+from typing_extensions import override
+
 from amir_lightning.data.base import Prompt
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rollout.episodes import Environment
@@ -153,7 +155,8 @@ class CalculatorEnvironment(Environment):
         self.max_digits = max_digits
         self.call = re.compile(re.escape(open) + r"(.*?)" + re.escape(close), re.DOTALL)
 
-    def reset(self, prompt: Prompt) -> None:  # noqa: D102
+    @override
+    def reset(self, prompt: Prompt) -> None:
         return None
 
     def step(self, state: None, message: str) -> str | None:

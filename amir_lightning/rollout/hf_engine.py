@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
+from typing_extensions import override
 
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.models.scoring import sequence_token_logps
@@ -47,7 +48,8 @@ class HFEngine(RolloutEngine):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = None
 
-    def start(self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0) -> None:  # noqa: D102
+    @override
+    def start(self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         if self.given_device is None and device is not None:
@@ -68,7 +70,8 @@ class HFEngine(RolloutEngine):
         del seed  # sampling uses the global RNG, which the rollout data module seeds before every rollout
         self._started = True
 
-    def check_sampling(self, sampling: SamplingConfig) -> None:  # noqa: D102
+    @override
+    def check_sampling(self, sampling: SamplingConfig) -> None:
         from transformers import GenerationConfig
 
         if sampling.presence_penalty or sampling.frequency_penalty:
@@ -78,10 +81,9 @@ class HFEngine(RolloutEngine):
             )
         check_passed_through(sampling, set(GenerationConfig().to_dict()), "transformers' GenerationConfig")
 
+    @override
     @torch.no_grad()
-    def generate(  # noqa: D102
-        self, prompts: Sequence[list[int]], n: int, sampling: SamplingConfig
-    ) -> list[list[Completion]]:
+    def generate(self, prompts: Sequence[list[int]], n: int, sampling: SamplingConfig) -> list[list[Completion]]:
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(n)]
         out: list[list[Completion]] = [[] for _ in prompts]
         if sampling.repetition_penalty != 1:
@@ -150,8 +152,9 @@ class HFEngine(RolloutEngine):
                 return ids[:end], prefix[: min(found)], True
         raise AssertionError("unreachable: the whole text holds a stop string")
 
+    @override
     @torch.no_grad()
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:  # noqa: D102
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         state = {name: tensor.detach() for name, tensor in named_tensors}
         if not state:
             raise ValueError("load_weights got no tensors: the engine would keep stale weights")
@@ -162,16 +165,19 @@ class HFEngine(RolloutEngine):
         for name, tensor in state.items():
             own[name].copy_(tensor.to(own[name].device, own[name].dtype))
 
-    def weight_layout(self) -> WeightLayout:  # noqa: D102
+    @override
+    def weight_layout(self) -> WeightLayout:
         return _NamedLayout({name: t.dtype for name, t in self.model.state_dict().items()})
 
+    @override
     @torch.no_grad()
-    def held_weights(self, columns: ColumnSample) -> dict[str, list[Reading]]:  # noqa: D102
+    def held_weights(self, columns: ColumnSample) -> dict[str, list[Reading]]:
         del columns  # every tensor is read whole
         return {name: [Reading(tensor_digest(t))] for name, t in self.model.state_dict().items()}
 
+    @override
     @torch.no_grad()
-    def score(self, prompt: list[int], completion: list[int]) -> list[float]:  # noqa: D102
+    def score(self, prompt: list[int], completion: list[int]) -> list[float]:
         return sequence_token_logps(self.model, prompt, completion, self.device)
 
 
@@ -191,6 +197,7 @@ class _NamedLayout(WeightLayout):
     def __init__(self, dtypes: dict[str, torch.dtype]) -> None:
         self.dtypes = dtypes
 
-    def slot(self, name: str) -> WeightSlot | None:  # noqa: D102
+    @override
+    def slot(self, name: str) -> WeightSlot | None:
         dtype = self.dtypes.get(name)
         return None if dtype is None else WeightSlot(name, "", dtype)

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
+from typing_extensions import override
 
 from amir_lightning.helpers.distributed import world_size
 from amir_lightning.helpers.extras import extra_requirements
@@ -117,7 +118,8 @@ class VLLMEngine(RolloutEngine):
         self.enable_sleep_mode, self.asleep = enable_sleep_mode, False
         self.llm = None
 
-    def start(self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0) -> None:  # noqa: D102
+    @override
+    def start(self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         vllm = _import_vllm()
         on_gpu = torch.cuda.is_available()
@@ -182,13 +184,13 @@ class VLLMEngine(RolloutEngine):
     def _params(self, n: int, sampling: SamplingConfig, **extra):
         return self._vllm.SamplingParams(n=n, **sampling.vllm_params(), **extra)
 
-    def check_sampling(self, sampling: SamplingConfig) -> None:  # noqa: D102
+    @override
+    def check_sampling(self, sampling: SamplingConfig) -> None:
         known = {name for name in self._vllm.SamplingParams.__struct_fields__ if not name.startswith("_")}
         check_passed_through(sampling, known, "vLLM's SamplingParams")
 
-    def generate(  # noqa: D102
-        self, prompts: Sequence[list[int]], n: int, sampling: SamplingConfig
-    ) -> list[list[Completion]]:
+    @override
+    def generate(self, prompts: Sequence[list[int]], n: int, sampling: SamplingConfig) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt
 
         self.wake()
@@ -204,7 +206,8 @@ class VLLMEngine(RolloutEngine):
             result.append(group)
         return result
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:  # noqa: D102
+    @override
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         stream = iter(named_tensors)
         first = next(stream, None)
         if first is None:
@@ -227,15 +230,18 @@ class VLLMEngine(RolloutEngine):
             self.llm.wake_up()
             self.asleep = False
 
-    def weight_layout(self) -> WeightLayout:  # noqa: D102
+    @override
+    def weight_layout(self) -> WeightLayout:
         self.wake()
         return VLLMLayout(*self.llm.collective_rpc(layout_of)[0])
 
-    def held_weights(self, columns: ColumnSample) -> dict[str, list[Reading]]:  # noqa: D102
+    @override
+    def held_weights(self, columns: ColumnSample) -> dict[str, list[Reading]]:
         self.wake()
         return merge_workers(self.llm.collective_rpc(read_back, args=(columns,)))
 
-    def score(self, prompt: list[int], completion: list[int]) -> list[float]:  # noqa: D102
+    @override
+    def score(self, prompt: list[int], completion: list[int]) -> list[float]:
         from vllm.inputs import TokensPrompt
 
         self.wake()
@@ -245,5 +251,6 @@ class VLLMEngine(RolloutEngine):
         entries = out.prompt_logprobs[len(prompt) :]
         return [entry[token].logprob for token, entry in zip(completion, entries)]
 
-    def close(self) -> None:  # noqa: D102
+    @override
+    def close(self) -> None:
         self.llm = None

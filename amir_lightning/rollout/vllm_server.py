@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from typing_extensions import override
 
 from amir_lightning.helpers.distributed import from_rank_zero, global_rank, world_size
 from amir_lightning.helpers.http import Endpoint, ServerError, read, request
@@ -206,7 +207,8 @@ class VLLMServerEngine(RolloutEngine):
         finally:
             self._sequences = 1
 
-    def check_sampling(self, sampling: SamplingConfig) -> None:  # noqa: D102
+    @override
+    def check_sampling(self, sampling: SamplingConfig) -> None:
         try:  # the fields of the server's completion request, where this process has vLLM to read them from
             from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         except ImportError:
@@ -228,7 +230,8 @@ class VLLMServerEngine(RolloutEngine):
         finally:
             _barrier()
 
-    def weight_layout(self) -> WeightLayout:  # noqa: D102
+    @override
+    def weight_layout(self) -> WeightLayout:
         return _ServerLayout(self)
 
     def slots(self, names: list[str]) -> dict[str, WeightSlot | None]:
@@ -239,13 +242,15 @@ class VLLMServerEngine(RolloutEngine):
             self._slots.update(read(self.endpoint, "/collective_rpc", results, lambda a: decode(a["results"][0])))
         return {n: self._slots[n] for n in names}
 
-    def held_weights(self, columns: ColumnSample) -> dict[str, list[Reading]]:  # noqa: D102
+    @override
+    def held_weights(self, columns: ColumnSample) -> dict[str, list[Reading]]:
         results = self._post(
             "/collective_rpc", {"method": "amir_held_weights", "args": [json.dumps([columns.seed, columns.count])]}
         )
         return merge_workers(read(self.endpoint, "/collective_rpc", results, lambda a: list(map(decode, a["results"]))))
 
-    def score(self, prompt: list[int], completion: list[int]) -> list[float]:  # noqa: D102
+    @override
+    def score(self, prompt: list[int], completion: list[int]) -> list[float]:
         ids = list(prompt) + list(completion)
         body = {"prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
         try:
@@ -287,5 +292,6 @@ class _ServerLayout(WeightLayout):
     def __init__(self, engine: VLLMServerEngine) -> None:
         self.engine = engine
 
-    def slot(self, name: str) -> WeightSlot | None:  # noqa: D102
+    @override
+    def slot(self, name: str) -> WeightSlot | None:
         return self.engine.slots([name])[name]

@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+from typing_extensions import override
 
 from amir_lightning.rollout.digest import ColumnSample, Reading, WeightLayout, WeightSlot, tensor_digest
 from amir_lightning.rollout.shards import blocks_of, param_readings, part_rows
@@ -159,7 +160,8 @@ class VLLMLayout(WeightLayout):
         self.dtypes, self.load_dtypes, self.kernels, self.whole = dtypes, load_dtypes, kernels, whole
         self.parts = parts
 
-    def slot(self, name: str) -> WeightSlot | None:  # noqa: D102
+    @override
+    def slot(self, name: str) -> WeightSlot | None:
         target = self.mapper.map_name(name) if self.mapper is not None else name
         if target is None:
             return None  # vLLM drops it on load

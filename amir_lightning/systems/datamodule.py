@@ -17,6 +17,7 @@ import torch
 from lightning import LightningDataModule
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from amir_lightning.data.base import Prompt, PromptSource
 from amir_lightning.data.feed import PromptFeed
@@ -160,7 +161,8 @@ class RolloutDataModule(LightningDataModule):
         return self.policy.tokenizer
 
     # ------------------------------------------------------------------ set-up
-    def setup(self, stage: str) -> None:  # noqa: D102
+    @override
+    def setup(self, stage: str) -> None:
         if stage == "fit" and self.trainer.reload_dataloaders_every_n_epochs != 1:
             raise ValueError(
                 "trainer.reload_dataloaders_every_n_epochs must be 1: every epoch is a fresh rollout "
@@ -216,7 +218,8 @@ class RolloutDataModule(LightningDataModule):
             return self._current, self._pending.drawn_at if self._pending is not None else self.feed.position
         return self._pending or self._saved, None
 
-    def load_state_dict(self, state_dict: dict) -> None:  # noqa: D102
+    @override
+    def load_state_dict(self, state_dict: dict) -> None:
         self.feed.position = int(state_dict["cursor"])
         self.sampler.sync_check.load_state_dict(state_dict.get("sync", {}))
         rollout = state_dict.get("rollout", {})
@@ -252,7 +255,8 @@ class RolloutDataModule(LightningDataModule):
         )
         exception.amir_where = f" with {done}{total} rollouts done{resume}"  # type: ignore[attr-defined]
 
-    def teardown(self, stage: str) -> None:  # noqa: D102
+    @override
+    def teardown(self, stage: str) -> None:
         for reward in [*self.rewards, self._eval_grader]:
             if reward is not None:
                 reward.close()
@@ -430,7 +434,8 @@ class RolloutDataModule(LightningDataModule):
         prompts, rank, ranks = self._draw(), self.trainer.global_rank, self.trainer.world_size
         return restore(saved, prompts, self.tokenize(prompts), rank, ranks, self._max_over_processes)
 
-    def val_dataloader(self) -> DataLoader | list:  # noqa: D102
+    @override
+    def val_dataloader(self) -> DataLoader | list:
         batches = self.evaluator().validation_batches(self.val_prompts)
         return DataLoader(batches, batch_size=None, collate_fn=_identity) if batches else []
 

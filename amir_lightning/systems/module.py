@@ -17,6 +17,7 @@ import torch
 from lightning import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics import MeanMetric
+from typing_extensions import override
 
 from amir_lightning.checkpoints.contents import TrainableCheckpoint
 from amir_lightning.evaluation.report import benchmark_report
@@ -104,7 +105,8 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         self.val_accuracy = MeanMetric()
 
     # ------------------------------------------------------------------ model
-    def setup(self, stage: str) -> None:  # noqa: D102
+    @override
+    def setup(self, stage: str) -> None:
         check_strategy(self.trainer.strategy)
         self.compute_dtype = take_over_precision(self.trainer)
         if getattr(self.loss, "aggregation", None) == "dr_grpo" and self.loss.max_completion_length is None:
@@ -114,13 +116,15 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
                 "(amir fit fills it in from there)"
             )
 
-    def configure_model(self) -> None:  # noqa: D102
+    @override
+    def configure_model(self) -> None:
         if self.policy is None:  # ModelParallelStrategy sets device_mesh: shard with FSDP2
             mesh, reference = getattr(self, "device_mesh", None), self.loss.needs_reference
             args = self.frozen_dtype, self.trainable_dtype, self.gradient_checkpointing, self.lora, mesh, reference
             self.policy = self.handle.build(self.compute_dtype, *args)
 
-    def on_fit_start(self) -> None:  # noqa: D102
+    @override
+    def on_fit_start(self) -> None:
         if self.handle.reference_copy is not None:
             self.handle.reference_copy.to(self.device)
         data = getattr(self.trainer, "datamodule", None)
@@ -202,11 +206,13 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         log_metrics(self.trainer, logged)
 
     # ------------------------------------------------------------------ evaluation
-    def validation_step(self, batch: dict, batch_idx: int) -> None:  # noqa: D102
+    @override
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
         correct = batch["correct"].float()  # [prompts, samples]
         self.val_accuracy.update(correct.mean(), weight=correct.numel())
 
-    def on_validation_epoch_end(self) -> None:  # noqa: D102
+    @override
+    def on_validation_epoch_end(self) -> None:
         if not self.val_accuracy.update_count:
             return
         accuracy = self.val_accuracy.compute()  # synced over processes
@@ -223,7 +229,8 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         self.log_dict(results, logger=False, batch_size=1, sync_dist=True)
 
     # ------------------------------------------------------------------ optimisation and export
-    def configure_optimizers(self):  # noqa: D102
+    @override
+    def configure_optimizers(self):
         optimizer = self.optimizer_factory(parameter_groups(self.policy))  # no weight decay on biases and norms
         if self.scheduler_factory is None:
             return optimizer
@@ -232,12 +239,14 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
             scheduler.set_total_steps(planned_steps(self.trainer))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    def on_train_epoch_end(self) -> None:  # noqa: D102
+    @override
+    def on_train_epoch_end(self) -> None:
         done, root = self.current_epoch + 1, self.export_settings.root(self.trainer.log_dir)
         if self.export_settings.due(done, self.trainer.max_epochs):  # beside the final export, which replaces root
             self.export(root.with_name(f"{root.name}_epoch_{done}"))
 
-    def on_fit_end(self) -> None:  # noqa: D102
+    @override
+    def on_fit_end(self) -> None:
         target = self.export(self.export_settings.root(self.trainer.log_dir))
         hub = self.export_settings.push_to_hub
         if hub is not None and self.trainer.is_global_zero:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch.callbacks import TQDMProgressBar
+from typing_extensions import override
 
 
 class RunProgressBar(TQDMProgressBar):
@@ -20,7 +21,8 @@ class RunProgressBar(TQDMProgressBar):
     Validation keeps Lightning's own bar below it. ``amir fit`` puts it in place of Lightning's default bar.
     """
 
-    def on_train_start(self, trainer, pl_module) -> None:  # noqa: D102
+    @override
+    def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
         bar = self.train_progress_bar
         total = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None
@@ -31,14 +33,17 @@ class RunProgressBar(TQDMProgressBar):
         bar.bar_format = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
         bar.refresh()
 
-    def on_train_epoch_start(self, trainer, *_: Any) -> None:  # noqa: D102
+    @override
+    def on_train_epoch_start(self, trainer, *_: Any) -> None:
         pass  # the bar spans the run: nothing resets per rollout
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:  # noqa: D102
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if not self.train_progress_bar.disable and (batch_idx + 1) % max(self.refresh_rate, 1) == 0:
             self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
 
-    def on_train_epoch_end(self, trainer, pl_module) -> None:  # noqa: D102
+    @override
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
         if not self.train_progress_bar.disable:
             self.train_progress_bar.update(1)
             self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))

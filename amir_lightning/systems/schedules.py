@@ -6,6 +6,7 @@ import math
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
+from typing_extensions import override
 
 
 class WarmupCosineLR(LambdaLR):
@@ -47,7 +48,8 @@ class WarmupCosineLR(LambdaLR):
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
             group["lr"] = base * self.factor(self.last_epoch)
 
-    def state_dict(self) -> dict:  # noqa: D102
+    @override
+    def state_dict(self) -> dict:
         return {k: v for k, v in super().state_dict().items() if k != "lr_lambdas"}
 
     def load_state_dict(self, state_dict: dict) -> None:
