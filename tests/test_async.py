@@ -52,8 +52,8 @@ class Watch(L.Callback):
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         data = trainer.datamodule
         self.weights.append(pl_module.handle.trainable_weights())
-        self.current.append(data._current)
-        self.ahead.append(data._pending)
+        self.current.append(data.schedule.current)
+        self.ahead.append(data.schedule.ahead[-1])
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.steps.append([time.perf_counter(), None])

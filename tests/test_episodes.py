@@ -141,13 +141,13 @@ def test_a_steps_lengths_are_its_policy_tokens():
 def test_the_logged_lengths_and_tokens_count_the_policys_tokens():
     """``length/mean``, ``length/max`` and the generated tokens count the policy's; replies: ``length/tool_tokens``."""
     from amir_lightning.rewards import MathAnswerReward
-    from amir_lightning.rollout.collect import RolloutSettings, collect_rollout
+    from amir_lightning.rollout.collect import RolloutSettings, make_rollout
 
     data = episode_groups()
     completions = [g.completions for g in data.episodes]
     prompts = [Prompt(question=str(i), answer="1") for i in range(len(completions))]
     settings = RolloutSettings(group_size=4, prompts_per_process=2)
-    rollout = collect_rollout(prompts, [[1, 2]] * 2, lambda ids, n: completions, [MathAnswerReward()], settings)
+    rollout = make_rollout(prompts, [[1, 2]] * 2, completions, 1.0, [MathAnswerReward()], settings)
     own = torch.tensor([c.policy_tokens for group in completions for c in group], dtype=torch.float)
     every = torch.tensor([len(c.token_ids) for group in completions for c in group], dtype=torch.float)
     assert rollout.metrics["length/mean"] == pytest.approx(float(own.mean()))

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_amir
+from helpers.processes import own_session_with_ctrl_c
 from safetensors.torch import load_file
 
 from amir_lightning.cli import main
@@ -289,14 +290,10 @@ def test_a_second_ctrl_c_exits_quietly(tmp_path):
     import signal
     import time
 
-    def own_group_with_ctrl_c() -> None:
-        os.setsid()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-
     env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"))
     cmd = [sys.executable, "-m", "amir_lightning", "fit", "--config", TINY, "--trainer.max_epochs", "500"]
     cmd += ["--trainer.check_val_every_n_epoch", "1000"]
-    run = subprocess.Popen(cmd, cwd=tmp_path, env=env, preexec_fn=own_group_with_ctrl_c,
+    run = subprocess.Popen(cmd, cwd=tmp_path, env=env, preexec_fn=own_session_with_ctrl_c,
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
     checkpoint = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
     deadline = time.monotonic() + 300

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from amir_lightning.data.base import Prompt
 from amir_lightning.helpers.distributed import all_reduce
 from amir_lightning.rewards.base import Reward
-from amir_lightning.rollout.collect import RolloutSettings, collect_rollout
+from amir_lightning.rollout.collect import RolloutSettings, make_rollout
 from amir_lightning.rollout.engine import Completion
 from amir_lightning.rollout.pending import PendingRollout, SavedRollout
 from amir_lightning.rollout.saved import gather_saved, restore, saved_for_rank
@@ -124,12 +124,11 @@ def test_a_rollout_sampled_ahead_is_scored_once_and_resumed_with_those_scores(tm
     saved = SavedRollout.from_state(torch.load(tmp_path / "pending.pt", weights_only=True))
     resumed = saved.pending(pending.prompts, pending.prompt_ids)
     settings = RolloutSettings(group_size=2, prompts_per_process=1, micro_batch_groups=1)
-    rollout = collect_rollout(
-        resumed.prompts, resumed.prompt_ids, lambda ids, n: resumed.wait(), [reward], settings, scores=resumed.scores
-    )
+    completions, scores = resumed.wait(), resumed.scores
+    rollout = make_rollout(resumed.prompts, resumed.prompt_ids, completions, 0.0, [reward], settings, None, scores)
     assert reward.calls == 1
     assert torch.equal(rollout.groups[0].rewards, first.total) and rollout.metrics["rollout/reward_mean"] == 2.0
-    rescored = collect_rollout(resumed.prompts, resumed.prompt_ids, lambda ids, n: resumed.wait(), [reward], settings)
+    rescored = make_rollout(resumed.prompts, resumed.prompt_ids, resumed.wait(), 0.0, [reward], settings)
     assert reward.calls == 2 and rescored.groups[0].rewards.tolist() == [2.0, 6.0]  # what a rescoring trains on
 
 

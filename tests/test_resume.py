@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import read_scalars, run_amir
+from helpers.processes import own_session_with_ctrl_c
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -130,16 +131,6 @@ def test_killed_runs_resume_from_the_last_good_checkpoint(tmp_path):
         assert torch.equal(clean[key], faulty[key]), key
 
 
-def _own_group_with_ctrl_c() -> None:
-    """In the child before exec: a session of its own, so the Ctrl-C reaches the run and its workers but not pytest,
-    and SIGINT handled (a background job of a non-interactive shell starts with it ignored, and so would the run)."""
-    import os
-    import signal
-
-    os.setsid()
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def test_ctrl_c_stops_cleanly_and_leaves_a_loadable_checkpoint(tmp_path):
     """Ctrl-C (SIGINT to the process group) while two workers grade: no traceback, no process left, last.ckpt whole."""
     import os
@@ -160,7 +151,7 @@ def test_ctrl_c_stops_cleanly_and_leaves_a_loadable_checkpoint(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=_own_group_with_ctrl_c,
+        preexec_fn=own_session_with_ctrl_c,
     )
     try:
         _, err = process.communicate(timeout=600)

@@ -1,13 +1,12 @@
-"""Collecting one rollout: sample G completions per prompt, score them, and turn them into groups with advantages.
+"""Making one rollout: score the G completions of each prompt and turn them into groups with their advantages.
 
-``collect_rollout`` is a function of its inputs (prompts, an engine's ``generate``, rewards, settings): it knows
-nothing of Lightning, so a script or a test calls it the way the data module does.
+``make_rollout`` is a function of its inputs (prompts, their completions, rewards, settings): it knows nothing of
+engines or Lightning, so a script or a test calls it the way the schedules of ``rollout/schedule.py`` do.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -120,21 +119,23 @@ class RolloutSettings:
         return None
 
 
-def collect_rollout(
+def make_rollout(
     prompts: list[Prompt],
     prompt_ids: list[list[int]],
-    generate: Callable[[list[list[int]], int], list[list[Completion]]],
+    completions: list[list[Completion]],
+    generate_s: float,
     rewards: list[Reward],
     settings: RolloutSettings,
     sum_over_processes: Callable[[torch.Tensor], torch.Tensor] | None = None,
     scores: Scores | None = None,
 ) -> Rollout:
-    """Sample ``settings.group_size`` completions per prompt, score them, and group them with their advantages.
+    """Score the completions of each prompt and group them with their advantages.
 
     Args:
         prompts: This process's prompts.
         prompt_ids: Their chat-templated token ids.
-        generate: ``(prompt ids, n) -> n completions per prompt`` (the engine, seeded and with its sampling).
+        completions: ``settings.group_size`` completions of each prompt, as the engine sampled them.
+        generate_s: How long sampling them took (``rollout/generate_s``, ``rollout/tokens_per_s``).
         rewards: Summed with their weights.
         settings: Group size and advantage scaling.
         sum_over_processes: Sums a tensor over processes; ``advantage_scale: batch`` needs it for the global std.
@@ -144,9 +145,6 @@ def collect_rollout(
     Returns:
         The rollout: its groups with their advantages, and its metrics.
     """
-    start = time.perf_counter()
-    completions = generate(prompt_ids, settings.group_size)
-    generate_s = time.perf_counter() - start
     scores = scores or Scores.of(rewards, prompts, completions, settings.reward_warn_s)
     total, metrics, correct, score_s = scores.total, dict(scores.metrics), scores.correct, scores.seconds
     std = batch_std(total, sum_over_processes) if settings.advantage_scale == "batch" else None

@@ -15,6 +15,7 @@ import torch
 from amir_lightning.data.base import Prompt
 from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig
 from amir_lightning.rollout.episodes import Environment, run_episodes
+from amir_lightning.rollout.pending import PendingRollout
 from amir_lightning.rollout.policy import Policy
 from amir_lightning.rollout.sync import SyncCheck, SyncReport
 
@@ -70,18 +71,26 @@ class Sampler:
             return turn(prompt_ids, n, sampling, 0)
         return self.episodes(prompts, prompt_ids, n, sampling, turn, tokenizer)
 
-    def generate_apart(
-        self, prompts: list[Prompt], prompt_ids: list[list[int]], n: int, sampling: SamplingConfig, seed: int, tokenizer
-    ) -> Callable[[], list[list[Completion]]]:
-        """The generation an engine in its own process runs while the policy trains: the seed goes with each request."""
+    def start_apart(
+        self, pending: PendingRollout, n: int, sampling: SamplingConfig, seed: int, tokenizer
+    ) -> PendingRollout:
+        """Start sampling ``pending``'s prompts on an engine in its own process, while the policy trains.
+
+        The seed goes with each request (the training thread's RNG is not the engine's).
+        """
         engine = self.engine
 
         def turn(ids: list[list[int]], count: int, turn_sampling: SamplingConfig, index: int):
             return engine.generate(ids, count, turn_sampling, seed=turn_seed(seed, index))
 
+        prompts, prompt_ids = pending.prompts, pending.prompt_ids
         if self.environment is None:
-            return lambda: turn(prompt_ids, n, sampling, 0)
-        return lambda: self.episodes(prompts, prompt_ids, n, sampling, turn, tokenizer)
+            return pending.start(lambda: turn(prompt_ids, n, sampling, 0))
+        return pending.start(lambda: self.episodes(prompts, prompt_ids, n, sampling, turn, tokenizer))
+
+    def sleep(self) -> None:
+        """Lend a colocated engine's memory to training until the next push (engines with sleep mode)."""
+        self.engine.sleep()
 
     def episodes(self, prompts, prompt_ids, n, sampling, turn: Turn, tokenizer) -> list[list[Completion]]:
         """``n`` multi-turn episodes per prompt through ``environment``, ``turn(ids, n, sampling, index)`` sampling."""

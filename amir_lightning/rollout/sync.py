@@ -96,6 +96,14 @@ class SyncReport:
     tolerance: float
     verified: int
 
+    def metrics(self) -> dict[str, float]:
+        """As logged: ``rollout/sync_logp_diff``, ``rollout/sync_tolerance``, ``rollout/sync_verified_tensors``."""
+        return {
+            "rollout/sync_logp_diff": self.gap,
+            "rollout/sync_tolerance": self.tolerance,
+            "rollout/sync_verified_tensors": float(self.verified),
+        }
+
 
 class SyncCheck:
     """Pushes the policy into the engine and verifies it; holds the probe and its first gap for the run.

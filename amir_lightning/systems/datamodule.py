@@ -1,7 +1,8 @@
 """RolloutDataModule: one epoch is one rollout, from weight sync to the optimisation steps it feeds.
 
-Each epoch syncs the policy into the engine, collects a rollout (``rollout/collect.py``: G completions for each
-of the next B prompts, scored, grouped with their advantages) and yields one ``RolloutStep`` per optimisation step.
+Each epoch takes its rollout from the schedule (``rollout/schedule.py``: the weights pushed, G completions for each
+of the next B prompts sampled, scored and grouped with their advantages, in turn or while the epoch before trained)
+and yields one ``RolloutStep`` per optimisation step.
 
 The weight sync sits at the top of ``train_dataloader()``: Lightning reloads the dataloader *before*
 ``on_train_epoch_start``, so a callback there would generate with stale weights.
@@ -29,16 +30,14 @@ from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rewards.base import FunctionReward, Reward
 from amir_lightning.rewards.math import MathAnswerReward
 from amir_lightning.rollout.batch import agree_on_plan, build_steps, plan_steps
-from amir_lightning.rollout.collect import RolloutSettings, collect_rollout
+from amir_lightning.rollout.collect import RolloutSettings
 from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig
 from amir_lightning.rollout.episodes import Environment
-from amir_lightning.rollout.pending import PendingRollout, SavedRollout
 from amir_lightning.rollout.policy import Policy
 from amir_lightning.rollout.rewarding import RewardGuard
-from amir_lightning.rollout.sampler import AHEAD, TRAIN, Sampler, generation_seed
-from amir_lightning.rollout.saved import gather_saved, restore, saved_for_rank
+from amir_lightning.rollout.sampler import Sampler, generation_seed
+from amir_lightning.rollout.schedule import Ahead, At, InTurn, Schedule
 from amir_lightning.rollout.sync import SyncCheck, SyncSettings
-from amir_lightning.rollout.types import Rollout
 from amir_lightning.systems.progress import time_left
 
 log = logging.getLogger(__name__)
@@ -129,11 +128,6 @@ class RolloutDataModule(LightningDataModule):
         self.max_prompt_tokens = max_prompt_tokens
         # a prompt and its completion must fit the engine's context
         self.prompt_limit = min(max_prompt_tokens, room - sampling.max_new_tokens) if room else max_prompt_tokens
-        # Where this process is in the run, the data module's own record (state_dict): the epoch of the rollout
-        # last drawn, the stream position before that draw, and how many of its steps have started.
-        self._rollout_epoch: int | None = None
-        self._drawn_at: int | None = None
-        self._steps_started = 0
         self._rollout_times: list[float] = []  # when each rollout of this process's run was logged
         self.sampler = Sampler(engine, environment, SyncCheck(sync))
         self.val_prompts, self.benchmarks = val_prompts, list(benchmarks or [])
@@ -142,10 +136,7 @@ class RolloutDataModule(LightningDataModule):
         self.reward_guard = RewardGuard(rollout.max_bad_rollouts)
         self._eval_grader: MathAnswerReward | None = None
         self.policy: Policy | None = None  # handed over by the module (attach)
-        # max_staleness 1: the rollout being trained, the one sampling meanwhile, and one a checkpoint brought back
-        self._current: PendingRollout | None = None
-        self._pending: PendingRollout | None = None
-        self._saved: SavedRollout | None = None
+        self.schedule: Schedule | None = None  # built around the policy (attach)
 
     def attach(self, policy: Policy) -> None:
         """Take the trained policy: its tokenizer, its files for the engine, its weights and its scoring.
@@ -154,6 +145,14 @@ class RolloutDataModule(LightningDataModule):
         trainer itself calls ``data.attach(module.handle)``.
         """
         self.policy = policy
+        kind = Ahead if self.settings.max_staleness else InTurn  # sampled while the epoch before trains, or after
+        self.schedule = kind(self.feed, self.sampler, policy, self.rewards, self.settings, self.sampling, self.seed)
+
+    def at(self) -> At:
+        """Where the run stands: Lightning's counters, read here and passed down."""
+        trainer = self.trainer
+        step, rank, ranks = trainer.global_step, trainer.global_rank, trainer.world_size
+        return At(trainer.current_epoch, step, rank, ranks, trainer.strategy.root_device)
 
     @property
     def tokenizer(self):
@@ -187,54 +186,24 @@ class RolloutDataModule(LightningDataModule):
         for sampling in (self.sampling, self.evaluation.val_sampling, self.evaluation.sampling):
             self.engine.check_sampling(sampling)
 
+    @override
     def state_dict(self) -> dict:
-        """The prompt stream's position, the sync check's probe, and the rollout the run is in.
+        """The schedule's record (the prompt stream's position, the rollout the run is in) and the sync's probe.
 
-        A checkpoint written after this rollout's prompts were drawn but before any of its steps started (SLURM's
-        requeue checkpoint, saved whenever the signal comes, often mid-generation) holds the position before the
-        draw: its resume, which runs the rollout again, draws the same prompts, as an uninterrupted run does.
         With ``max_staleness`` 1 it holds every process's rollout sampled ahead, scored (``rollout/saved.py``).
         """
-        drawn_only = self._drawn_at is not None and not self._steps_started
-        cursor = self._drawn_at if drawn_only else self.feed.position
-        rollout = {"epoch": self._rollout_epoch, "steps_started": self._steps_started}
-        state = {"cursor": cursor, "sync": self.sampler.sync_check.state_dict(), "rollout": rollout}
-        ahead, cursor = self._rollout_ahead()
-        if ahead is not None and ahead is self._pending:  # scored now: this run and a resumed one train these scores
-            ahead.score(self.rewards, self.settings.reward_warn_s)
-        if self.settings.max_staleness:  # waits for its sampling to finish
-            state["pending"] = gather_saved(ahead.state() if ahead else None, not self.policy.sharded)
-        if cursor is not None:
-            state["cursor"] = cursor
-        return state
-
-    def _rollout_ahead(self) -> tuple[PendingRollout | SavedRollout | None, int | None]:
-        """With ``max_staleness`` 1: the rollout a resumed run trains next, and the stream position it resumes at.
-
-        After this rollout's steps started, that is the one sampling meanwhile; before, this one, which then runs
-        again, drawing its successor again from where it was drawn.
-        """
-        if self._current is not None and not self._steps_started:
-            return self._current, self._pending.drawn_at if self._pending is not None else self.feed.position
-        return self._pending or self._saved, None
+        return self.schedule.state_dict() | {"sync": self.sampler.sync_check.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict) -> None:
-        self.feed.position = int(state_dict["cursor"])
+        self.schedule.load_state_dict(state_dict, self.at())
         self.sampler.sync_check.load_state_dict(state_dict.get("sync", {}))
-        rollout = state_dict.get("rollout", {})
-        self._rollout_epoch, self._steps_started = rollout.get("epoch"), int(rollout.get("steps_started", 0))
-        self._drawn_at = None
-        rank, ranks, overlapped = self.trainer.global_rank, self.trainer.world_size, bool(self.settings.max_staleness)
-        self._saved, redraw_at = saved_for_rank(state_dict.get("pending"), rank, ranks, overlapped)
-        if redraw_at is not None:
-            self.feed.position = redraw_at
-        self._current = self._pending = None
 
+    @override
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
-        """Count the steps of this rollout that have started (the data module's record for ``state_dict``)."""
+        """Count the steps of this rollout that have started (the schedule's record for ``state_dict``)."""
         if self.trainer.training:
-            self._steps_started += 1
+            self.schedule.step_started()
         return batch
 
     def on_exception(self, exception: BaseException) -> None:
@@ -262,14 +231,6 @@ class RolloutDataModule(LightningDataModule):
                 reward.close()
 
     # ------------------------------------------------------------------ prompts
-    def next_prompts(self) -> list[Prompt]:
-        """This process's ``prompts_per_process`` prompts, recorded as the rollout this epoch draws."""
-        self._rollout_epoch, self._drawn_at, self._steps_started = self.trainer.current_epoch, self.feed.position, 0
-        return self._draw()
-
-    def _draw(self) -> list[Prompt]:
-        return self.feed.draw(self.trainer.global_rank, self.trainer.world_size, self.settings.prompts_per_process)
-
     def tokenize(self, prompts: list[Prompt]) -> list[list[int]]:
         """Chat-templated token ids; a prompt over the limit (``prompt_limit``) is an error naming it."""
         return self.feed.tokenize(self.tokenizer, prompts)
@@ -298,141 +259,45 @@ class RolloutDataModule(LightningDataModule):
         prompts: list[Prompt] | None = None,
     ) -> list[list[Completion]]:
         """Sample with the seed of (seed, optimisation step, rank, ``purpose``), episodes with ``prompts``."""
-        seed = self._seed(purpose)
+        seed = generation_seed(self.seed, self.trainer.global_step, self.trainer.global_rank, purpose)
         return self.sampler.generate(prompt_ids, n, sampling, seed, prompts, self.tokenizer)
-
-    def _seed(self, purpose: int) -> int:
-        return generation_seed(self.seed, self.trainer.global_step, self.trainer.global_rank, purpose)
 
     def sync(self, probe_prompt: list[int], probe_answer: str) -> float:
         """Push the policy into the engine (once per optimisation step) and verify it; returns the probe gap.
 
         The first sync fixes the probe (this prompt and its answer) for the rest of the run.
         """
-        if self._pending is not None:  # a rollout sampling in the background finishes on the weights it started with
-            self._pending.wait()
-        probe = (probe_prompt, probe_answer)
-        report = self.sampler.push(self.policy, self.trainer.global_step, probe, self._max_over_processes)
+        self.schedule.finish_sampling()  # a rollout sampling ahead finishes on the weights it started with
+        at = self.at()
+        report = self.sampler.push(self.policy, at.step, (probe_prompt, probe_answer), at.max_over_processes)
         if report is None:  # pushed at this step already
             return 0.0
-        metrics = {"rollout/sync_logp_diff": report.gap, "rollout/sync_tolerance": report.tolerance}
-        log_metrics(self.trainer, metrics | {"rollout/sync_verified_tensors": report.verified})
+        log_metrics(self.trainer, report.metrics())
         return report.gap
 
     # ------------------------------------------------------------------ loaders
+    @override
     def train_dataloader(self) -> DataLoader:
         """This epoch's rollout as the optimisation steps it feeds (``RolloutStep``), in order."""
-        done = self._steps_started
-        if self._rollout_epoch == self.trainer.current_epoch and done:
+        at, settings = self.at(), self.settings
+        if done := self.schedule.steps_done(at.epoch):
             # Resuming from a checkpoint written inside this epoch, after its rollout's steps started (at its end,
             # or after its validation): Lightning reloads only to see that the epoch's batches are done and skips
             # them. A new rollout would be wasted and skip prompts, so it gets placeholders it never reads (a
             # checkpoint taken in the middle of a rollout resumes at the next rollout).
             return DataLoader([None] * done, batch_size=None, collate_fn=_identity)
-        rollout = self._rollout_overlapped() if self.settings.max_staleness else self._rollout_in_turn()
-        settings = self.settings
-        self.reward_guard.check(rollout.metrics)
-        self._log(rollout.metrics)
+        rollout = self.schedule.next_rollout(at)  # pushed, sampled, scored, with its advantages
+        self.reward_guard.check(rollout.metrics)  # a run of rollouts with non-finite rewards stops here
+        self._log(rollout.metrics, at)
         groups = rollout.trained_groups(settings.drop_zero_std_groups)
         plan = plan_steps(groups, settings.steps_per_rollout, settings.micro_batch_groups, settings.micro_batch_tokens)
-        plan = agree_on_plan(plan, settings.steps_per_rollout, self._max_over_processes)
+        plan = agree_on_plan(plan, settings.steps_per_rollout, at.max_over_processes)  # the same steps everywhere
         steps = build_steps(plan, self.policy.pad_token_id, settings.passes, filler=rollout.groups[0], rollout=rollout)
         if len(steps) > 1:  # steps after the first follow an update: their ratios need the sampling policy's logps
             for batch in {id(b): b for step in steps for b in step.micro_batches}.values():
                 if batch.old_logps is None:  # a rollout sampled by older weights has them already
                     batch.old_logps = self.policy.logps(batch)  # the trainer's numerics (the engine's differ)
         return DataLoader(steps, batch_size=None, collate_fn=_identity)
-
-    def _rollout_in_turn(self) -> Rollout:
-        """Sync, then sample and score this epoch's rollout from the weights it trains (``max_staleness`` 0)."""
-        prompts = self.next_prompts()
-        prompt_ids = self.tokenize(prompts)
-        start = time.perf_counter()
-        self.sync(prompt_ids[0], prompts[0].answer)
-        sync_s = time.perf_counter() - start
-
-        def generate(ids: list[list[int]], n: int):
-            return self.generate(ids, n, self.sampling, purpose=TRAIN, prompts=prompts)
-
-        rollout = collect_rollout(prompts, prompt_ids, generate, self.rewards, self.settings, self._sum_over_processes)
-        self.engine.sleep()  # a colocated engine with sleep mode lends its memory to training until the next sync
-        rollout.seconds["sync_s"] = sync_s
-        rollout.metrics["rollout/sync_s"] = sync_s
-        return rollout
-
-    def _rollout_overlapped(self) -> Rollout:
-        """This epoch's rollout, sampled while the previous one trained; the next one starts sampling here.
-
-        The run's first rollout (and the first after a resume without a saved one) is sampled now, from the weights
-        it trains. Every later one was sampled from the weights its predecessor started with: the trainer scores
-        its tokens under those weights (the old log-probs of its ratios) before its first update.
-        """
-        trainer = self.trainer
-        current = self._pending or self._restore_saved()
-        self._pending = None
-        start = time.perf_counter()
-        if current is None:
-            prompts = self.next_prompts()
-            prompt_ids = self.tokenize(prompts)
-            self.sync(prompt_ids[0], prompts[0].answer)
-            current = PendingRollout(prompts, prompt_ids, self._drawn_at, trainer.global_step, {})
-            n = self.settings.group_size
-            current.completions = self.generate(prompt_ids, n, self.sampling, purpose=TRAIN, prompts=prompts)
-            current.generate_s = time.perf_counter() - start
-        self._rollout_epoch, self._steps_started, self._drawn_at = trainer.current_epoch, 0, None
-        self._current = current
-        completions = current.wait()
-        waited = time.perf_counter() - start
-        # Also after the last rollout: the checkpoint then holds the next one, and a run resumed to train longer
-        # goes on as if it had never stopped.
-        start = time.perf_counter()
-        self._pending = self._sample_ahead()
-        sync_s = time.perf_counter() - start
-        scored = all(c.old_logprobs is not None for group in completions for c in group)  # a checkpoint kept them
-        if current.version != trainer.global_step and self.settings.stale_logps == "sampler" and not scored:
-            groups = self.settings.micro_batch_groups
-            self.policy.score_under(current.weights, current.prompt_ids, completions, groups)
-
-        def sampled(ids: list[list[int]], n: int):
-            return completions
-
-        scores = current.score(self.rewards, self.settings.reward_warn_s)  # a checkpoint's rollout kept its own
-        rollout = collect_rollout(
-            current.prompts, current.prompt_ids, sampled, self.rewards, self.settings, self._sum_over_processes, scores
-        )
-        tokens = sum(c.policy_tokens for group in completions for c in group)
-        rollout.seconds.update(generate_s=current.generate_s, sync_s=sync_s, wait_s=waited)
-        rollout.metrics.update(
-            {
-                "rollout/generate_s": current.generate_s,
-                "rollout/tokens_per_s": tokens / max(current.generate_s, 1e-9),
-                "rollout/sync_s": sync_s,
-                "rollout/wait_s": waited,  # the trainer's wait for this rollout (0 when sampling kept up)
-                "rollout/staleness": float(trainer.global_step - current.version),  # updates since its weights
-            }
-        )
-        return rollout
-
-    def _sample_ahead(self) -> PendingRollout:
-        """Push the weights this epoch trains from and start sampling the next rollout from them, in the background."""
-        drawn_at = self.feed.position
-        prompts = self._draw()
-        prompt_ids = self.tokenize(prompts)
-        self.sync(prompt_ids[0], prompts[0].answer)
-        keep = self.settings.stale_logps == "sampler"  # the weights that will score it
-        version, weights = self.trainer.global_step, self.policy.trainable_weights() if keep else {}
-        pending = PendingRollout(prompts, prompt_ids, drawn_at, version, weights)
-        n, seed = self.settings.group_size, self._seed(AHEAD)
-        return pending.start(self.sampler.generate_apart(prompts, prompt_ids, n, self.sampling, seed, self.tokenizer))
-
-    def _restore_saved(self) -> PendingRollout | None:
-        """The rollout a checkpoint held, its prompts drawn again from where they were drawn."""
-        saved, self._saved = self._saved, None
-        if saved is None:
-            return None
-        self.feed.position = saved.drawn_at
-        prompts, rank, ranks = self._draw(), self.trainer.global_rank, self.trainer.world_size
-        return restore(saved, prompts, self.tokenize(prompts), rank, ranks, self._max_over_processes)
 
     @override
     def val_dataloader(self) -> DataLoader | list:
@@ -458,32 +323,26 @@ class RolloutDataModule(LightningDataModule):
             found = self._eval_grader
         return found
 
-    # ------------------------------------------------------------------ collectives
-    def _sum_over_processes(self, values: torch.Tensor) -> torch.Tensor:
-        return all_reduce(values, "sum", self.trainer.strategy.root_device)
-
-    def _max_over_processes(self, values: list[float]) -> list[float]:
-        return all_reduce(torch.tensor(values, dtype=torch.float64), "max", self.trainer.strategy.root_device).tolist()
-
-    def _log(self, metrics: dict[str, float]) -> None:
+    # ------------------------------------------------------------------ logging
+    def _log(self, metrics: dict[str, float], at: At) -> None:
         """Log rollout metrics averaged over processes, and the rollout's line; every process must call it."""
         keys = sorted(metrics)
-        values = all_reduce(torch.tensor([float(metrics[k]) for k in keys]), "mean", self.trainer.strategy.root_device)
+        values = all_reduce(torch.tensor([float(metrics[k]) for k in keys]), "mean", at.device)
         reduced = dict(zip(keys, values.tolist()))
         log_metrics(self.trainer, reduced)
         now = time.perf_counter()
         self._rollout_times.append(now)
-        if self.trainer.is_global_zero:
+        if at.rank == 0:
+            total = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else None
             log.info(
                 "%s: reward %.3f +- %.3f, %.0f%% of groups with reward variance, %.0f tokens/s, length %.1f "
                 "(%.0f%% truncated)%s",
-                f"rollout {self.trainer.current_epoch + 1}"
-                + (f" of {self.trainer.max_epochs}" if self.trainer.max_epochs and self.trainer.max_epochs > 0 else ""),
+                f"rollout {at.epoch + 1}" + (f" of {total}" if total else ""),
                 reduced["rollout/reward_mean"],
                 reduced["rollout/reward_std"],
                 100 * (1 - reduced["rollout/zero_std_frac"]),
                 reduced["rollout/tokens_per_s"],
                 reduced["length/mean"],
                 100 * reduced["length/truncated_frac"],
-                time_left(self._rollout_times, self.trainer.current_epoch + 1, self.trainer.max_epochs),
+                time_left(self._rollout_times, at.epoch + 1, self.trainer.max_epochs),
             )

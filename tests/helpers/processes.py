@@ -20,6 +20,13 @@ def with_ctrl_c() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def own_session_with_ctrl_c() -> None:
+    """``with_ctrl_c`` in a session of its own: a Ctrl-C sent to the run's process group reaches the run and its
+    workers, not pytest."""
+    os.setsid()
+    with_ctrl_c()
+
+
 def tree(pid: int) -> set[int]:
     """``pid`` and its descendants now, from ``/proc``."""
     children: dict[int, list[int]] = {}
