@@ -90,7 +90,7 @@ def test_a_checkpoint_keeps_a_pending_episode_whole(tmp_path):
     from amir_lightning.rollout import Completion
     from amir_lightning.rollout.pending import PendingRollout, SavedRollout
 
-    episode = Completion([5, 6, 7, 8, 9], "3+4?=7=7", [-0.1, 0.0, 0.0, -0.2, -0.3], "stop", None, [1, 0, 0, 1, 1], 1)
+    episode = Completion([5, 6, 7, 8, 9], "3+4?=7=7", [-0.1, 0.0, 0.0, -0.2, -0.3], "stop", [1, 0, 0, 1, 1], 1)
     plain = Completion([5, 9], "3+4=7", [-0.4, -0.5], "length")
     pending = PendingRollout([Prompt(question="3+4=", answer="7")], [[1, 2]], drawn_at=3, version=2, weights={})
     pending.completions = [[episode, plain]]
@@ -116,8 +116,8 @@ def test_a_step_of_episodes_trains_as_the_step_of_their_policy_tokens_alone(make
     110 made ``bnpo`` and ``dapo`` 0.534x, ``dr_grpo`` without L 0.579x, and every statistic 0.534x)."""
     data = episode_groups()
     loss = make_loss()
-    ep_loss, ep_grad, ep_stats = objective_step(loss, data.episodes, data.current, data.reference)
-    bare_loss, bare_grad, bare_stats = objective_step(loss, data.policy_only, data.current, data.reference)
+    ep_loss, ep_grad, ep_stats = objective_step(loss, data.episodes, data)
+    bare_loss, bare_grad, bare_stats = objective_step(loss, data.policy_only, data)
     assert bare_grad.abs().sum() > 0 and float(bare_stats["rollout/engine_trainer_kl"]) > 0
     assert float(bare_stats["train/clip_frac"]) > 0 or loss.importance_sampling == "sequence"  # GSPO clips rarely
     torch.testing.assert_close(ep_loss, bare_loss, rtol=1e-5, atol=1e-7)

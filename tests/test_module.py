@@ -196,23 +196,30 @@ def episode_steps(module, seed=0):
     from helpers.policy_tokens import episode_groups
 
     data = episode_groups(seed, trailing=True)
+    old = {}
     gen = torch.Generator().manual_seed(seed)
     batch = make_batch(data.policy_only, module.handle.pad_token_id)
     logps = module.handle.logps(batch)
     rows = [(e, b) for eg, bg in zip(data.episodes, data.policy_only) for e, b in zip(eg.completions, bg.completions)]
     for row, (episode, bare) in enumerate(rows):
         n = len(bare.token_ids)
-        old = logps[row, :n] + 0.1 * torch.randn(n, generator=gen)  # the trainer's before this step
-        bare.old_logprobs, bare.logprobs = old.tolist(), (old + 0.2 * torch.randn(n, generator=gen)).tolist()
+        before = logps[row, :n] + 0.1 * torch.randn(n, generator=gen)  # the trainer's before this step
+        old[id(bare)], bare.logprobs = before.tolist(), (before + 0.2 * torch.randn(n, generator=gen)).tolist()
         replies = len(episode.token_ids) - n
-        episode.old_logprobs, episode.logprobs = bare.old_logprobs + [-4.0] * replies, bare.logprobs + [0.0] * replies
-    return data.episodes, data.policy_only
+        old[id(episode)], episode.logprobs = old[id(bare)] + [-4.0] * replies, bare.logprobs + [0.0] * replies
+    return data.episodes, data.policy_only, old
 
 
-def module_step(module, groups):
-    """The gradient and summed stats of one step of ``groups`` as ``training_step`` runs it (2 micro-batches)."""
+def module_step(module, groups, old):
+    """The gradient and summed stats of one step of ``groups`` as ``training_step`` runs it (2 micro-batches), with
+    the old log-probs ``old`` (by ``id`` of the completion)."""
+    from helpers.policy_tokens import put_old_logps
+
     module.policy.zero_grad(set_to_none=True)
-    (step,) = build_steps(plan_steps(groups, 1, 1), module.handle.pad_token_id)
+    plan = plan_steps(groups, 1, 1)
+    (step,) = build_steps(plan, module.handle.pad_token_id)
+    for part, batch in zip(plan[0], step.micro_batches):
+        put_old_logps(batch, part, old)
     context, stats = module.step_context(step), {}
     for batch in step.micro_batches:
         out, _ = module.compute_loss(batch, context)
@@ -232,12 +239,12 @@ def module_step(module, groups):
 def test_episodes_train_as_their_policy_tokens_through_the_module(module, loss):
     """Through the real forward: a step of episodes (8-token tool replies, masked) makes the update of the same step
     without the replies, and logs the same entropy, clip fractions, engine/trainer KL and importance weights."""
-    episodes, bare = episode_steps(module)
+    episodes, bare, old = episode_steps(module)
     own = module.loss
     module.loss = loss
     try:
-        ep_grad, ep_stats = module_step(module, episodes)
-        bare_grad, bare_stats = module_step(module, bare)
+        ep_grad, ep_stats = module_step(module, episodes, old)
+        bare_grad, bare_stats = module_step(module, bare, old)
     finally:
         module.loss = own
     assert bare_grad.abs().sum() > 0 and float(bare_stats["train/clip_frac"]) > 0

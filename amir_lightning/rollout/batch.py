@@ -31,7 +31,8 @@ class RolloutBatch:
         correct: ``[n]`` 1.0 / 0.0 answer correctness (NaN when unknown), for the monitors.
         sampling_logps: ``[n, T]`` the engine's log-probs of the sampled tokens.
         group_size: ``G``.
-        old_logps: ``[n, T]`` log-probs of the sampling policy from the trainer, when the step is off-policy.
+        old_logps: ``[n, T]`` the trainer's log-probs of the tokens before the step's update, when the step is
+            off-policy (later steps or passes, a rollout sampled ahead); set by ``Policy.score_old`` alone.
         filler: A stand-in that keeps this process in step with others that have more micro-batches: the module
             runs its forward and a zero backward, and it adds nothing to the loss, the gradient or the metrics.
     """
@@ -103,8 +104,6 @@ def make_batch(groups: list[Group], pad_id: int) -> RolloutBatch:
     attention = torch.zeros_like(input_ids)
     completion_mask = torch.zeros((n, completion_width))
     sampling_logps = torch.zeros((n, completion_width))
-    stale = all(c.old_logprobs is not None for _, c in rows)  # sampled by weights the trainer has moved on from
-    old_logps = torch.zeros((n, completion_width)) if stale else None
     for row, (prompt, completion) in enumerate(rows):
         start = prompt_width - len(prompt)
         input_ids[row, start:prompt_width] = torch.tensor(prompt)
@@ -116,8 +115,6 @@ def make_batch(groups: list[Group], pad_id: int) -> RolloutBatch:
             own = completion.loss_mask
             completion_mask[row, :length] = 1.0 if own is None else torch.tensor(own[:length], dtype=torch.float)
             sampling_logps[row, :length] = torch.tensor(completion.logprobs[:length])
-            if old_logps is not None:
-                old_logps[row, :length] = torch.tensor(completion.old_logprobs[:length])
     return RolloutBatch(
         input_ids=input_ids,
         attention_mask=attention,
@@ -128,7 +125,6 @@ def make_batch(groups: list[Group], pad_id: int) -> RolloutBatch:
         correct=torch.cat([_correct(g) for g in groups]).float(),
         sampling_logps=sampling_logps,
         group_size=len(groups[0].completions),
-        old_logps=old_logps,
     )
 
 

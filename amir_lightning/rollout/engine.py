@@ -160,8 +160,6 @@ class Completion:
         text: Decoded text (special tokens skipped).
         logprobs: Per-token log-probabilities under the sampling distribution (temperature applied).
         finish_reason: ``stop`` (EOS) or ``length`` (hit ``max_new_tokens``).
-        old_logprobs: The trainer's log-probs of the tokens under the weights that sampled them, when the trainer
-            has moved on since (``data.rollout.max_staleness``); ``None``: the trainer's current weights sampled.
         loss_mask: 1 on the policy's own tokens, 0 on a tool's reply inside a multi-turn episode (context, not
             trained on: ``rollout/episodes.py``); ``None``: every token is the policy's.
         tool_calls: How many times the episode's environment replied (error replies included).
@@ -174,7 +172,6 @@ class Completion:
     text: str
     logprobs: list[float]
     finish_reason: str
-    old_logprobs: list[float] | None = None
     loss_mask: list[int] | None = None
     tool_calls: int = 0
     tool_errors: int = 0

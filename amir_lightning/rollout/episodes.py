@@ -100,7 +100,7 @@ class _Episode:
     def completion(self, tokenizer) -> Completion:
         """The episode as one completion (its text decoded from every token, replies included)."""
         text = tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        return Completion(self.token_ids, text, self.logprobs, self.finish_reason, None, self.loss_mask,
+        return Completion(self.token_ids, text, self.logprobs, self.finish_reason, self.loss_mask,
                           self.tool_calls, self.tool_errors, self.tool_truncated, self.tool_cut)  # fmt: skip
 
 

@@ -4,7 +4,7 @@ With ``max_staleness`` 1 the data module starts rollout k + 1 on the engine (whi
 after pushing the weights that rollout k trains from, and trains on rollout k meanwhile. Rollout k + 1 is then
 sampled from weights one rollout older than those it trains: its ``PendingRollout`` keeps those weights (the trainable
 ones, ``Policy.trainable_weights``), so the trainer's log-probs of its tokens under them become the old log-probs of
-the policy ratio (``Completion.old_logprobs``), exactly as for any off-policy step.
+the policy ratio (``RolloutBatch.old_logps``), exactly as for any off-policy step.
 
 A checkpoint holds the pending rollout whole (its completions, its policy version and those weights) and scored (its
 rewards, so a resumed run never asks a judge or a reward model again), one per process (``rollout/saved.py``), so a
@@ -137,7 +137,9 @@ class SavedRollout:
 
     @classmethod
     def from_state(cls, state: dict) -> SavedRollout:  # noqa: D102
-        groups = [[Completion(**c) for c in group] for group in state["completions"]]
+        # An older checkpoint also kept each completion's ``old_logprobs``, its log-probs under ``weights``: the
+        # resumed run scores them again from those weights (``Policy.score_old``).
+        groups = [[Completion(**_without(c, "old_logprobs")) for c in group] for group in state["completions"]]
         scores = Scores(**state["scores"]) if state.get("scores") is not None else None
         when = int(state["drawn_at"]), int(state["version"])
         return cls(*when, state["weights"], float(state["generate_s"]), groups, state.get("prompt_digest"), scores)
@@ -153,3 +155,7 @@ class SavedRollout:
         rollout = PendingRollout(prompts, prompt_ids, self.drawn_at, self.version, self.weights)
         rollout.generate_s, rollout.completions, rollout.scores = self.generate_s, self.completions, self.scores
         return rollout
+
+
+def _without(state: dict, key: str) -> dict:
+    return {k: v for k, v in state.items() if k != key}

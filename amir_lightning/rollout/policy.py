@@ -11,7 +11,7 @@ the reference) go through ``completion_logps`` too, so every log-prob of a run i
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from pathlib import Path
@@ -30,8 +30,7 @@ from amir_lightning.models.scoring import (
     varlen_attention,
 )
 from amir_lightning.models.sources import ModelSource
-from amir_lightning.rollout.batch import RolloutBatch, make_batch
-from amir_lightning.rollout.types import Group
+from amir_lightning.rollout.batch import RolloutBatch
 
 
 @dataclass
@@ -238,22 +237,16 @@ class Policy:
                 for name, value in own.items():
                     _local(params[name]).copy_(value)
 
-    def score_under(
-        self, weights: dict[str, torch.Tensor], prompt_ids: list[list[int]], completions: list[list], groups: int
-    ) -> None:
-        """Set each completion's ``old_logprobs``: its log-probs under ``weights`` (``trainable_weights``'s).
+    def score_old(self, batches: list[RolloutBatch], weights: dict[str, torch.Tensor] | None = None) -> None:
+        """Set each batch's ``old_logps``, the policy ratio's denominator: the trainer's log-probs of its tokens.
 
-        ``completions`` are the G completions of each prompt; they are scored ``groups`` prompts' worth at a time.
+        Under the current weights, or under ``weights`` (``trainable_weights``'s: those that sampled a rollout the
+        trainer has moved on from). Scored on the micro-batches the steps train, so that under the current weights
+        the first step's ratio is exactly 1.
         """
-        size = len(completions[0]) if completions else 0
-        zeros = torch.zeros(size)
-        rows = [Group(ids, comps, zeros, zeros) for ids, comps in zip(prompt_ids, completions)]
-        with self.swapped(weights):
-            for first in range(0, len(rows), groups):
-                part = rows[first : first + groups]
-                logps = self.logps(make_batch(part, self.pad_token_id))  # [n, T]
-                for row, completion in enumerate(c for g in part for c in g.completions):
-                    completion.old_logprobs = logps[row, : len(completion.token_ids)].tolist()
+        with self.swapped(weights) if weights else nullcontext():
+            for batch in batches:
+                batch.old_logps = self.logps(batch)
 
     def _trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]

@@ -207,10 +207,6 @@ class Ahead(Schedule):
         # Also after the last rollout: the checkpoint then holds the next one, and a run resumed to train longer
         # goes on as if it had never stopped.
         sync |= self._sample_ahead(at)
-        scored = all(c.old_logprobs is not None for group in completions for c in group)  # a checkpoint kept them
-        if current.version != at.step and self.settings.stale_logps == "sampler" and not scored:
-            groups = self.settings.micro_batch_groups
-            self.policy.score_under(current.weights, current.prompt_ids, completions, groups)
         scores = current.score(self.rewards, self.settings.reward_warn_s)  # a checkpoint's rollout kept its own
         rollout = make_rollout(
             current.prompts,
@@ -222,6 +218,8 @@ class Ahead(Schedule):
             at.sum_over_processes,
             scores,
         )
+        if current.version != at.step and self.settings.stale_logps == "sampler":  # exact PPO ratios
+            rollout.old_weights = current.weights  # the ratios' old log-probs are the trainer's under these
         rollout.seconds.update(sync_s=sync["rollout/sync_s"], wait_s=waited)
         rollout.metrics |= sync
         rollout.metrics["rollout/wait_s"] = waited  # the trainer's wait for this rollout (0 when sampling kept up)

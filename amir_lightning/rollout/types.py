@@ -46,12 +46,15 @@ class Rollout:
         metrics: This process's rollout metrics (``rollout/*``, ``length/*``), not yet averaged over processes.
         seconds: Wall time of ``generate`` and ``score``.
         tokens: Completion tokens generated: the policy's own (``Completion.policy_tokens``).
+        old_weights: The trainable weights under which the trainer scores the ratios' old log-probs, when they are
+            not the current ones (sampled ahead with ``stale_logps: sampler``: the weights that sampled it).
     """
 
     groups: list[Group]
     metrics: dict[str, float]
     seconds: dict[str, float] = field(default_factory=dict)
     tokens: int = 0
+    old_weights: dict[str, torch.Tensor] | None = None
 
     @property
     def zero_std(self) -> list[bool]:

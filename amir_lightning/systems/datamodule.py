@@ -293,10 +293,9 @@ class RolloutDataModule(LightningDataModule):
         plan = plan_steps(groups, settings.steps_per_rollout, settings.micro_batch_groups, settings.micro_batch_tokens)
         plan = agree_on_plan(plan, settings.steps_per_rollout, at.max_over_processes)  # the same steps everywhere
         steps = build_steps(plan, self.policy.pad_token_id, settings.passes, filler=rollout.groups[0], rollout=rollout)
-        if len(steps) > 1:  # steps after the first follow an update: their ratios need the sampling policy's logps
-            for batch in {id(b): b for step in steps for b in step.micro_batches}.values():
-                if batch.old_logps is None:  # a rollout sampled by older weights has them already
-                    batch.old_logps = self.policy.logps(batch)  # the trainer's numerics (the engine's differ)
+        if len(steps) > 1 or rollout.old_weights:  # a step after an update, or a stale rollout: ratios need old logps
+            batches = {id(b): b for step in steps for b in step.micro_batches}.values()  # a pass repeats batches
+            self.policy.score_old(list(batches), rollout.old_weights)  # the trainer's numerics (the engine's differ)
         return DataLoader(steps, batch_size=None, collate_fn=_identity)
 
     @override

@@ -42,12 +42,14 @@ class Episodes:
         policy_only: The same groups, each completion's reply tokens removed.
         current: Per group, per completion, ``[policy tokens]`` current log-probs (leaves with grad).
         reference: Per group, per completion, ``[policy tokens]`` reference log-probs.
+        old: Each completion's old log-probs (the trainer's before the step), by ``id`` of the completion.
     """
 
     episodes: list[Group]
     policy_only: list[Group]
     current: list[list[torch.Tensor]]
     reference: list[list[torch.Tensor]]
+    old: dict[int, list[float]]
 
 
 def _policy_and_replies(turns: list[int], trailing: bool) -> list[int]:
@@ -58,7 +60,15 @@ def _policy_and_replies(turns: list[int], trailing: bool) -> list[int]:
     return mask + ([0] * REPLY * (len(turns) - 1) if trailing else [])
 
 
-def _completion(gen: torch.Generator, trailing: bool, truncated: bool) -> tuple[Completion, Completion]:
+def put_old_logps(batch, groups: list[Group], old: dict[int, list[float]]) -> None:
+    """``batch.old_logps`` (the batch of ``groups``) from each completion's old log-probs in ``old``, by ``id``."""
+    batch.old_logps = torch.zeros_like(batch.sampling_logps)
+    for row, completion in enumerate(c for g in groups for c in g.completions):
+        values = old[id(completion)]
+        batch.old_logps[row, : len(values)] = torch.tensor(values)
+
+
+def _completion(gen: torch.Generator, trailing: bool, truncated: bool) -> tuple[Completion, Completion, dict]:
     count = int(torch.randint(2, 4, (1,), generator=gen))  # 2 or 3 policy turns, a reply between each two
     turns = [int(torch.randint(2, 9, (1,), generator=gen)) for _ in range(count)]
     mask = _policy_and_replies(turns, trailing)
@@ -68,28 +78,31 @@ def _completion(gen: torch.Generator, trailing: bool, truncated: bool) -> tuple[
     own = [i for i, m in enumerate(mask) if m]
     reason = "length" if truncated else "stop"
     # Replies are not sampled (engine log-prob 0, as run_episodes writes); the trainer scores them like any token.
-    episode = Completion(ids, "", [q if m else 0.0 for q, m in zip(engine, mask)], reason,
-                         [p if m else -4.0 for p, m in zip(sampler, mask)], mask, len(turns) - 1)  # fmt: skip
-    bare = Completion([ids[i] for i in own], "", [engine[i] for i in own], reason, [sampler[i] for i in own])
-    return episode, bare
+    episode = Completion(ids, "", [q if m else 0.0 for q, m in zip(engine, mask)], reason, mask, len(turns) - 1)
+    bare = Completion([ids[i] for i in own], "", [engine[i] for i in own], reason)
+    old = {id(episode): [p if m else -4.0 for p, m in zip(sampler, mask)], id(bare): [sampler[i] for i in own]}
+    return episode, bare, old
 
 
 def episode_groups(seed: int = 0, trailing: bool = False) -> Episodes:
     """Both versions of one step; ``trailing`` puts every reply after the episode's last turn (then a causal model
     scores the policy tokens of both versions alike, and a module-level comparison is exact too)."""
     gen = torch.Generator().manual_seed(seed)
-    episodes, bare_groups, current, reference = [], [], [], []
+    episodes, bare_groups, current, reference, old = [], [], [], [], {}
     for g in range(GROUPS):
-        pairs = [_completion(gen, trailing, truncated=k == g) for k in range(G)]
+        made = [_completion(gen, trailing, truncated=k == g) for k in range(G)]
+        pairs = [(e, b) for e, b, _ in made]
+        for _, _, values in made:
+            old |= values
         rewards = torch.tensor([0.0, 1.0, 2.0, 0.5])[torch.randperm(G, generator=gen)]
         advantages = group_advantages(rewards, G)
         prompt = list(range(1, 3 + g))
         episodes.append(Group(prompt, [e for e, _ in pairs], rewards, advantages))
         bare_groups.append(Group(prompt, [b for _, b in pairs], rewards, advantages))
-        sampler = [torch.tensor(b.old_logprobs) for _, b in pairs]
+        sampler = [torch.tensor(old[id(b)]) for _, b in pairs]
         current.append([(s + 0.15 * torch.randn(s.shape, generator=gen)).requires_grad_() for s in sampler])
         reference.append([s + 0.2 * torch.randn(s.shape, generator=gen) for s in sampler])
-    return Episodes(episodes, bare_groups, current, reference)
+    return Episodes(episodes, bare_groups, current, reference, old)
 
 
 def _scatter(mask: torch.Tensor, values: list[torch.Tensor], filler: float) -> torch.Tensor:
@@ -98,19 +111,22 @@ def _scatter(mask: torch.Tensor, values: list[torch.Tensor], filler: float) -> t
 
 
 def objective_step(
-    loss: GRPOLoss, groups: list[Group], current, reference, micro_batch_groups: int = 1
+    loss: GRPOLoss, groups: list[Group], data: Episodes, micro_batch_groups: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """The step's loss, its gradient in the policy tokens' current log-probs, and its summed stats.
 
     The step runs as training runs it: its ``StepContext`` from ``RolloutStep``'s step-wide facts, then a loss per
     micro-batch (``micro_batch_groups`` groups each) with the engine's and the sampler's log-probs of the batch.
+    ``groups`` are ``data``'s episodes or their policy tokens alone.
     """
+    current, reference = data.current, data.reference
     plan = plan_steps(groups, 1, micro_batch_groups)
     (step,) = build_steps(plan, PAD)
     context = loss.step_context(step.lengths, step.rewards, step.group_size, step.truncated)
     where = {id(g): i for i, g in enumerate(groups)}
     total, stats = torch.zeros(()), {}
     for part, batch in zip(plan[0], step.micro_batches):
+        put_old_logps(batch, part, data.old)
         index = [(where[id(g)], k) for g in part for k in range(len(g.completions))]
         logps = _scatter(batch.completion_mask, [current[g][k] for g, k in index], -9.0)
         ref = _scatter(batch.completion_mask, [reference[g][k] for g, k in index], -9.0)
@@ -150,8 +166,8 @@ def main() -> None:
     print(f"{'setting':<34} {'grad':>6} {'loss':>6} " + " ".join(f"{k.split('/')[1]:>13}" for k in TOKEN_STATS))
     for label, kwargs in SETTINGS:
         loss = GRPOLoss(kl_coef=0.04, **kwargs)
-        ep_loss, ep_grad, ep_stats = objective_step(loss, data.episodes, data.current, data.reference)
-        bare_loss, bare_grad, bare_stats = objective_step(loss, data.policy_only, data.current, data.reference)
+        ep_loss, ep_grad, ep_stats = objective_step(loss, data.episodes, data)
+        bare_loss, bare_grad, bare_stats = objective_step(loss, data.policy_only, data)
         ratios = [float(ep_stats[k] / bare_stats[k]) if float(bare_stats[k]) else float("nan") for k in TOKEN_STATS]
         line = f"{label:<34} {float(ep_grad.norm() / bare_grad.norm()):6.3f} {float(ep_loss / bare_loss):6.3f} "
         print(line + " ".join(f"{r:13.3f}" for r in ratios))
