@@ -44,12 +44,12 @@ class AutogradGRPO(torch.nn.Module):
         super().__init__()
         self.aggregation, self.beta, self.epsilon = aggregation, beta, epsilon
 
-    def forward(self, logps, mask, advantages, rewards, group_size, old_token_logps=None, ref_token_logps=None):
-        old = logps.detach() if old_token_logps is None else old_token_logps
+    def forward(self, logps, mask, advantages, rewards, group_size, old_logps=None, ref_logps=None):
+        old = logps.detach() if old_logps is None else old_logps
         ratio = torch.exp(logps - old)
         adv = advantages.unsqueeze(1)
         per_token = -torch.min(ratio * adv, ratio.clamp(1 - self.epsilon, 1 + self.epsilon) * adv)
-        delta = ref_token_logps - logps
+        delta = ref_logps - logps
         per_token = per_token + self.beta * (torch.exp(delta) - delta - 1)
         if self.aggregation == "grpo":
             loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
@@ -84,8 +84,8 @@ def time_once(loss: torch.nn.Module, step: dict[str, torch.Tensor], group_size: 
         step["advantages"],
         step["rewards"],
         group_size,
-        old_token_logps=None if on_policy else step["old"],
-        ref_token_logps=step["ref"],
+        old_logps=None if on_policy else step["old"],
+        ref_logps=step["ref"],
     )
     out.loss.backward()
     return time.perf_counter() - start

@@ -60,7 +60,7 @@ def run(monitor, loss, step, logps, refs=None):
     stats, rows = {}, []
     for i, (batch, lp) in enumerate(zip(step.micro_batches, logps)):
         ref = None if refs is None else refs[i]
-        out = loss(lp, batch.completion_mask, batch.advantages, batch.rewards, G, ref_token_logps=ref, context=context)
+        out = loss(lp, batch.completion_mask, batch.advantages, batch.rewards, G, ref_logps=ref, context=context)
         for key, value in out.stats.items():
             stats[key] = stats.get(key, 0.0) + float(value)
         rows.append(out.rows)
@@ -142,9 +142,7 @@ def test_length_bias_pair_weight_is_the_pair_terms_gradient():
         grads = []
         for loss, context in zip((amir, grpo), contexts):
             x = lp.clone().requires_grad_(True)
-            out = loss(
-                x, batch.completion_mask, batch.advantages, batch.rewards, G, ref_token_logps=ref, context=context
-            )
+            out = loss(x, batch.completion_mask, batch.advantages, batch.rewards, G, ref_logps=ref, context=context)
             grads.append(torch.autograd.grad(out.loss, x)[0])
         pair_grad = grads[0] - grads[1]  # [n, T]: the pair term's gradient alone
         r = batch.rewards.view(-1, G)

@@ -73,7 +73,7 @@ def test_engine_samples_the_policy_the_trainer_scores(leaky_dir, engine_name):
             with torch.no_grad():
                 logps = torch.log_softmax(policy(ids).logits[0, len(prompt) - 1 : -1], -1)  # [T, V]
             picked = logps.gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)
-            torch.testing.assert_close(torch.tensor(c.logprobs), picked, atol=1e-4, rtol=0)
+            torch.testing.assert_close(torch.tensor(c.sampling_logps), picked, atol=1e-4, rtol=0)
             top3 = logps.topk(3, dim=-1).indices  # [T, 3]
             outside_top3 += int((top3 != ids[0, len(prompt) :, None]).all(-1).sum())
             assert not eos_ids & set(c.token_ids[:-1])  # nothing generated past a stop token

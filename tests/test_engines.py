@@ -70,11 +70,11 @@ def test_generate_returns_groups_with_sampling_logprobs(engine_name, tiny_dir, v
     eos = stub.tokenizer.eos_token_id
     for prompt, group in zip(prompts, groups):
         for c in group:
-            assert 1 <= len(c.token_ids) <= 5 and len(c.logprobs) == len(c.token_ids)
+            assert 1 <= len(c.token_ids) <= 5 and len(c.sampling_logps) == len(c.token_ids)
             assert c.finish_reason == ("stop" if c.token_ids[-1] == eos else "length")
             assert c.text == stub.tokenizer.decode(c.token_ids, skip_special_tokens=True)
             expected = hf_logps(stub.policy, prompt, c.token_ids, 0.7)
-            torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
+            torch.testing.assert_close(torch.tensor(c.sampling_logps), expected, atol=1e-4, rtol=0)
 
 
 def test_engine_follows_changed_policy_weights(tiny_dir, vllm_engine):
@@ -169,8 +169,9 @@ def test_min_p_and_the_repetition_penalty_reach_the_sampler_and_its_log_probs(en
     for prompt, group in zip(prompts, groups):
         for c in group:
             expected = reshaped_logps(stub.policy, prompt, c.token_ids, 0.9, min_p=0.3, repetition_penalty=1.6)
-            torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
-            plain += (torch.tensor(c.logprobs) - hf_logps(stub.policy, prompt, c.token_ids, 0.9)).abs().max().item()
+            torch.testing.assert_close(torch.tensor(c.sampling_logps), expected, atol=1e-4, rtol=0)
+            softmax = hf_logps(stub.policy, prompt, c.token_ids, 0.9)
+            plain += (torch.tensor(c.sampling_logps) - softmax).abs().max().item()
     assert plain > 0.1  # the knobs did reshape the distribution: the plain softmax gives other numbers
 
 
@@ -191,7 +192,7 @@ def test_a_stop_string_ends_the_completion_after_its_tokens_and_the_text_before_
             assert "5" not in full[:-1] and "77" not in full[:-1]
         else:
             assert "5" not in full and "77" not in full and c.text == full
-        assert len(c.logprobs) == len(c.token_ids)
+        assert len(c.sampling_logps) == len(c.token_ids)
     assert stopped >= 3  # a random tiny model writes a 5 in some of 32 completions
 
 

@@ -186,7 +186,7 @@ def test_episodes_interleave_policy_turns_and_masked_replies_with_the_policys_lo
     replied = 0
     for prompt, group in zip(prompt_ids, groups):
         for c in group:
-            assert len(c.loss_mask) == len(c.token_ids) == len(c.logprobs) and c.tool_calls <= 2
+            assert len(c.loss_mask) == len(c.token_ids) == len(c.sampling_logps) and c.tool_calls <= 2
             masked = [i for i, m in enumerate(c.loss_mask) if m == 0]
             assert len(masked) == 3 * c.tool_calls  # each reply is "=12", three tokens
             for start in range(0, len(masked), 3):
@@ -197,7 +197,7 @@ def test_episodes_interleave_policy_turns_and_masked_replies_with_the_policys_lo
                 logps = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1] / 0.8, -1)
             expected = logps.gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)
             own = torch.tensor(c.loss_mask, dtype=torch.bool)
-            torch.testing.assert_close(torch.tensor(c.logprobs)[own], expected[own], atol=1e-4, rtol=0)
+            torch.testing.assert_close(torch.tensor(c.sampling_logps)[own], expected[own], atol=1e-4, rtol=0)
             assert c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True)
     assert replied > 0
     rewards = torch.arange(8, dtype=torch.float)

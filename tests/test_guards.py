@@ -40,7 +40,7 @@ def test_degenerate_groups_give_finite_loss_and_gradient(aggregation, case):
         GRPOLoss(aggregation=aggregation, mask_truncated_completions=True, kl_coef=0.1),
         AmirGRPOLoss(aggregation=aggregation, mask_truncated_completions=True, kl_coef=0.1),
     ):
-        out = loss(logps, mask, adv, rewards, 4, ref_token_logps=logps.detach() - 0.1, truncated=truncated)
+        out = loss(logps, mask, adv, rewards, 4, ref_logps=logps.detach() - 0.1, truncated=truncated)
         (grad,) = torch.autograd.grad(out.loss, logps)
         assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
         assert all(torch.isfinite(v).all() for v in out.stats.values())

@@ -68,10 +68,10 @@ def run(loss, step, micro_batches):
             adv[rows],
             step["rewards"][rows],
             G,
-            old_token_logps=step["old"][rows, cols],
-            ref_token_logps=step["ref"][rows, cols],
+            old_logps=step["old"][rows, cols],
+            ref_logps=step["ref"][rows, cols],
             truncated=step["truncated"][rows],
-            sampling_token_logps=step["sampling"][rows, cols],
+            sampling_logps=step["sampling"][rows, cols],
             context=context,
         )
         out.loss.backward()
@@ -198,9 +198,9 @@ def test_parity_with_float64_reference(aggregation, sequence_is, correction):
         adv,
         step["rewards"],
         G,
-        old_token_logps=step["old"],
-        ref_token_logps=step["ref"],
-        sampling_token_logps=step["sampling"],
+        old_logps=step["old"],
+        ref_logps=step["ref"],
+        sampling_logps=step["sampling"],
     )
     ours = out.loss
     (ours_grad,) = torch.autograd.grad(ours, step["logps"])
@@ -219,9 +219,7 @@ def test_mismatch_stats_match_their_definitions():
     sampling[7, :2] = old[7, :2] - 2.0  # ...except two tokens
     adv = group_advantages(step["rewards"], G)
     loss = GRPOLoss(sampling_cap=3.0)
-    stats = loss(
-        step["logps"], step["mask"], adv, step["rewards"], G, old_token_logps=old, sampling_token_logps=sampling
-    )
+    stats = loss(step["logps"], step["mask"], adv, step["rewards"], G, old_logps=old, sampling_logps=sampling)
     log_w = (old - sampling) * mask
     tokens = mask.sum()
     torch.testing.assert_close(
@@ -230,9 +228,7 @@ def test_mismatch_stats_match_their_definitions():
     assert float(stats.stats["train/is_capped_frac"]) == pytest.approx(2 / float(tokens))
     assert float(stats.stats["train/is_weight_mean"]) == pytest.approx((float(tokens) - 2 + 2 * 3.0) / float(tokens))
     off = GRPOLoss(sampling_correction="none")
-    plain = off(
-        step["logps"], step["mask"], adv, step["rewards"], G, old_token_logps=old, sampling_token_logps=sampling
-    )
+    plain = off(step["logps"], step["mask"], adv, step["rewards"], G, old_logps=old, sampling_logps=sampling)
     assert "train/is_weight_mean" not in plain.stats and torch.equal(
         plain.stats["rollout/engine_trainer_kl"], stats.stats["rollout/engine_trainer_kl"]
     )

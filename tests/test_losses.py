@@ -54,7 +54,7 @@ def test_clipping_off_policy_token_level():
     old = lp.detach().clone()
     old[0, 0] -= math.log(1.5)
     old[1, 0] -= math.log(0.5)
-    out = GRPOLoss(aggregation="grpo")(lp, MASK, ADV, REWARDS, 2, old_token_logps=old)
+    out = GRPOLoss(aggregation="grpo")(lp, MASK, ADV, REWARDS, 2, old_logps=old)
     torch.testing.assert_close(out.loss, torch.tensor((-2.2 + 2.8 / 3) / 2))
     out.loss.backward()
     assert lp.grad[0, 0] == 0 and lp.grad[1, 0] == 0
@@ -69,7 +69,7 @@ def test_epsilon_high_widens_upper_clip():
     lp = logps()
     old = lp.detach().clone()
     old[0, 0] -= math.log(1.5)
-    out = GRPOLoss(epsilon_high=0.6)(lp, MASK, ADV, REWARDS, 2, old_token_logps=old)
+    out = GRPOLoss(epsilon_high=0.6)(lp, MASK, ADV, REWARDS, 2, old_logps=old)
     out.loss.backward()
     torch.testing.assert_close(lp.grad[0, 0], torch.tensor(-2 * 1.5 / 2 / 2))
     assert out.stats["train/clip_frac"] == 0
@@ -84,7 +84,7 @@ def test_sequence_importance_sampling():
     lp = logps()
     old = lp.detach().clone()
     old[0, 0] -= math.log(1.5)
-    out = GRPOLoss(importance_sampling="sequence")(lp, MASK, ADV, REWARDS, 2, old_token_logps=old)
+    out = GRPOLoss(importance_sampling="sequence")(lp, MASK, ADV, REWARDS, 2, old_logps=old)
     torch.testing.assert_close(out.loss, torch.tensor(-0.7))
     out.loss.backward()
     assert torch.equal(lp.grad[0], torch.zeros(3))
@@ -97,11 +97,11 @@ def test_k3_kl_term():
     """
     lp = logps()
     ref = lp.detach() + math.log(2)
-    out = GRPOLoss(kl_coef=0.1)(lp, MASK, ADV, REWARDS, 2, ref_token_logps=ref)
+    out = GRPOLoss(kl_coef=0.1)(lp, MASK, ADV, REWARDS, 2, ref_logps=ref)
     k3 = 1 - math.log(2)
     torch.testing.assert_close(out.loss, torch.tensor(-0.5 + 0.1 * k3))
     torch.testing.assert_close(out.stats["train/kl"], torch.tensor(k3))
-    with pytest.raises(ValueError, match="ref_token_logps"):
+    with pytest.raises(ValueError, match="ref_logps"):
         GRPOLoss(kl_coef=0.1)(logps(), MASK, ADV, REWARDS, 2)
 
 
@@ -143,10 +143,10 @@ def test_amir_with_reference():
         pair_term=PairTermSettings(reference_free=False),
         pair_weight=PairWeightSettings(value=1.0, schedule="fixed", max=1.0),
     )
-    out = loss(logps(), MASK, ADV, REWARDS, 2, ref_token_logps=ref)
+    out = loss(logps(), MASK, ADV, REWARDS, 2, ref_logps=ref)
     torch.testing.assert_close(out.stats["amir/pair_loss"], torch.tensor(math.log1p(math.exp(0.2))))
     assert loss.needs_reference and not AmirGRPOLoss().needs_reference
-    with pytest.raises(ValueError, match="reference_free=False needs ref_token_logps"):
+    with pytest.raises(ValueError, match="reference_free=False needs ref_logps"):
         loss(logps(), MASK, ADV, REWARDS, 2)
 
 

@@ -204,9 +204,11 @@ def episode_steps(module, seed=0):
     for row, (episode, bare) in enumerate(rows):
         n = len(bare.token_ids)
         before = logps[row, :n] + 0.1 * torch.randn(n, generator=gen)  # the trainer's before this step
-        old[id(bare)], bare.logprobs = before.tolist(), (before + 0.2 * torch.randn(n, generator=gen)).tolist()
+        old[id(bare)] = before.tolist()
+        bare.sampling_logps = (before + 0.2 * torch.randn(n, generator=gen)).tolist()
         replies = len(episode.token_ids) - n
-        old[id(episode)], episode.logprobs = old[id(bare)] + [-4.0] * replies, bare.logprobs + [0.0] * replies
+        old[id(episode)] = old[id(bare)] + [-4.0] * replies
+        episode.sampling_logps = bare.sampling_logps + [0.0] * replies
     return data.episodes, data.policy_only, old
 
 

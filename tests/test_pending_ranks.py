@@ -161,13 +161,15 @@ def test_two_processes_resumed_a_rollout_ahead_end_where_an_uninterrupted_run_do
     assert difference == 0.0
 
 
-def test_an_older_checkpoints_rollout_with_its_completions_old_logprobs_still_loads():
+def test_an_older_checkpoints_rollout_with_its_completions_old_names_still_loads():
     """Checkpoints written before ``Policy.score_old`` became the one writer of the old log-probs kept them on each
-    completion too; such a rollout loads, and its old log-probs are scored again from its kept weights."""
+    completion too, and named the engine's ``logprobs``: such a rollout loads, under today's names."""
     state = sampled_ahead(0).state()
     for group in state["completions"]:
         for completion in group:
+            completion["logprobs"] = completion.pop("sampling_logps")  # as the engine's log-probs were named
             completion["old_logprobs"] = [-0.75] * len(completion["token_ids"])
     saved = SavedRollout.from_state(state)
     assert [c.text for c in saved.completions[0]] == ["13", "777"]
+    assert [c.sampling_logps for c in saved.completions[0]] == [[-0.5, -0.25], [-1.0]]
     assert not hasattr(saved.completions[0][0], "old_logprobs") and torch.equal(saved.weights["w"], torch.ones(3))

@@ -62,9 +62,9 @@ def test_server_samples_with_the_policys_logprobs_and_the_callers_seed(server, t
     for prompt, group in zip(prompts, groups):
         assert len(group) == 4
         for c in group:
-            assert len(c.logprobs) == len(c.token_ids) and c.finish_reason in ("stop", "length")
+            assert len(c.sampling_logps) == len(c.token_ids) and c.finish_reason in ("stop", "length")
             expected = hf_logps(policy.model, prompt, c.token_ids, 0.7)
-            torch.testing.assert_close(torch.tensor(c.logprobs), expected, rtol=0, atol=1e-4)
+            torch.testing.assert_close(torch.tensor(c.sampling_logps), expected, rtol=0, atol=1e-4)
 
 
 def test_server_holds_exactly_the_pushed_weights_and_a_lost_push_stops_the_run(server, tiny_dir):

@@ -55,7 +55,7 @@ def benchmark_report(
         margins = sample_logps(policy, batch["groups"])  # [P, n]
     else:  # the engine's own log-probs of the samples, free, at the evaluation temperature
         margins = torch.tensor(
-            [[sum(c.logprobs) / max(len(c.logprobs), 1) for c in g.completions] for g in batch["groups"]]
+            [[sum(c.sampling_logps) / max(len(c.sampling_logps), 1) for c in g.completions] for g in batch["groups"]]
         )  # [P, n]
     if out_dir is not None:
         problems = [

@@ -3,6 +3,7 @@
 from amir_lightning.objectives.advantages import group_advantages
 from amir_lightning.objectives.amir import AmirGRPOLoss, LambdaSchedule
 from amir_lightning.objectives.base import LossOutput, RowDiagnostics, StepContext
+from amir_lightning.objectives.grpo import GRPOLoss
 from amir_lightning.objectives.logprobs import (
     chosen_token_logps,
     selective_log_softmax,
@@ -10,7 +11,6 @@ from amir_lightning.objectives.logprobs import (
     token_entropy,
 )
 from amir_lightning.objectives.pairs import mine_pairs, pair_mask
-from amir_lightning.objectives.policy import GRPOLoss
 from amir_lightning.objectives.preference import pair_logits, preference_loss
 
 __all__ = [

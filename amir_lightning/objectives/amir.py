@@ -44,9 +44,9 @@ from typing_extensions import override
 
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.objectives.base import LossOutput, StepContext
+from amir_lightning.objectives.grpo import GRPOLoss
 from amir_lightning.objectives.logprobs import sequence_logps
 from amir_lightning.objectives.pairs import PairMode, mine_pairs
-from amir_lightning.objectives.policy import GRPOLoss
 from amir_lightning.objectives.preference import pair_logits, preference_loss
 
 #: Where these arguments live in a YAML config, for error messages.
@@ -214,7 +214,7 @@ class AmirGRPOLoss(GRPOLoss):
 
     def forward(
         self,
-        token_logps: torch.Tensor,
+        logps: torch.Tensor,
         completion_mask: torch.Tensor,
         advantages: torch.Tensor,
         rewards: torch.Tensor,
@@ -226,25 +226,23 @@ class AmirGRPOLoss(GRPOLoss):
         """The GRPO term's output plus ``lambda *`` the pair loss pooled over the step's pairs.
 
         Args:
-            token_logps: ``[N, T]`` as in ``GRPOLoss.forward``, like ``completion_mask``, ``advantages``,
+            logps: ``[N, T]`` as in ``GRPOLoss.forward``, like ``completion_mask``, ``advantages``,
                 ``rewards``, ``group_size`` and ``context``.
             completion_mask: ``[N, T]``.
             advantages: ``[N]``.
             rewards: ``[N]``.
             group_size: ``G``.
             context: The step's ``StepContext``; default: this call is the whole step.
-            **optional: ``GRPOLoss.forward``'s optional tensors, by name (``old_token_logps``, ``ref_token_logps``,
-                ``truncated``, ``sampling_token_logps``).
+            **optional: ``GRPOLoss.forward``'s optional tensors, by name (``old_logps``, ``ref_logps``,
+                ``truncated``, ``sampling_logps``).
         """
         if context is None:  # this call is the whole step: its pairs, mined once, travel in the context
             pairs = self.pairs(rewards, group_size)
             truncated = optional.get("truncated")
             context = self.step_context(completion_mask.sum(-1), rewards, group_size, truncated, pairs=pairs)
-        out = super().forward(
-            token_logps, completion_mask, advantages, rewards, group_size, context=context, **optional
-        )
-        ref_token_logps = optional.get("ref_token_logps")
-        pair_loss, stats, push = self.pair_loss(token_logps, completion_mask, out.rows.pairs, ref_token_logps, context)
+        out = super().forward(logps, completion_mask, advantages, rewards, group_size, context=context, **optional)
+        ref_logps = optional.get("ref_logps")
+        pair_loss, stats, push = self.pair_loss(logps, completion_mask, out.rows.pairs, ref_logps, context)
         out.loss = out.loss + context.lambda_ * pair_loss
         out.stats.update(stats)
         out.stats["amir/pair_term"] = context.lambda_ * pair_loss.detach()
@@ -254,10 +252,10 @@ class AmirGRPOLoss(GRPOLoss):
 
     def pair_loss(
         self,
-        token_logps: torch.Tensor,
+        logps: torch.Tensor,
         completion_mask: torch.Tensor,
         pairs: torch.Tensor,
-        ref_token_logps: torch.Tensor | None,
+        ref_logps: torch.Tensor | None,
         context: StepContext,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         """The pooled pair loss of this micro-batch's pairs, its stats, and each row's per-token push-down.
@@ -266,10 +264,10 @@ class AmirGRPOLoss(GRPOLoss):
         completion: the push-down a row gets is the sum of ``w_p`` over the pairs it loses, per token of it.
         """
         beta, reduction = self.pair_term.beta, self.pair_term.reduction
-        seq = sequence_logps(token_logps, completion_mask, reduction)  # [N] l
+        seq = sequence_logps(logps, completion_mask, reduction)  # [N] l
         ref = None
         if not self.pair_term.reference_free:
-            ref = sequence_logps(ref_token_logps.to(token_logps.dtype), completion_mask, reduction).detach()
+            ref = sequence_logps(ref_logps.to(logps.dtype), completion_mask, reduction).detach()
         pair_loss = preference_loss(seq, pairs, beta, ref, context.num_pairs)
         with torch.no_grad():
             z, _ = pair_logits(seq.detach(), pairs, beta, ref)  # [P]

@@ -114,7 +114,7 @@ def make_batch(groups: list[Group], pad_id: int) -> RolloutBatch:
             attention[row, prompt_width : prompt_width + length] = 1
             own = completion.loss_mask
             completion_mask[row, :length] = 1.0 if own is None else torch.tensor(own[:length], dtype=torch.float)
-            sampling_logps[row, :length] = torch.tensor(completion.logprobs[:length])
+            sampling_logps[row, :length] = torch.tensor(completion.sampling_logps[:length])
     return RolloutBatch(
         input_ids=input_ids,
         attention_mask=attention,

@@ -158,7 +158,8 @@ class Completion:
     Attributes:
         token_ids: Generated tokens, including the EOS token when generation stopped on it.
         text: Decoded text (special tokens skipped).
-        logprobs: Per-token log-probabilities under the sampling distribution (temperature applied).
+        sampling_logps: The engine's log-probs of the sampled tokens (its sampling distribution, temperature
+            applied): the loss's ``sampling_logps``.
         finish_reason: ``stop`` (EOS) or ``length`` (hit ``max_new_tokens``).
         loss_mask: 1 on the policy's own tokens, 0 on a tool's reply inside a multi-turn episode (context, not
             trained on: ``rollout/episodes.py``); ``None``: every token is the policy's.
@@ -170,7 +171,7 @@ class Completion:
 
     token_ids: list[int]
     text: str
-    logprobs: list[float]
+    sampling_logps: list[float]
     finish_reason: str
     loss_mask: list[int] | None = None
     tool_calls: int = 0

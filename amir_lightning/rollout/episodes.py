@@ -88,7 +88,7 @@ class _Episode:
     prompt_index: int
     state: Any
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    sampling_logps: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     finish_reason: str = "stop"
     tool_calls: int = 0
@@ -100,7 +100,7 @@ class _Episode:
     def completion(self, tokenizer) -> Completion:
         """The episode as one completion (its text decoded from every token, replies included)."""
         text = tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        return Completion(self.token_ids, text, self.logprobs, self.finish_reason, self.loss_mask,
+        return Completion(self.token_ids, text, self.sampling_logps, self.finish_reason, self.loss_mask,
                           self.tool_calls, self.tool_errors, self.tool_truncated, self.tool_cut)  # fmt: skip
 
 
@@ -167,7 +167,7 @@ def _take_turn(
 ) -> None:
     """Add the policy's turn to ``episode``, then the environment's reply, or end it."""
     episode.token_ids += completion.token_ids
-    episode.logprobs += completion.logprobs
+    episode.sampling_logps += completion.sampling_logps
     episode.loss_mask += [1] * len(completion.token_ids)
     episode.finish_reason = completion.finish_reason
     message, overshoot = _turn_text(completion, environment.stop, tokenizer)
@@ -190,7 +190,7 @@ def _take_turn(
         said = f"a reply of {len(reply)} characters was cut to {environment.max_reply_tokens} tokens (max_reply_tokens)"
         say_once(environment, "truncated", said + "; counted in rollout/tool_reply_truncated_frac")
     episode.token_ids += reply_ids
-    episode.logprobs += [0.0] * len(reply_ids)  # not sampled: masked out of every ratio
+    episode.sampling_logps += [0.0] * len(reply_ids)  # not sampled: masked out of every ratio
     episode.loss_mask += [0] * len(reply_ids)
     episode.tool_calls += 1
     used = len(prompt_ids[episode.prompt_index]) + len(episode.token_ids)

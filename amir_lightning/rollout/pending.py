@@ -137,9 +137,7 @@ class SavedRollout:
 
     @classmethod
     def from_state(cls, state: dict) -> SavedRollout:  # noqa: D102
-        # An older checkpoint also kept each completion's ``old_logprobs``, its log-probs under ``weights``: the
-        # resumed run scores them again from those weights (``Policy.score_old``).
-        groups = [[Completion(**_without(c, "old_logprobs")) for c in group] for group in state["completions"]]
+        groups = [[_completion(c) for c in group] for group in state["completions"]]
         scores = Scores(**state["scores"]) if state.get("scores") is not None else None
         when = int(state["drawn_at"]), int(state["version"])
         return cls(*when, state["weights"], float(state["generate_s"]), groups, state.get("prompt_digest"), scores)
@@ -157,5 +155,11 @@ class SavedRollout:
         return rollout
 
 
-def _without(state: dict, key: str) -> dict:
-    return {k: v for k, v in state.items() if k != key}
+def _completion(state: dict) -> Completion:
+    """A completion as a checkpoint holds it (``asdict``), also as older checkpoints wrote it.
+
+    Those named the engine's log-probs ``logprobs``, and kept each completion's ``old_logprobs`` (its log-probs under
+    the rollout's kept weights): the resumed run scores those again from the weights (``Policy.score_old``).
+    """
+    renamed = {"logprobs": "sampling_logps"}
+    return Completion(**{renamed.get(k, k): v for k, v in state.items() if k != "old_logprobs"})

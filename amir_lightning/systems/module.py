@@ -158,10 +158,10 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
             batch.advantages,
             batch.rewards,
             batch.group_size,
-            old_token_logps=batch.old_logps,
-            ref_token_logps=ref,
+            old_logps=batch.old_logps,
+            ref_logps=ref,
             truncated=batch.truncated,
-            sampling_token_logps=batch.sampling_logps,
+            sampling_logps=batch.sampling_logps,
             context=context,
         )
         if entropy is not None:

@@ -132,8 +132,8 @@ def objective_step(
         ref = _scatter(batch.completion_mask, [reference[g][k] for g, k in index], -9.0)
         out = loss(
             logps, batch.completion_mask, batch.advantages, batch.rewards, batch.group_size,
-            old_token_logps=batch.old_logps, ref_token_logps=ref, truncated=batch.truncated,
-            sampling_token_logps=batch.sampling_logps, context=context,
+            old_logps=batch.old_logps, ref_logps=ref, truncated=batch.truncated,
+            sampling_logps=batch.sampling_logps, context=context,
         )  # fmt: skip
         total = total + out.loss
         for key, value in out.stats.items():

@@ -20,7 +20,7 @@ Engine/trainer mismatch (TRL's ``vllm_importance_sampling_correction``): the rol
 kernels and dtype, so its distribution q differs slightly from the trainer's p_old. Given the engine's log-probs
 of the sampled tokens, each token's loss is weighted by w = p_old / q, truncated at ``sampling_cap`` (``*_truncate``)
 or zeroed above it (``*_mask``), per token or with one ratio per sequence (the product of its token ratios).
-p_old is ``old_token_logps`` off-policy and the forward's own detached log-probs on-policy (no extra forward).
+p_old is ``old_logps`` off-policy and the forward's own detached log-probs on-policy (no extra forward).
 The k3 estimate of KL(q || p_old) per token is logged whether or not the correction is on. The weights apply to
 the policy-gradient term only, as in TRL and verl: the KL penalty to the reference and the AMIR pair term are
 regularisers of the current policy, not expectations under the sampling policy.
@@ -66,7 +66,7 @@ class GRPOLoss(nn.Module):
         epsilon: Lower clip range, ``rho >= 1 - epsilon``.
         epsilon_high: Upper clip range ``rho <= 1 + epsilon_high`` (DAPO's clip-higher); defaults to ``epsilon``.
         importance_sampling: ``token`` ratios (GRPO) or one ``sequence`` ratio per completion (GSPO). On-policy
-            (``old_token_logps=None``) both give the same gradient.
+            (``old_logps=None``) both give the same gradient.
         kl_coef: Coefficient of the k3 KL penalty to the reference policy (TRL's ``beta``); 0 needs no reference
             model.
         mask_truncated_completions: Drop completions that hit the length limit from the policy-gradient term.
@@ -118,7 +118,7 @@ class GRPOLoss(nn.Module):
 
     @property
     def needs_reference(self) -> bool:
-        """Whether ``ref_token_logps`` must be passed (a frozen reference model is needed)."""
+        """Whether ``ref_logps`` must be passed (a frozen reference model is needed)."""
         return bool(self.reference_uses())
 
     def reference_uses(self) -> list[str]:
@@ -167,47 +167,47 @@ class GRPOLoss(nn.Module):
 
     def forward(
         self,
-        token_logps: torch.Tensor,
+        logps: torch.Tensor,
         completion_mask: torch.Tensor,
         advantages: torch.Tensor,
         rewards: torch.Tensor,
         group_size: int,
-        old_token_logps: torch.Tensor | None = None,
-        ref_token_logps: torch.Tensor | None = None,
+        old_logps: torch.Tensor | None = None,
+        ref_logps: torch.Tensor | None = None,
         truncated: torch.Tensor | None = None,
-        sampling_token_logps: torch.Tensor | None = None,
+        sampling_logps: torch.Tensor | None = None,
         context: StepContext | None = None,
     ) -> LossOutput:
         """The loss of one micro-batch of whole groups.
 
         Args:
-            token_logps: ``[N, T]`` log-probs of the sampled tokens under the current policy (with grad).
+            logps: ``[N, T]`` log-probs of the sampled tokens under the current policy (with grad).
             completion_mask: ``[N, T]`` the loss mask: 1 on the policy's own tokens (0 on a tool's replies, padding).
             advantages: ``[N]`` group advantages.
             rewards: ``[N]`` raw rewards (pairs are mined from them).
             group_size: ``G``.
-            old_token_logps: ``[N, T]`` log-probs of the policy that sampled; ``None`` means on-policy (ratio 1).
-            ref_token_logps: ``[N, T]`` reference log-probs, required when ``needs_reference``.
+            old_logps: ``[N, T]`` log-probs of the policy that sampled; ``None`` means on-policy (ratio 1).
+            ref_logps: ``[N, T]`` reference log-probs, required when ``needs_reference``.
             truncated: ``[N]`` bool, completions cut by the length limit.
-            sampling_token_logps: ``[N, T]`` the rollout engine's log-probs of the sampled tokens: enables the
+            sampling_logps: ``[N, T]`` the rollout engine's log-probs of the sampled tokens: enables the
                 mismatch correction (``sampling_correction``) and the ``rollout/engine_trainer_kl`` stat.
             context: The step's ``StepContext``; default: this call is the whole step (``step_context``).
 
         Returns:
             ``LossOutput`` with the loss, its stats and the per-row diagnostics.
         """
-        if self.needs_reference and ref_token_logps is None:
+        if self.needs_reference and ref_logps is None:
             uses = " and ".join(self.reference_uses())
-            raise ValueError(f"{type(self).__name__} with {uses} needs ref_token_logps (a reference model)")
+            raise ValueError(f"{type(self).__name__} with {uses} needs ref_logps (a reference model)")
         if context is None:  # this call is the whole step: its pairs are mined once, for the context
             pairs = self.pairs(rewards, group_size)
             context = self.step_context(completion_mask.sum(-1), rewards, group_size, truncated, pairs=pairs)
         pairs = context.pairs if context.pairs is not None else self.pairs(rewards, group_size)  # [P, 2]
         loss, stats, pg_token_weight = self.policy_gradient(
-            token_logps, completion_mask, advantages, old_token_logps, ref_token_logps, truncated,
-            sampling_token_logps, context,
+            logps, completion_mask, advantages, old_logps, ref_logps, truncated,
+            sampling_logps, context,
         )  # fmt: skip
-        seq = sequence_logps(token_logps.detach(), completion_mask, "mean")  # [N]
+        seq = sequence_logps(logps.detach(), completion_mask, "mean")  # [N]
         stats.update(pair_stats(seq, pairs, rewards, context.num_pairs))
         return LossOutput(loss, stats, RowDiagnostics(seq, pg_token_weight, pairs))
 
@@ -222,13 +222,13 @@ class GRPOLoss(nn.Module):
 
     def policy_gradient(
         self,
-        token_logps: torch.Tensor,
+        logps: torch.Tensor,
         completion_mask: torch.Tensor,
         advantages: torch.Tensor,
-        old_token_logps: torch.Tensor | None,
-        ref_token_logps: torch.Tensor | None,
+        old_logps: torch.Tensor | None,
+        ref_logps: torch.Tensor | None,
         truncated: torch.Tensor | None,
-        sampling_token_logps: torch.Tensor | None,
+        sampling_logps: torch.Tensor | None,
         context: StepContext,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         """The clipped surrogate (and k3 KL) term, aggregated with the step's normalisers (module docstring).
@@ -236,19 +236,19 @@ class GRPOLoss(nn.Module):
         Returns:
             The term, its stats, and ``[N]`` the gradient weight each token of a row gets from it (``|A_i| w_i``).
         """
-        mask = self.trained_tokens(completion_mask, truncated).to(token_logps.dtype)  # [N, T]
+        mask = self.trained_tokens(completion_mask, truncated).to(logps.dtype)  # [N, T]
         lengths = mask.sum(-1)  # [N]
         weights = row_weights(self.aggregation, lengths, vars(context)).detach()  # [N] per-token weight of row i
         token_weights, stats = mask, {}
-        if sampling_token_logps is not None:
-            behaviour = token_logps if old_token_logps is None else old_token_logps  # [N, T] p_old
+        if sampling_logps is not None:
+            behaviour = logps if old_logps is None else old_logps  # [N, T] p_old
             corrected, stats = mismatch_weights(
-                behaviour, sampling_token_logps, mask, self.sampling_correction, self.sampling_cap, context.num_tokens
+                behaviour, sampling_logps, mask, self.sampling_correction, self.sampling_cap, context.num_tokens
             )
             token_weights = mask if corrected is None else corrected  # [N, T] mask * importance weight
-        adv = advantages.to(token_logps.dtype).unsqueeze(1)  # [N, 1]
-        old = token_logps.detach() if old_token_logps is None else old_token_logps
-        log_ratio = token_logps - old  # [N, T]; zero on-policy, with the gradient of logp
+        adv = advantages.to(logps.dtype).unsqueeze(1)  # [N, 1]
+        old = logps.detach() if old_logps is None else old_logps
+        log_ratio = logps - old  # [N, T]; zero on-policy, with the gradient of logp
         if self.importance_sampling == "sequence":
             log_ratio = ((log_ratio * mask).sum(-1) / lengths.clamp(min=1.0)).unsqueeze(1)  # [N, 1]
         ratio = log_ratio.exp()
@@ -266,7 +266,7 @@ class GRPOLoss(nn.Module):
             # Magnitude of the policy-gradient weights; the signed loss is ~0 on-policy (the official lambda uses it).
             stats["train/pg_scale"] = (weights * token_loss.sum(-1) * -adv.squeeze(1).sign()).sum()
         if self.kl_coef != 0.0:
-            delta = ref_token_logps.to(token_logps.dtype) - token_logps  # [N, T]
+            delta = ref_logps.to(logps.dtype) - logps  # [N, T]
             kl = (weights * ((delta.exp() - delta - 1.0) * mask).sum(-1)).sum()  # k3, not importance-weighted
             loss = loss + self.kl_coef * kl
             stats["train/kl"] = kl.detach()
