@@ -31,6 +31,7 @@ import atexit
 import json
 import logging
 import shutil
+import sys
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -275,6 +276,8 @@ class VLLMServerEngine(RolloutEngine):
             self._workdir = None
 
     def __del__(self) -> None:
+        if sys.is_finalizing():  # the interpreter's own names are gone; the server's watcher stops it as we exit
+            return
         if getattr(self, "server", None) is not None:
             self.close()
 

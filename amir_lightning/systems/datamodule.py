@@ -136,7 +136,7 @@ class RolloutDataModule(LightningDataModule):
         self.reward_guard = RewardGuard(rollout.max_bad_rollouts)
         self._eval_grader: MathAnswerReward | None = None
         self.policy: Policy | None = None  # handed over by the module (attach)
-        self.schedule: Schedule | None = None  # built around the policy (attach)
+        self.schedule: Schedule | None = None  # built at set-up, with the settings and rewards as they are then
 
     def attach(self, policy: Policy) -> None:
         """Take the trained policy: its tokenizer, its files for the engine, its weights and its scoring.
@@ -145,8 +145,6 @@ class RolloutDataModule(LightningDataModule):
         trainer itself calls ``data.attach(module.handle)``.
         """
         self.policy = policy
-        kind = Ahead if self.settings.max_staleness else InTurn  # sampled while the epoch before trains, or after
-        self.schedule = kind(self.feed, self.sampler, policy, self.rewards, self.settings, self.sampling, self.seed)
 
     def at(self) -> At:
         """Where the run stands: Lightning's counters, read here and passed down."""
@@ -172,6 +170,10 @@ class RolloutDataModule(LightningDataModule):
                 "RolloutDataModule has no policy: call data.attach(module.handle) before the trainer runs (amir does)"
             )
         self.chat.check(self.tokenizer)
+        if self.schedule is None:
+            kind = Ahead if self.settings.max_staleness else InTurn  # sampled while the epoch before trains, or after
+            args = self.feed, self.sampler, self.policy, self.rewards, self.settings, self.sampling, self.seed
+            self.schedule = kind(*args)
         if stage == "fit":
             grading = next((r for r in self.rewards if r.needs_reference), None)
             if skipped := self.feed.screen(self.tokenizer, grading, self.trainer.is_global_zero):
