@@ -17,7 +17,8 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -88,10 +89,11 @@ def request(endpoint: Endpoint, route: str, body: dict | None = None, *, deadlin
     return _decode(endpoint, route, status, kind, text)
 
 
-def read(endpoint: Endpoint, route: str, answer: dict, reader: Callable[[dict], Any]) -> Any:
-    """``reader(answer)``; a ``ServerError`` naming what the answer lacks where it has not what ``reader`` reads."""
+@contextmanager
+def reading(endpoint: Endpoint, route: str, answer: dict) -> Iterator[dict]:
+    """``answer`` for the block to read: a ``ServerError`` naming what it lacks where it lacks what the block reads."""
     try:
-        return reader(answer)
+        yield answer
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as err:
         raise ServerError(
             f"{endpoint.what} at {endpoint.url} answered {route} without what it must send ({type(err).__name__}: "

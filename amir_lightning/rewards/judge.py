@@ -35,7 +35,7 @@ from typing import Literal
 from typing_extensions import override
 
 from amir_lightning.helpers import serving
-from amir_lightning.helpers.http import Endpoint, ServerError, read, request
+from amir_lightning.helpers.http import Endpoint, ServerError, reading, request
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rewards.judge_parse import parse_score, strip_thinking
@@ -155,8 +155,8 @@ class JudgeReward(Reward):
                 serving.wait_for(self.endpoint, self.serve.startup_timeout, key, refused_s=None)
         if self.model is None or self.on_vllm is None:
             answer = self._request("/v1/models", None, "GET")
-            served = read(self.endpoint, "/v1/models", answer, lambda a: [(m["id"], m.get("owned_by")) for m in
-                                                                            a.get("data") or []])  # fmt: skip
+            with reading(self.endpoint, "/v1/models", answer):
+                served = [(m["id"], m.get("owned_by")) for m in answer.get("data") or []]
             if self.model is None and not served:
                 raise ValueError(f"data.rewards: {self.name}.url {self.url} lists no model at /v1/models: set model")
             self.model = self.model or served[0][0]
@@ -217,7 +217,8 @@ class JudgeReward(Reward):
         for attempt in range(self.retries + 1):
             try:
                 answer = self._request(route, body)
-                return read(self.endpoint, route, answer, lambda a: a["choices"][0]["message"]["content"] or "")
+                with reading(self.endpoint, route, answer):
+                    return answer["choices"][0]["message"]["content"] or ""
             except ServerError as err:
                 if attempt == self.retries or not err.transient:  # a server gone or silent is not asked again
                     raise

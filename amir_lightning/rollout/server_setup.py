@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from amir_lightning.helpers.http import Endpoint, ServerError, read
+from amir_lightning.helpers.http import Endpoint, ServerError, reading
 from amir_lightning.helpers.serving import TRAINER_GROUP
 from amir_lightning.rollout.engine import Completion, RolloutEngine
 from amir_lightning.rollout.vllm_worker import FILE_BACKEND
@@ -161,16 +161,12 @@ def deadline(engine: ServerEngine, route: str, body: dict | None, sequences: int
 
 def completions(endpoint: Endpoint, answer: dict, n: int) -> list[Completion]:
     """The ``n`` completions of a ``/v1/completions`` answer (token ids and their sampling log-probs)."""
-
-    def parse(answer: dict) -> list[Completion]:
-        group = []
+    group = []
+    with reading(endpoint, "/v1/completions", answer):
         for choice in sorted(answer["choices"], key=lambda c: c["index"]):
-            logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+            logps = [float(x) for x in choice["logprobs"]["token_logprobs"]]
             reason = "length" if choice["finish_reason"] == "length" else "stop"
-            group.append(Completion([int(t) for t in choice["token_ids"]], choice["text"], logprobs, reason))
-        return group
-
-    group = read(endpoint, "/v1/completions", answer, parse)
+            group.append(Completion([int(t) for t in choice["token_ids"]], choice["text"], logps, reason))
     if len(group) != n:
         raise ServerError(f"{endpoint.what} at {endpoint.url} returned {len(group)} completions for n = {n}: "
                           f"{endpoint.url_key} must be {endpoint.expect}")  # fmt: skip

@@ -40,7 +40,7 @@ import torch
 from typing_extensions import override
 
 from amir_lightning.helpers.distributed import from_rank_zero, global_rank, world_size
-from amir_lightning.helpers.http import Endpoint, ServerError, read, request
+from amir_lightning.helpers.http import Endpoint, ServerError, reading, request
 from amir_lightning.helpers.serving import REFUSED_S, ServerProcess, free_port, reachable_url, wait_for
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rollout import server_setup
@@ -240,7 +240,8 @@ class VLLMServerEngine(RolloutEngine):
         missing = [n for n in names if n not in self._slots]
         if missing:
             results = self._post("/collective_rpc", {"method": "amir_weight_slots", "args": [json.dumps(missing)]})
-            self._slots.update(read(self.endpoint, "/collective_rpc", results, lambda a: decode(a["results"][0])))
+            with reading(self.endpoint, "/collective_rpc", results) as answer:
+                self._slots.update(decode(answer["results"][0]))
         return {n: self._slots[n] for n in names}
 
     @override
@@ -248,7 +249,8 @@ class VLLMServerEngine(RolloutEngine):
         results = self._post(
             "/collective_rpc", {"method": "amir_held_weights", "args": [json.dumps([columns.seed, columns.count])]}
         )
-        return merge_workers(read(self.endpoint, "/collective_rpc", results, lambda a: list(map(decode, a["results"]))))
+        with reading(self.endpoint, "/collective_rpc", results) as answer:
+            return merge_workers([decode(result) for result in answer["results"]])
 
     @override
     def score(self, prompt: list[int], completion: list[int]) -> list[float]:
@@ -260,12 +262,9 @@ class VLLMServerEngine(RolloutEngine):
             if "Out of range float" not in str(err):
                 raise
             return [float("nan")] * len(completion)  # the server cannot write an infinite log-prob: not finite
-
-        def logps(answer: dict) -> list[float]:
+        with reading(self.endpoint, "/v1/completions", answer):
             entries = answer["choices"][0]["prompt_logprobs"][len(prompt) :]
             return [float(entry[str(token)]["logprob"]) for token, entry in zip(completion, entries, strict=True)]
-
-        return read(self.endpoint, "/v1/completions", answer, logps)
 
     def close(self) -> None:
         """Stop the server this process started (a server at a given ``url`` keeps running)."""
