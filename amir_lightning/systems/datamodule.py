@@ -38,7 +38,7 @@ from amir_lightning.rollout.rewarding import RewardGuard
 from amir_lightning.rollout.sampler import Sampler, generation_seed
 from amir_lightning.rollout.schedule import Ahead, At, InTurn, Schedule
 from amir_lightning.rollout.sync import SyncCheck, SyncSettings
-from amir_lightning.systems.progress import time_left
+from amir_lightning.systems.progress import rollout_line, where_it_stopped
 
 log = logging.getLogger(__name__)
 
@@ -210,21 +210,8 @@ class RolloutDataModule(LightningDataModule):
 
     def on_exception(self, exception: BaseException) -> None:
         """Say where a SIGTERM stopped the run and where it resumes from (``amir`` prints it as it exits)."""
-        if not isinstance(exception, SIGTERMException):
-            return
-        trainer = self.trainer
-        if trainer.state.fn != "fit":  # amir test, validate: nothing to resume, run it again
-            exception.amir_where = f" during amir {trainer.state.fn.value}"  # type: ignore[attr-defined]
-            return
-        done = trainer.current_epoch  # rollouts whose epoch completed
-        total = f" of {trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
-        last = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else ""
-        resume = (
-            f"; the last checkpoint is {last}: resume with the same command and --ckpt_path last"
-            if last
-            else "; no checkpoint was written yet"
-        )
-        exception.amir_where = f" with {done}{total} rollouts done{resume}"  # type: ignore[attr-defined]
+        if isinstance(exception, SIGTERMException):
+            exception.amir_where = where_it_stopped(self.trainer)  # type: ignore[attr-defined]
 
     @override
     def teardown(self, stage: str) -> None:
@@ -331,19 +318,6 @@ class RolloutDataModule(LightningDataModule):
         values = all_reduce(torch.tensor([float(metrics[k]) for k in keys]), "mean", at.device)
         reduced = dict(zip(keys, values.tolist()))
         log_metrics(self.trainer, reduced)
-        now = time.perf_counter()
-        self._rollout_times.append(now)
+        self._rollout_times.append(time.perf_counter())
         if at.rank == 0:
-            total = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else None
-            log.info(
-                "%s: reward %.3f +- %.3f, %.0f%% of groups with reward variance, %.0f tokens/s, length %.1f "
-                "(%.0f%% truncated)%s",
-                f"rollout {at.epoch + 1}" + (f" of {total}" if total else ""),
-                reduced["rollout/reward_mean"],
-                reduced["rollout/reward_std"],
-                100 * (1 - reduced["rollout/zero_std_frac"]),
-                reduced["rollout/tokens_per_s"],
-                reduced["length/mean"],
-                100 * reduced["length/truncated_frac"],
-                time_left(self._rollout_times, at.epoch + 1, self.trainer.max_epochs),
-            )
+            log.info("%s", rollout_line(reduced, at.epoch, self.trainer.max_epochs, self._rollout_times))

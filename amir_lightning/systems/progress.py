@@ -1,4 +1,4 @@
-"""The run's progress: one bar for the whole run, and the pace in each rollout's log line.
+"""The run's progress: one bar for the whole run, each rollout's log line with its pace, where a stop left it.
 
 The bar shows the rollouts done of the run's, the time left, the last reward and loss (``RunProgressBar``).
 """
@@ -55,6 +55,33 @@ class RunProgressBar(TQDMProgressBar):
         metrics = trainer.callback_metrics
         names = {"reward": "rollout/reward_mean", "loss": "train/loss"}
         return {short: f"{float(metrics[key]):.3g}" for short, key in names.items() if key in metrics} | items
+
+
+def rollout_line(metrics: dict[str, float], epoch: int, max_epochs: int | None, logged_at: list[float]) -> str:
+    """The log line of rollout ``epoch`` (0-based) from its metrics averaged over processes, with the time left."""
+    total = max_epochs if max_epochs and max_epochs > 0 else None
+    return (
+        f"rollout {epoch + 1}{f' of {total}' if total else ''}: "
+        f"reward {metrics['rollout/reward_mean']:.3f} +- {metrics['rollout/reward_std']:.3f}, "
+        f"{100 * (1 - metrics['rollout/zero_std_frac']):.0f}% of groups with reward variance, "
+        f"{metrics['rollout/tokens_per_s']:.0f} tokens/s, length {metrics['length/mean']:.1f} "
+        f"({100 * metrics['length/truncated_frac']:.0f}% truncated){time_left(logged_at, epoch + 1, max_epochs)}"
+    )
+
+
+def where_it_stopped(trainer) -> str:
+    """Where a SIGTERM stopped the run, and how it resumes (``amir`` prints it as it exits)."""
+    if trainer.state.fn != "fit":  # amir test, validate: nothing to resume, run it again
+        return f" during amir {trainer.state.fn.value}"
+    done = trainer.current_epoch  # rollouts whose epoch completed
+    total = f" of {trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
+    last = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else ""
+    resume = (
+        f"; the last checkpoint is {last}: resume with the same command and --ckpt_path last"
+        if last
+        else "; no checkpoint was written yet"
+    )
+    return f" with {done}{total} rollouts done{resume}"
 
 
 def time_left(logged_at: list[float], done: int, total: int | None) -> str:
