@@ -33,9 +33,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             module = AmirGRPOModule(policy=HFModel(str(save_tiny(Path(tmp), config_cls, extra))))
             module.configure_model()
-            _, relative, logps = head_matches_logits(module.policy)
-            keys = ", ".join(scaled_head_keys(module.policy.config)) or "none"
-            path = "fused" if module.handle.fused else "materialised (fallen back)"
+            _, relative, logps = head_matches_logits(module.model)
+            keys = ", ".join(scaled_head_keys(module.model.config)) or "none"
+            path = "fused" if module.policy.fused else "materialised (fallen back)"
             print(f"| {name} | {keys} | {relative:.3g} | {logps:.3g} | {path} |")
 
 

@@ -62,7 +62,7 @@ def main() -> None:
         given += ["--trainer.accelerator", "cpu", "--trainer.strategy", "auto"]  # no GPU here: the trainer is faked
         cli = build_cli([*given, "--data.prompts", local, "--data.val_prompts", local], run=False)
         module, data = cli.model, cli.datamodule
-        module.policy, module.compute_dtype, module._fsdp2 = meta_policy(module.lora), torch.bfloat16, True
+        module.model, module.compute_dtype, module.policy.sharded = meta_policy(module.lora), torch.bfloat16, True
         module._device = torch.device("cuda", 0)
         for processes in args.processes:
             trainer = SimpleNamespace(

@@ -41,7 +41,7 @@ from amir_lightning.systems.module import AmirGRPOModule
 
 def make_groups(module, groups: int, group_size: int, seed: int = 0) -> list[Group]:
     gen = torch.Generator().manual_seed(seed)
-    tok = module.handle.tokenizer
+    tok = module.policy.tokenizer
     source = ArithmeticPrompts(template="What is {expression}? Answer with just the number.")
     out = []
     for g in range(groups):
@@ -60,7 +60,7 @@ def make_groups(module, groups: int, group_size: int, seed: int = 0) -> list[Gro
 def random_groups(module, groups: int, group_size: int, prompt_len: int, lengths: tuple[int, int]) -> list[Group]:
     """Random-token prompts and completions of the given lengths, rewards in {0, 0.7, 1.4, 2.1} (pairs form)."""
     gen = torch.Generator().manual_seed(0)
-    vocab, eos = len(module.handle.tokenizer), module.handle.tokenizer.eos_token_id
+    vocab, eos = len(module.policy.tokenizer), module.policy.tokenizer.eos_token_id
     low = min(100, vocab // 4)
     out = []
     for _ in range(groups):
@@ -112,7 +112,7 @@ def step(module, optimizer, loss, rollout_step, official_pairs: bool = False) ->
         out.loss.backward()
         if official_pairs:
             _official_pair_term(module, batch)
-    torch.nn.utils.clip_grad_norm_(module.policy.parameters(), 1.0)
+    torch.nn.utils.clip_grad_norm_(module.model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -125,7 +125,7 @@ def _official_pair_term(module, batch, chunk: int = 2, beta: float = 0.2, lam: f
     for start in range(0, len(rows), chunk):
         index = rows[start : start + chunk]
         sub = batch.select(index)
-        logps, _ = module.handle.completion_logps(module.policy, sub, module.temperature)
+        logps, _ = module.policy.completion_logps(module.model, sub, module.temperature)
         seq = sequence_logps(logps, sub.completion_mask, "mean")  # [chunk]
         if len(seq) == 2:
             (-lam * torch.nn.functional.logsigmoid(beta * (seq[0] - seq[1])) / total).backward()
@@ -166,9 +166,9 @@ def main() -> None:
             groups = random_groups(module, args.groups, args.group_size, 64, tuple(args.lengths))
         else:
             groups = make_groups(module, args.groups, args.group_size)
-    module.handle.fused, module.handle.packed = not args.materialised, args.packing
-    optimizer = torch.optim.AdamW([p for p in module.policy.parameters() if p.requires_grad], lr=1e-12)
-    (rollout_step,) = build_steps(plan_steps(groups, 1, args.micro_batch_groups), module.handle.pad_token_id)
+    module.policy.fused, module.policy.packed = not args.materialised, args.packing
+    optimizer = torch.optim.AdamW([p for p in module.model.parameters() if p.requires_grad], lr=1e-12)
+    (rollout_step,) = build_steps(plan_steps(groups, 1, args.micro_batch_groups), module.policy.pad_token_id)
     rollout_step = module.transfer_batch_to_device(rollout_step, module.device, 0)
     grpo, amir = (
         GRPOLoss(),
@@ -192,7 +192,7 @@ def main() -> None:
     base = median(times["GRPO"])
     setting = "paper shape: LoRA r16, bf16 compute, " if args.paper_shape else ""
     setting += "no grad ckpt, " if args.paper_shape and args.no_checkpointing else "grad ckpt, " * args.paper_shape
-    setting += f"attention {module.policy.config._attn_implementation}, "
+    setting += f"attention {module.model.config._attn_implementation}, "
     setting += "materialised log-probs, " if args.materialised else "fused log-probs, "
     setting += "packed (no padding), " if args.packing else f"padded ({1 - tokens / padded:.0%} of {padded} padding), "
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else machine()

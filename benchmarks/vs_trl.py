@@ -78,14 +78,14 @@ def main() -> None:
     ours = AmirGRPOModule(policy=source, loss=GRPOLoss(aggregation="grpo"))
     ours.configure_model()
     groups = make_groups(ours, args.groups, args.group_size)
-    batch = make_batch(groups, ours.handle.pad_token_id)  # one micro-batch, like TRL's
+    batch = make_batch(groups, ours.policy.pad_token_id)  # one micro-batch, like TRL's
     rows, width = len(batch.rewards), batch.completion_width
-    trainer, trl_optimizer = trl_trainer(ours.handle.model_dir, args.group_size, rows, width)
-    our_optimizer = torch.optim.AdamW(ours.policy.parameters(), lr=1e-12)
+    trainer, trl_optimizer = trl_trainer(ours.policy.model_dir, args.group_size, rows, width)
+    our_optimizer = torch.optim.AdamW(ours.model.parameters(), lr=1e-12)
     inputs = trl_inputs(batch)
 
     def our_loss(entropy: bool) -> torch.Tensor:
-        logps, _ = ours.handle.completion_logps(ours.policy, batch, 1.0, entropy=entropy)
+        logps, _ = ours.policy.completion_logps(ours.model, batch, 1.0, entropy=entropy)
         return ours.loss(logps, batch.completion_mask, batch.advantages, batch.rewards, args.group_size).loss
 
     def step(loss_fn, model, optimizer) -> float:
@@ -97,12 +97,12 @@ def main() -> None:
 
     with torch.no_grad():  # on-policy GRPO: the loss is -mean(advantage) = 0 up to rounding; the gradient is not
         ours_loss, trl_loss = float(our_loss(False)), float(trainer._compute_loss(trainer.model, inputs))
-    ours_norm = step(lambda: our_loss(False), ours.policy, our_optimizer)
+    ours_norm = step(lambda: our_loss(False), ours.model, our_optimizer)
     trl_norm = step(lambda: trainer._compute_loss(trainer.model, inputs), trainer.model, trl_optimizer)
     times = interleaved(
         {
-            "ours (AmirGRPOModule + GRPOLoss)": lambda: step(lambda: our_loss(False), ours.policy, our_optimizer),
-            "ours, with token entropy": lambda: step(lambda: our_loss(True), ours.policy, our_optimizer),
+            "ours (AmirGRPOModule + GRPOLoss)": lambda: step(lambda: our_loss(False), ours.model, our_optimizer),
+            "ours, with token entropy": lambda: step(lambda: our_loss(True), ours.model, our_optimizer),
             "TRL GRPOTrainer._compute_loss": lambda: step(
                 lambda: trainer._compute_loss(trainer.model, inputs), trainer.model, trl_optimizer
             ),

@@ -51,7 +51,7 @@ class Watch(L.Callback):
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         data = trainer.datamodule
-        self.weights.append(pl_module.handle.trainable_weights())
+        self.weights.append(pl_module.policy.trainable_weights())
         self.current.append(data.schedule.current)
         self.ahead.append(data.schedule.ahead[-1])
 
@@ -124,8 +124,8 @@ def test_a_run_resumed_between_rollouts_ends_where_an_uninterrupted_run_does(tmp
     (straight_module, straight), (_, first), (module, data) = cut_and_resume(build_changing_reward, tmp_path, 3)
     assert (straight.engine.rollouts, first.engine.rollouts, data.engine.rollouts) == (4, 3, 1)
     assert data.feed.position == straight.feed.position
-    for name, weight in straight_module.policy.state_dict().items():
-        assert torch.equal(weight, module.policy.state_dict()[name]), name
+    for name, weight in straight_module.model.state_dict().items():
+        assert torch.equal(weight, module.model.state_dict()[name]), name
     # straight: rollouts 1-3 as they train; cut: rollouts 2 and 3 when their checkpoints were written; resumed: 4 only
     assert [d.rewards[0].calls for d in (straight, first, data)] == [3, 3, 1]
     for engine in (straight.engine, first.engine, data.engine):

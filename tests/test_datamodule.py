@@ -41,7 +41,7 @@ class Watch(L.Callback):
         # train_dataloader() has run (the first rollout), and no step yet: the sampling policy's weights.
         for step in trainer.train_dataloader:
             for batch in step.micro_batches:
-                self.before[id(batch)] = pl_module.handle.logps(batch)
+                self.before[id(batch)] = pl_module.policy.logps(batch)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.old[batch.index] = [None if b.old_logps is None else b.old_logps.cpu() for b in batch.micro_batches]
@@ -88,7 +88,7 @@ def build(
         ),  # fmt: skip
         sampling=SamplingConfig(max_new_tokens=new_tokens),
     )
-    data.attach(module.handle)
+    data.attach(module.policy)
     return module, data
 
 
@@ -156,7 +156,7 @@ def test_an_on_policy_rollout_has_no_old_log_probs(tmp_path):
 def test_the_data_module_needs_the_policy_handed_over(tmp_path):
     data = RolloutDataModule(prompts=ArithmeticPrompts(), engine=HFEngine(progress=False))
     data.trainer = L.Trainer(accelerator="cpu", logger=False, reload_dataloaders_every_n_epochs=1)
-    with pytest.raises(RuntimeError, match=r"call data.attach\(module.handle\) before the trainer runs"):
+    with pytest.raises(RuntimeError, match=r"call data.attach\(module.policy\) before the trainer runs"):
         data.setup("fit")
 
 
@@ -171,8 +171,8 @@ def test_a_run_resumed_at_the_end_of_a_rollout_runs_only_the_next_one_and_ends_w
     (straight_module, straight), (_, first), (module, data) = cut_and_resume(build, tmp_path, 2)
     assert (straight.engine.calls, first.engine.calls, data.engine.calls) == (2, 1, 1)
     assert data.feed.position == straight.feed.position == 4  # 2 rollouts of 2 prompts
-    for name, weight in straight_module.policy.state_dict().items():
-        assert torch.equal(weight, module.policy.state_dict()[name]), name
+    for name, weight in straight_module.model.state_dict().items():
+        assert torch.equal(weight, module.model.state_dict()[name]), name
 
 
 def test_decoupled_old_log_probs_are_the_default_and_a_run_without_the_correction_is_warned():

@@ -97,21 +97,21 @@ def test_bf16_sync_check_passes_on_a_correct_engine_and_fails_on_a_stale_one(tin
     else:
         engine = HFEngine(dtype="bfloat16", progress=False)
     engine.start(tiny_dir, seed=0)
-    prompt, answer = module.handle.tokenizer("12+4=")["input_ids"], "16 = 12 + 4 = 4 + 12 = 8 + 8"
+    prompt, answer = module.policy.tokenizer("12+4=")["input_ids"], "16 = 12 + 4 = 4 + 12 = 8 + 8"
 
     stale = SyncCheck()
-    stale.set_probe(module.handle.tokenizer, prompt, answer)
-    floor = stale.push_and_verify(module.handle, SkipsPushes(engine)).gap  # step 0: same weights, the gap is numerics
+    stale.set_probe(module.policy.tokenizer, prompt, answer)
+    floor = stale.push_and_verify(module.policy, SkipsPushes(engine)).gap  # step 0: same weights, the gap is numerics
     assert floor > 1e-3 and stale.noise_floor == floor
-    perturb(module.policy, 0.005, seed=10)  # an optimiser step
+    perturb(module.model, 0.005, seed=10)  # an optimiser step
     with pytest.raises(StaleEngineError, match="after weight sync 2 this process's engine holds other weights"):
-        stale.push_and_verify(module.handle, SkipsPushes(engine))
+        stale.push_and_verify(module.policy, SkipsPushes(engine))
 
     check = SyncCheck()
-    check.set_probe(module.handle.tokenizer, prompt, answer)
-    report = check.push_and_verify(module.handle, engine)
+    check.set_probe(module.policy.tokenizer, prompt, answer)
+    report = check.push_and_verify(module.policy, engine)
     assert report.tolerance == pytest.approx(4 * report.gap)
     for step in range(4):
-        perturb(module.policy, 0.005, seed=20 + step)
-        assert check.push_and_verify(module.handle, engine).verified > 0
+        perturb(module.model, 0.005, seed=20 + step)
+        assert check.push_and_verify(module.policy, engine).verified > 0
     engine.close()

@@ -186,12 +186,16 @@ def more_files(tmp: Path) -> dict[str, str]:
     torch.save({"state_dict": {}, "epoch": 0, "global_step": 0}, tmp / "whole.ckpt")
     whole = (tmp / "whole.ckpt").read_bytes()
     (tmp / "truncated.ckpt").write_bytes(whole[: len(whole) // 2])
-    foreign = {"policy.model.embed_tokens.weight": torch.zeros(7, 16), "policy.lm_head.weight": torch.zeros(7, 16)}
+    foreign = {"model.model.embed_tokens.weight": torch.zeros(7, 16), "model.lm_head.weight": torch.zeros(7, 16)}
     torch.save(
         {"state_dict": foreign, "epoch": 0, "global_step": 1, "pytorch-lightning_version": "2.6.6"}, tmp / "o.ckpt"
     )
+    older = {k.replace("model.", "policy.", 1): v for k, v in foreign.items()}  # the weight names before model.*
+    torch.save(
+        {"state_dict": older, "epoch": 0, "global_step": 1, "pytorch-lightning_version": "2.6.6"}, tmp / "old.ckpt"
+    )
     names = ("latin1.yaml", "latin1.jsonl", "empty.yaml", "object_question.jsonl", "list_question.jsonl")
-    names += ("bool_answer.jsonl", "text.ckpt", "truncated.ckpt", "o.ckpt", "long_heldout.jsonl")
+    names += ("bool_answer.jsonl", "text.ckpt", "truncated.ckpt", "o.ckpt", "old.ckpt", "long_heldout.jsonl")
     return {name: str(tmp / name) for name in names}
 
 
@@ -308,6 +312,11 @@ MORE_CASES = [
     ),
     ("checkpoint of another model", ["--ckpt_path", "@o.ckpt@"], "o.ckpt was written by another model"),
     (
+        "checkpoint of another model, older weight names",
+        ["--ckpt_path", "@old.ckpt@"],
+        "old.ckpt was written by another model",
+    ),
+    (
         "held-out prompt longer than the context",
         ["--data.val_prompts", JSONL, "--data.val_prompts.init_args.path", "@long_heldout.jsonl@"],
         "long_heldout.jsonl:4 has 81 tokens after the chat template, over the limit of 62",
@@ -365,13 +374,13 @@ def test_checkpoint_of_another_shape_or_objective_is_named():
 
     from amir_lightning.checkpoints.checks import check_compatible
 
-    own = {"policy.lm_head.weight": (7, 16), "policy.model.norm.weight": (16,), "loss.schedule.lambda_value": ()}
-    saved = {"policy.lm_head.weight": torch.zeros(7, 16), "policy.model.norm.weight": torch.zeros(16)}
+    own = {"model.lm_head.weight": (7, 16), "model.model.norm.weight": (16,), "loss.schedule.lambda_value": ()}
+    saved = {"model.lm_head.weight": torch.zeros(7, 16), "model.model.norm.weight": torch.zeros(16)}
     saved["loss.schedule.lambda_value"] = torch.zeros(())
     check_compatible(own, saved, "a.ckpt")  # the same run: no error
-    wider = {**saved, "policy.lm_head.weight": torch.zeros(7, 32)}
+    wider = {**saved, "model.lm_head.weight": torch.zeros(7, 32)}
     with pytest.raises(
-        ValueError, match=r"another model: policy.lm_head.weight has shape \(7, 32\) there and \(7, 16\)"
+        ValueError, match=r"another model: model.lm_head.weight has shape \(7, 32\) there and \(7, 16\)"
     ):
         check_compatible(own, wider, "a.ckpt")
     grpo = {k: v for k, v in own.items() if not k.startswith("loss.")}
@@ -379,12 +388,114 @@ def test_checkpoint_of_another_shape_or_objective_is_named():
         ValueError, match=r"another objective \(model.loss\): this run has no loss.schedule.lambda_value"
     ):
         check_compatible(grpo, saved, "a.ckpt")
-    lora = {**own, "policy.model.q_proj.lora_A.default.weight": (4, 16)}
-    with pytest.raises(ValueError, match=r"another model: it has no policy.model.q_proj.lora_A"):
+    lora = {**own, "model.model.q_proj.lora_A.default.weight": (4, 16)}
+    with pytest.raises(ValueError, match=r"another model: it has no model.model.q_proj.lora_A"):
         check_compatible(lora, saved, "a.ckpt")
     # A LoRA checkpoint leaves the frozen base weights out: they may be missing, the adapters may not.
-    adapters = {k: v for k, v in saved.items() if k != "policy.model.norm.weight"}
-    adapters["policy.model.q_proj.lora_A.default.weight"] = torch.zeros(4, 16)
-    check_compatible(lora, adapters, "a.ckpt", optional={"policy.model.norm.weight"})
-    with pytest.raises(ValueError, match=r"it has no policy.model.q_proj.lora_A"):
-        check_compatible(lora, saved, "a.ckpt", optional={"policy.model.norm.weight"})
+    adapters = {k: v for k, v in saved.items() if k != "model.model.norm.weight"}
+    adapters["model.model.q_proj.lora_A.default.weight"] = torch.zeros(4, 16)
+    check_compatible(lora, adapters, "a.ckpt", optional={"model.model.norm.weight"})
+    with pytest.raises(ValueError, match=r"it has no model.model.q_proj.lora_A"):
+        check_compatible(lora, saved, "a.ckpt", optional={"model.model.norm.weight"})
+
+
+def test_checkpoint_with_the_older_weight_names_is_mapped_and_other_names_are_not():
+    """Weights saved as ``policy.<x>`` (before the module named them ``model``) are read as ``model.<x>``."""
+    from collections import OrderedDict
+
+    import torch
+
+    from amir_lightning.checkpoints.checks import check_compatible, renamed_keys
+
+    own = {"model.lm_head.weight": (7, 16), "model.model.norm.weight": (16,), "loss.schedule.lambda_value": ()}
+    names = ["policy.lm_head.weight", "policy.model.norm.weight", "loss.schedule.lambda_value"]
+    older = OrderedDict(zip(names, [torch.randn(7, 16), torch.randn(16), torch.tensor(0.5)], strict=True))
+    older._metadata = OrderedDict([("", {}), ("policy", {}), ("policy.model", {}), ("loss", {})])
+    mapped, renamed = renamed_keys(older)
+    assert renamed and list(mapped) == ["model.lm_head.weight", "model.model.norm.weight", "loss.schedule.lambda_value"]
+    for name, value in older.items():
+        assert torch.equal(mapped[name.replace("policy.", "model.", 1)], value), name
+    assert list(mapped._metadata) == ["", "model", "model.model", "loss"]
+    check_compatible(own, mapped, "old.ckpt")  # the same run's weights: no error
+    assert renamed_keys(mapped) == (mapped, False)  # the current names come back as they are
+    # Mapped, then checked as before: another shape is still named, with the current name.
+    wider, _ = renamed_keys({**older, "policy.lm_head.weight": torch.zeros(7, 32)})
+    with pytest.raises(ValueError, match=r"another model: model.lm_head.weight has shape \(7, 32\) there"):
+        check_compatible(own, wider, "old.ckpt")
+    # Unrelated names are neither renamed nor let through.
+    unrelated = {"encoder.weight": torch.zeros(7, 16), "loss.schedule.lambda_value": torch.tensor(0.5)}
+    assert renamed_keys(unrelated) == (unrelated, False)
+    with pytest.raises(ValueError, match=r"o.ckpt was written by another model: it has no model.lm_head.weight"):
+        check_compatible(own, unrelated, "o.ckpt")
+    both = {**unrelated, "policy.lm_head.weight": torch.zeros(7, 16), "model.model.norm.weight": torch.zeros(16)}
+    assert renamed_keys(both) == (both, False)  # current names beside older ones: not ours to rename
+
+
+def test_lightning_loads_an_older_checkpoint_into_the_model(tmp_path, caplog):
+    """``on_load_checkpoint`` renames the older names before Lightning loads ``state_dict`` (one warning)."""
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+
+    from amir_lightning.models import HFModel, build_tiny_model
+    from amir_lightning.systems.module import AmirGRPOModule
+
+    module = AmirGRPOModule(policy=HFModel(str(build_tiny_model(tmp_path / "model", seed=2))))
+    module.configure_model()
+    state = module.state_dict()
+    assert any(k.startswith("model.") for k in state) and not any(k.startswith("policy.") for k in state)
+    older = {
+        (k.replace("model.", "policy.", 1) if k.startswith("model.") else k): v + 1 if v.is_floating_point() else v
+        for k, v in state.items()
+    }  # other values than the module's, to see them land
+    torch.save({"state_dict": older, "epoch": 0, "global_step": 1}, tmp_path / "old.ckpt")
+    checkpoint = torch.load(tmp_path / "old.ckpt", map_location="cpu", weights_only=True)
+    module._trainer = SimpleNamespace(ckpt_path=str(tmp_path / "old.ckpt"), is_global_zero=True)
+    with caplog.at_level(logging.WARNING):
+        module.on_load_checkpoint(checkpoint)  # what Lightning's restore_model runs first
+    module.load_state_dict(checkpoint["state_dict"])  # then this (the strategy's load_model_state_dict)
+    assert caplog.text.count("was written with the older weight names policy.*: mapped to model.*") == 1
+    loaded = module.state_dict()
+    for name, value in older.items():
+        assert torch.equal(loaded[name.replace("policy.", "model.", 1)], value), name
+    # A checkpoint of another model still stops with the check's message, not a load error.
+    foreign = {"state_dict": {"policy.lm_head.weight": torch.zeros(3, 5)}}
+    with pytest.raises(ValueError, match=r"old.ckpt was written by another model"):
+        module.on_load_checkpoint(foreign)
+
+
+def test_distributed_checkpoint_with_the_older_weight_names_is_one_line(tmp_path):
+    """FSDP2's folders load shard by shard into the current names: older ones stop at the start-up check."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from amir_lightning.checkpoints.checks import check_checkpoint
+
+    for folder, prefix in (("older", "policy."), ("current", "model.")):
+        weights = {f"{prefix}lm_head.weight": torch.zeros(7, 16)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "torch.distributed is disabled ...": one process writes it
+            dcp.save({"state_dict": weights}, checkpoint_id=str(tmp_path / folder), no_dist=True)
+    check_checkpoint(str(tmp_path / "current"))
+    with pytest.raises(ValueError, match=r"older\S* is a distributed checkpoint written with the older weight names"):
+        check_checkpoint(str(tmp_path / "older"))
+
+
+def test_older_whole_checkpoint_under_fsdp2_is_one_line(tmp_path, monkeypatch, capsys):
+    """ModelParallelStrategy loads a whole checkpoint itself, before the module could rename the older names."""
+    import torch
+
+    from amir_lightning.cli.app import build_cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AMIR_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(sys, "argv", ["amir"])
+    own, _ = build_cli(["--config", TINY], run=False).model.expected_shapes()
+    older = {(f"policy.{k[6:]}" if k.startswith("model.") else k): torch.zeros(shape) for k, shape in own.items()}
+    torch.save({"state_dict": older, "epoch": 0, "global_step": 1}, tmp_path / "older.ckpt")
+    fsdp2 = ["--trainer.strategy", "{class_path: lightning.pytorch.strategies.ModelParallelStrategy}"]
+    expected = "older.ckpt was written with the older weight names (policy.*, now model.*), which ModelParallelStrategy"
+    run_bad_input(["--ckpt_path", str(tmp_path / "older.ckpt"), *fsdp2], expected, tmp_path, monkeypatch, capsys)

@@ -83,19 +83,19 @@ class PoisonedRollouts(L.LightningDataModule):
 
     def train_dataloader(self):
         module = self.trainer.lightning_module
-        eos = module.handle.tokenizer.eos_token_id
+        eos = module.policy.tokenizer.eos_token_id
         rewards = torch.tensor([0.0, 1.0, 2.0, 1.0])
         adv = group_advantages(rewards, 4)
         if self.trainer.current_epoch in self.poisoned:
             adv = adv * float("inf")
         group = Group(
-            module.handle.tokenizer("3=")["input_ids"],
+            module.policy.tokenizer("3=")["input_ids"],
             [Completion([5, 6, eos], "", [0.0] * 3, "stop")] * 4,
             rewards,
             adv,
             rewards.clone(),
         )
-        batches = build_steps(plan_steps([group], 1, 1), module.handle.pad_token_id)
+        batches = build_steps(plan_steps([group], 1, 1), module.policy.pad_token_id)
         return DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
 
 
@@ -127,10 +127,10 @@ def test_non_finite_step_is_skipped_and_counted(tmp_path, monkeypatch):
     start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     module, trainer = fit(model_dir, epochs=1, poisoned=[0])
     assert trainer.global_step == 0 and module.bad_steps.skipped == 1  # the optimiser never stepped
-    assert all(torch.equal(v, start[k]) for k, v in module.policy.state_dict().items())
+    assert all(torch.equal(v, start[k]) for k, v in module.model.state_dict().items())
     module, trainer = fit(model_dir, epochs=3, poisoned=[1])
     assert trainer.global_step == 2 and module.bad_steps.skipped == 1
-    assert all(torch.isfinite(p).all() for p in module.policy.parameters())
+    assert all(torch.isfinite(p).all() for p in module.model.parameters())
 
 
 def test_consecutive_bad_steps_stop_the_run(tmp_path, monkeypatch):

@@ -83,14 +83,14 @@ def test_a_scaled_head_falls_back_to_the_models_own_logits(tmp_path, arch, caplo
     config_cls, extra, key = SCALED[arch]
     module = AmirGRPOModule(policy=HFModel(str(save_tiny(tmp_path, config_cls, extra))))
     module.configure_model()
-    assert not module.handle.fused and key in caplog.text  # said once, naming the key
+    assert not module.policy.fused and key in caplog.text  # said once, naming the key
     ids = torch.randint(3, 100, (2, 10), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
-    expected = model_logps(module.policy, ids)[:, -6:]
+    expected = model_logps(module.model, ids)[:, -6:]
     with torch.no_grad():
-        ours = completion_logps(module.policy, ids, mask, 6, fused=module.handle.fused)[0]
+        ours = completion_logps(module.model, ids, mask, 6, fused=module.policy.fused)[0]
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
-    assert head_matches_logits(module.policy)[2] > 1e-3  # what fusing it would cost (benchmarks/fused_head.py)
+    assert head_matches_logits(module.model)[2] > 1e-3  # what fusing it would cost (benchmarks/fused_head.py)
 
 
 def test_a_head_that_scales_without_a_configuration_key_is_caught_by_the_numeric_check():

@@ -67,7 +67,7 @@ def test_a_policy_scores_the_same_fused_packed_or_materialised(model_dir, lora, 
     module = AmirGRPOModule(policy=HFModel(str(model_dir)), lora=LoraSettings(r=4) if lora else None)
     module.configure_model()
     register_varlen()  # on a CPU, varlen is SDPA: this checks its registration and fallback (the kernel: tests/gpu)
-    module.policy.config._attn_implementation = attention  # the mask path of each (packed: block-diagonal)
+    module.model.config._attn_implementation = attention  # the mask path of each (packed: block-diagonal)
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(3, 20, (3, 9), generator=gen)
     mask = torch.ones_like(ids)
@@ -75,11 +75,11 @@ def test_a_policy_scores_the_same_fused_packed_or_materialised(model_dir, lora, 
     mask[1, -3:] = 0  # right padding of the completion
     results = {}
     for mode in ("materialised", "fused", "packed"):
-        module.policy.zero_grad(set_to_none=True)
+        module.model.zero_grad(set_to_none=True)
         fused, packed = mode != "materialised", mode == "packed"
-        logps, entropy = completion_logps(module.policy, ids, mask, 5, 0.8, 4, True, fused, packed)
+        logps, entropy = completion_logps(module.model, ids, mask, 5, 0.8, 4, True, fused, packed)
         (logps * torch.linspace(-1, 1, 5)).sum().backward()
-        grads = {n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None}
+        grads = {n: p.grad.clone() for n, p in module.model.named_parameters() if p.grad is not None}
         results[mode] = (logps.detach(), entropy, grads)
     ref_logps, ref_entropy, ref_grads = results["materialised"]
     assert ref_logps[1, -3:].eq(0).all() and len(ref_grads) > 0  # padding scores nothing
@@ -100,9 +100,9 @@ def test_packing_attends_within_each_sequence_only(model_dir):
     ids = torch.randint(3, 20, (2, 8), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     with torch.no_grad():
-        first = completion_logps(module.policy, ids, mask, 4, packed=True)[0]
+        first = completion_logps(module.model, ids, mask, 4, packed=True)[0]
         ids[0, :] = torch.randint(3, 20, (8,), generator=torch.Generator().manual_seed(5))
-        second = completion_logps(module.policy, ids, mask, 4, packed=True)[0]
+        second = completion_logps(module.model, ids, mask, 4, packed=True)[0]
     assert not torch.equal(first[0], second[0])
     torch.testing.assert_close(second[1], first[1], rtol=0, atol=1e-6)
 
@@ -143,7 +143,7 @@ def test_packed_scoring_hands_the_sequence_offsets_to_varlen_attention(model_dir
     mask[0, :2] = 0
     mask[1, -3:] = 0
     with torch.no_grad():
-        completion_logps(module.policy, ids, mask, 5, packed=module.handle.packed)
-    assert module.handle.packed and len(seen) == 2  # one call per layer
+        completion_logps(module.model, ids, mask, 5, packed=module.policy.packed)
+    assert module.policy.packed and len(seen) == 2  # one call per layer
     for offsets, longest in seen:
         assert offsets.tolist() == [0, 7, 13, 22] and longest == 9

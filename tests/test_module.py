@@ -29,9 +29,9 @@ def module(tmp_path_factory):
 
 def make_groups(module, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    eos, groups = module.handle.tokenizer.eos_token_id, []
+    eos, groups = module.policy.tokenizer.eos_token_id, []
     for text in ["3=", "12+4=", "7*8-1=", "9="]:
-        prompt = module.handle.tokenizer(text)["input_ids"]
+        prompt = module.policy.tokenizer(text)["input_ids"]
         completions = []
         for _ in range(G):
             length = int(torch.randint(1, 6, (1,), generator=gen))
@@ -44,30 +44,30 @@ def make_groups(module, seed=0):
 
 def test_logps_do_not_depend_on_padding(module):
     groups = make_groups(module)
-    batch = make_batch(groups, module.handle.pad_token_id)
-    logps = module.handle.logps(batch)
+    batch = make_batch(groups, module.policy.pad_token_id)
+    logps = module.policy.logps(batch)
     row = 0
     for group in groups:
         for c in group.completions:
             ids = torch.tensor([group.prompt_ids + c.token_ids])
             with torch.no_grad():
-                logits = module.policy(ids).logits[0, len(group.prompt_ids) - 1 : -1] / 0.9
+                logits = module.model(ids).logits[0, len(group.prompt_ids) - 1 : -1] / 0.9
             expected = torch.log_softmax(logits, -1).gather(-1, ids[0, len(group.prompt_ids) :, None]).squeeze(-1)
             torch.testing.assert_close(logps[row, : len(c.token_ids)], expected, atol=1e-5, rtol=1e-5)
             row += 1
 
 
 def step_gradient(module, groups, micro_batch_groups, micro_batch_tokens=None, count=None):
-    module.policy.zero_grad(set_to_none=True)
+    module.model.zero_grad(set_to_none=True)
     plan = plan_steps(groups, 1, micro_batch_groups, micro_batch_tokens)
     if count is not None:
         plan = fit_plan(plan, [count])
-    (step,) = build_steps(plan, module.handle.pad_token_id)
+    (step,) = build_steps(plan, module.policy.pad_token_id)
     context = module.loss.step_context(step.lengths, step.rewards, G)
     for batch in step.micro_batches:
         out, _ = module.compute_loss(batch, context)
         out.loss.backward()
-    return torch.cat([p.grad.flatten() for p in module.policy.parameters()])
+    return torch.cat([p.grad.flatten() for p in module.model.parameters()])
 
 
 def test_step_gradient_does_not_depend_on_micro_batching(module):
@@ -93,9 +93,9 @@ def test_step_gradient_does_not_depend_on_the_token_budget_or_the_agreed_count(m
 
 
 def test_export_weights_match_policy(module):
-    with module.handle.export_weights() as named:
+    with module.policy.export_weights() as named:
         state = dict(named)
-    assert set(state) == set(module.policy.state_dict())
+    assert set(state) == set(module.model.state_dict())
 
 
 def test_lora_export_merges_out_of_place(tmp_path):
@@ -107,19 +107,19 @@ def test_lora_export_merges_out_of_place(tmp_path):
     mod = AmirGRPOModule(policy=HFModel(str(model_dir)), lora=LoraSettings(r=4, alpha=8))
     mod.configure_model()
     with torch.no_grad():
-        for name, p in mod.policy.named_parameters():
+        for name, p in mod.model.named_parameters():
             if "lora_B" in name:
                 p.add_(0.1 * torch.randn_like(p))
-    before = {k: v.clone() for k, v in mod.policy.state_dict().items()}
-    with mod.handle.export_weights() as named:
+    before = {k: v.clone() for k, v in mod.model.state_dict().items()}
+    with mod.policy.export_weights() as named:
         merged = dict(named)
-    assert all(torch.equal(before[k], v) for k, v in mod.policy.state_dict().items())  # no rounding drift
+    assert all(torch.equal(before[k], v) for k, v in mod.model.state_dict().items())  # no rounding drift
     assert set(merged) == set(AutoModelForCausalLM.from_pretrained(model_dir).state_dict())
     export = mod.export(tmp_path / "export")
     plain = AutoModelForCausalLM.from_pretrained(export)
-    ids = torch.tensor([mod.handle.tokenizer("12+4=33")["input_ids"]])
+    ids = torch.tensor([mod.policy.tokenizer("12+4=33")["input_ids"]])
     with torch.no_grad():
-        torch.testing.assert_close(plain(ids).logits, mod.policy(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(plain(ids).logits, mod.model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_old_logprobs_and_probe_run_without_lora_dropout(tmp_path):
@@ -131,17 +131,17 @@ def test_old_logprobs_and_probe_run_without_lora_dropout(tmp_path):
     mod = AmirGRPOModule(policy=HFModel(str(model_dir)), lora=LoraSettings(r=4, alpha=8, dropout=0.5))
     mod.configure_model()
     with torch.no_grad():
-        for name, p in mod.policy.named_parameters():
+        for name, p in mod.model.named_parameters():
             if "lora_B" in name:
                 p.add_(0.5 * torch.randn_like(p))  # adapters that matter, so dropout on them would show
-    batch = make_batch(make_groups(mod), mod.handle.pad_token_id)
-    first, second = mod.handle.logps(batch), mod.handle.logps(batch)
-    assert mod.policy.training  # restored
+    batch = make_batch(make_groups(mod), mod.policy.pad_token_id)
+    first, second = mod.policy.logps(batch), mod.policy.logps(batch)
+    assert mod.model.training  # restored
     torch.testing.assert_close(first, second, atol=0, rtol=0)
     prompt, completion = batch.input_ids[0, :3].tolist(), batch.completion_ids[0, :2].tolist()
-    assert mod.handle.score_tokens(prompt, completion) == mod.handle.score_tokens(prompt, completion)
-    mod.policy.eval()
-    torch.testing.assert_close(mod.handle.logps(batch), first)
+    assert mod.policy.score_tokens(prompt, completion) == mod.policy.score_tokens(prompt, completion)
+    mod.model.eval()
+    torch.testing.assert_close(mod.policy.logps(batch), first)
 
 
 def test_full_fine_tuning_does_not_decay_biases_and_norm_weights(tmp_path):
@@ -152,7 +152,7 @@ def test_full_fine_tuning_does_not_decay_biases_and_norm_weights(tmp_path):
     mod.configure_model()
     decayed, flat = mod.configure_optimizers().param_groups
     assert decayed["weight_decay"] == 0.1 and flat["weight_decay"] == 0.0
-    names = {id(p): n for n, p in mod.policy.named_parameters()}
+    names = {id(p): n for n, p in mod.model.named_parameters()}
     assert {names[id(p)].rsplit(".", 1)[0].rsplit(".", 1)[-1] for p in flat["params"]} >= {"norm", "input_layernorm"}
     assert all("bias" in names[id(p)] or "norm" in names[id(p)] for p in flat["params"])
     assert all(p.ndim == 2 for p in decayed["params"])
@@ -162,11 +162,11 @@ def test_packed_micro_batches_make_the_same_update_as_padded_ones(module):
     """``model.scoring.packing on`` (one row of real tokens per micro-batch, block-diagonal attention under SDPA)."""
     groups = make_groups(module, seed=3)
     padded = step_gradient(module, groups, micro_batch_groups=2)
-    module.handle.packed = True
+    module.policy.packed = True
     try:
         packed = step_gradient(module, groups, micro_batch_groups=2)
     finally:
-        module.handle.packed = False
+        module.policy.packed = False
     assert padded.abs().sum() > 0
     torch.testing.assert_close(packed, padded, atol=1e-6, rtol=1e-4)
 
@@ -179,15 +179,15 @@ def test_packing_auto_follows_the_attention_implementation(tmp_path):
         policy=HFModel(str(model_dir)), scoring=ScoringSettings(attn_implementation="eager", packing="auto")
     )
     eager.configure_model()
-    assert eager.policy.config._attn_implementation == "eager" and not eager.handle.packed
+    assert eager.model.config._attn_implementation == "eager" and not eager.policy.packed
     forced = AmirGRPOModule(policy=HFModel(str(model_dir)), scoring=ScoringSettings(packing="on"))
     forced.configure_model()
-    assert forced.policy.config._attn_implementation == "sdpa" and forced.handle.packed
-    forced.policy.config._attn_implementation = "flash_attention_2"  # what from_pretrained sets where it is installed
-    assert varlen_attention(forced.policy)
+    assert forced.model.config._attn_implementation == "sdpa" and forced.policy.packed
+    forced.model.config._attn_implementation = "flash_attention_2"  # what from_pretrained sets where it is installed
+    assert varlen_attention(forced.model)
     varlen = AmirGRPOModule(policy=HFModel(str(model_dir)), scoring=ScoringSettings(attn_implementation="varlen"))
     varlen.configure_model()
-    assert varlen.policy.config._attn_implementation == "varlen" and varlen.handle.packed
+    assert varlen.model.config._attn_implementation == "varlen" and varlen.policy.packed
 
 
 def episode_steps(module, seed=0):
@@ -198,8 +198,8 @@ def episode_steps(module, seed=0):
     data = episode_groups(seed, trailing=True)
     old = {}
     gen = torch.Generator().manual_seed(seed)
-    batch = make_batch(data.policy_only, module.handle.pad_token_id)
-    logps = module.handle.logps(batch)
+    batch = make_batch(data.policy_only, module.policy.pad_token_id)
+    logps = module.policy.logps(batch)
     rows = [(e, b) for eg, bg in zip(data.episodes, data.policy_only) for e, b in zip(eg.completions, bg.completions)]
     for row, (episode, bare) in enumerate(rows):
         n = len(bare.token_ids)
@@ -217,9 +217,9 @@ def module_step(module, groups, old):
     the old log-probs ``old`` (by ``id`` of the completion)."""
     from helpers.policy_tokens import put_old_logps
 
-    module.policy.zero_grad(set_to_none=True)
+    module.model.zero_grad(set_to_none=True)
     plan = plan_steps(groups, 1, 1)
-    (step,) = build_steps(plan, module.handle.pad_token_id)
+    (step,) = build_steps(plan, module.policy.pad_token_id)
     for part, batch in zip(plan[0], step.micro_batches):
         put_old_logps(batch, part, old)
     context, stats = module.step_context(step), {}
@@ -228,7 +228,7 @@ def module_step(module, groups, old):
         out.loss.backward()
         for key, value in out.stats.items():
             stats[key] = stats.get(key, 0.0) + value.detach()
-    return torch.cat([p.grad.flatten() for p in module.policy.parameters()]), stats
+    return torch.cat([p.grad.flatten() for p in module.model.parameters()]), stats
 
 
 @pytest.mark.parametrize(

@@ -46,9 +46,9 @@ def train_lora(model_dir, precision, trainable_dtype="float32", steps=20, export
         reload_dataloaders_every_n_epochs=1,
     )
     module.configure_model()  # build it early to record the initial adapters (configure_model then keeps it)
-    before = {n: p.detach().float().clone() for n, p in module.policy.named_parameters() if "lora_A" in n}
+    before = {n: p.detach().float().clone() for n, p in module.model.named_parameters() if "lora_A" in n}
     trainer.fit(module, FixedRollouts())
-    after = {n: p.detach().float() for n, p in module.policy.named_parameters() if "lora_A" in n}
+    after = {n: p.detach().float() for n, p in module.model.named_parameters() if "lora_A" in n}
     changed = sum(int((after[n] != before[n]).sum()) for n in before) / sum(v.numel() for v in before.values())
     return module, changed
 
@@ -57,22 +57,22 @@ def train_lora(model_dir, precision, trainable_dtype="float32", steps=20, export
 def test_lora_updates_at_rl_learning_rates_survive_bf16(model_dir, precision):
     module, changed = train_lora(model_dir, precision)
     assert module.compute_dtype == torch.bfloat16
-    dtypes = {(p.requires_grad, p.dtype) for p in module.policy.parameters()}
+    dtypes = {(p.requires_grad, p.dtype) for p in module.model.parameters()}
     assert dtypes == {(True, torch.float32), (False, torch.bfloat16)}  # adapters fp32, frozen base bf16
     assert changed >= 0.99
 
 
 def test_bf16_trainable_weights_only_by_name_and_then_updates_round_away(model_dir):
     module, changed = train_lora(model_dir, "bf16-mixed", trainable_dtype="bfloat16")
-    assert {p.dtype for p in module.policy.parameters() if p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in module.model.parameters() if p.requires_grad} == {torch.bfloat16}
     assert changed < 0.5  # what bf16-true did to every run before: most updates are below half an ulp
 
 
 def test_bf16_compute_runs_the_forward_in_bf16(model_dir):
     module, _ = train_lora(model_dir, "bf16-mixed", steps=1)
-    ids = torch.tensor([module.handle.tokenizer("12+4=")["input_ids"]])
-    with module.handle.compute_context():
-        logits = module.policy(input_ids=ids).logits
+    ids = torch.tensor([module.policy.tokenizer("12+4=")["input_ids"]])
+    with module.policy.compute_context():
+        logits = module.model(input_ids=ids).logits
     assert logits.dtype == torch.bfloat16
 
 
@@ -86,10 +86,10 @@ def test_full_fine_tuning_keeps_float32_weights_under_bf16_compute(model_dir):
     )
     trainer = L.Trainer(accelerator="cpu", precision="bf16-true", max_steps=1, logger=False, enable_checkpointing=False)
     trainer.fit(module, FixedRollouts())
-    assert {p.dtype for p in module.policy.parameters()} == {torch.float32}
-    ids = torch.tensor([module.handle.tokenizer("12+4=")["input_ids"]])
-    with module.handle.compute_context():
-        assert module.policy(input_ids=ids).logits.dtype == torch.bfloat16
+    assert {p.dtype for p in module.model.parameters()} == {torch.float32}
+    ids = torch.tensor([module.policy.tokenizer("12+4=")["input_ids"]])
+    with module.policy.compute_context():
+        assert module.model(input_ids=ids).logits.dtype == torch.bfloat16
 
 
 def test_unsupported_precision_and_strategies_are_refused():
@@ -126,7 +126,7 @@ def test_the_reference_copy_scores_as_the_policy_at_step_zero(model_dir, precisi
     module.compute_dtype = compute_dtype(precision)
     module.configure_model()
     ids = torch.randint(3, 20, (4, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad(), module.handle.compute_context(), module.handle.reference() as reference:
-        policy = completion_logps(module.policy, ids, torch.ones_like(ids), 8)[0]
+    with torch.no_grad(), module.policy.compute_context(), module.policy.reference() as reference:
+        policy = completion_logps(module.model, ids, torch.ones_like(ids), 8)[0]
         ref = completion_logps(reference, ids, torch.ones_like(ids), 8)[0]
     torch.testing.assert_close(ref, policy, rtol=0, atol=1e-6)

@@ -194,8 +194,8 @@ def test_lora_checkpoints_hold_the_adapters_and_resume_exactly(tmp_path):
     checkpoint = stop_and_resume(tmp_path, common, first_half=adapters)
     part = checkpoint.parents[1]
     saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
-    policy_keys = [k for k in saved["state_dict"] if k.startswith("policy.")]
-    assert policy_keys and all(".lora_A." in k or ".lora_B." in k for k in policy_keys)
+    weight_keys = [k for k in saved["state_dict"] if k.startswith("model.")]
+    assert weight_keys and all(".lora_A." in k or ".lora_B." in k for k in weight_keys)
     assert set(saved["amir"]["base_model"]) == {"source", "config_sha256", "weights_sha256"}
     assert saved["optimizer_states"][0]["state"]  # AdamW's moments of the adapters
     # The adapter export of rollout 1 loads onto the base model with peft.

@@ -7,10 +7,36 @@ prints one line instead of a traceback from YAML, Lightning or torch minutes lat
 from __future__ import annotations
 
 import zipfile
+from collections import OrderedDict
 from pathlib import Path
 
 #: ``--ckpt_path`` values Lightning resolves itself.
 _SPECIAL_CHECKPOINTS = ("last", "best", "hpc", "registry")
+
+#: The prefix of the trained weights' names in the module's state (``AmirGRPOModule.model``), and the one
+#: checkpoints written before that attribute was renamed use.
+WEIGHTS_PREFIX, OLDER_WEIGHTS_PREFIX = "model.", "policy."
+
+
+def renamed_keys(state_dict: dict) -> tuple[dict, bool]:
+    """``state_dict`` with the older weight names ``policy.<x>`` as ``model.<x>``, and whether it renamed any.
+
+    A checkpoint holding ``model.`` names already (or no ``policy.`` name) comes back as it is. The tensors are the
+    same objects; torch's per-module ``_metadata`` of the state is renamed alike.
+    """
+    if any(k.startswith(WEIGHTS_PREFIX) for k in state_dict) or not any(
+        k.startswith(OLDER_WEIGHTS_PREFIX) for k in state_dict
+    ):
+        return state_dict, False
+    mapped = OrderedDict((_renamed(k), v) for k, v in state_dict.items())
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:  # keyed by module prefix: "policy", "policy.model.layers.0", ...
+        mapped._metadata = OrderedDict((_renamed(k + ".")[:-1], v) for k, v in metadata.items())
+    return mapped, True
+
+
+def _renamed(name: str) -> str:
+    return WEIGHTS_PREFIX + name[len(OLDER_WEIGHTS_PREFIX) :] if name.startswith(OLDER_WEIGHTS_PREFIX) else name
 
 
 def check_checkpoint(path: str | None) -> None:
@@ -21,6 +47,7 @@ def check_checkpoint(path: str | None) -> None:
     if path is None or path in _SPECIAL_CHECKPOINTS:
         return
     from fsspec.core import url_to_fs
+    from fsspec.implementations.local import LocalFileSystem
 
     fs, file = url_to_fs(str(path))
     if not fs.exists(file):
@@ -28,6 +55,8 @@ def check_checkpoint(path: str | None) -> None:
     if fs.isdir(file):
         if not fs.isfile(f"{file.rstrip('/')}/.metadata"):
             raise ValueError(f"--ckpt_path {path} is not a checkpoint: a folder without a distributed checkpoint")
+        if isinstance(fs, LocalFileSystem):
+            check_distributed_names(file, path)
         return
     try:
         with fs.open(file, "rb") as fh, zipfile.ZipFile(fh) as archive:  # the index at the end: a cut file has none
@@ -35,6 +64,27 @@ def check_checkpoint(path: str | None) -> None:
                 raise zipfile.BadZipFile("no data.pkl")
     except (zipfile.BadZipFile, OSError) as err:
         raise ValueError(f"--ckpt_path {path} is not a checkpoint (not a whole torch archive: {err})") from None
+
+
+def check_distributed_names(folder: str, path: str) -> None:
+    """A distributed checkpoint (FSDP2) must name the trained weights ``model.<x>``: its index is read, no shard.
+
+    The strategy loads it shard by shard into the module's names, so one written with the older ``policy.<x>``
+    names cannot be renamed on the way (``renamed_keys`` does that for a whole checkpoint).
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        names = FileSystemReader(folder).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 - an unreadable index is Lightning's to report when it loads
+        return
+    if any(name.startswith("state_dict." + OLDER_WEIGHTS_PREFIX) for name in names):
+        raise ValueError(
+            f"--ckpt_path {path} is a distributed checkpoint written with the older weight names "
+            f"({OLDER_WEIGHTS_PREFIX}*, now {WEIGHTS_PREFIX}*), which cannot be mapped as its shards load: resume it "
+            "with the earlier version of amir_lightning, or re-save it there as a whole checkpoint "
+            "(--trainer.strategy.init_args.save_distributed_checkpoint false), which loads here under DDP or one device"
+        )
 
 
 def saved_checkpoint(path: str | None) -> dict | None:
@@ -90,7 +140,7 @@ def check_compatible(own: dict, saved: dict, path: str | None, optional: set[str
                 f"{where} was written by another model: {name} has shape {tuple(saved[name].shape)} there and "
                 f"{shape} here; {redo}"
             )
-    for kind, prefix in (("another model", "policy."), ("another objective (model.loss)", "")):
+    for kind, prefix in (("another model", WEIGHTS_PREFIX), ("another objective (model.loss)", "")):
         missing = sorted(name for name in own if name.startswith(prefix) and name not in saved and name not in optional)
         extra = sorted(name for name in saved if name.startswith(prefix) and name not in own)
         if missing:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from amir_lightning.checkpoints.checks import check_base_model, check_compatible
+from amir_lightning.checkpoints.checks import WEIGHTS_PREFIX, check_base_model, check_compatible, renamed_keys
 from amir_lightning.models.loading import base_identity, is_peft, policy_shapes
 
 log = logging.getLogger(__name__)
@@ -45,10 +45,11 @@ def restore_random_states(states: dict[str, Any]) -> None:
 class TrainableCheckpoint:
     """What a checkpoint of the policy module holds: what trains, and what a resume must check.
 
-    A mixin of ``AmirGRPOModule`` (before ``LightningModule``): it reads the module's ``policy``, ``lora``,
-    ``source``, ``model_dir``, ``trainer`` and ``bad_steps``. The module's ``state_dict`` (hence every
-    checkpoint, single-file or distributed) leaves out the frozen base weights of a LoRA policy; a resume checks the
-    base model's identity and the weights' shapes before loading.
+    A mixin of ``AmirGRPOModule`` (before ``LightningModule``): it reads the module's ``model`` (the trained
+    ``nn.Module``, whose weights are the state's ``model.*``), ``policy`` (its ``Policy``: ``model_dir``), ``lora``,
+    ``source``, ``trainer`` and ``bad_steps``. The module's ``state_dict`` (hence every checkpoint, single-file or
+    distributed) leaves out the frozen base weights of a LoRA policy; a resume checks the base model's identity and
+    the weights' shapes before loading.
     """
 
     def base_model(self) -> dict[str, str] | None:
@@ -57,25 +58,24 @@ class TrainableCheckpoint:
             return None
         source = getattr(self.source, "name_or_path", None) or type(self.source).__name__
         revision = getattr(self.source, "revision", None)
-        return base_identity(self.handle.model_dir, f"{source}@{revision}" if revision else source)
+        return base_identity(self.policy.model_dir, f"{source}@{revision}" if revision else source)
 
     def frozen_weights(self) -> set[str]:
         """State names of the frozen base weights of a LoRA policy (empty without LoRA or before the policy loads)."""
-        if self.policy is None or not is_peft(self.policy):
+        if self.model is None or not is_peft(self.model):
             return set()
-        return {
-            f"policy.{name}" for name, p in self.policy.named_parameters(remove_duplicate=False) if not p.requires_grad
-        }
+        named = self.model.named_parameters(remove_duplicate=False)
+        return {f"{WEIGHTS_PREFIX}{name}" for name, p in named if not p.requires_grad}
 
     def expected_shapes(self) -> tuple[dict[str, tuple[int, ...]], set[str]]:
         """This module's state as shapes, without loading the policy, and the names a checkpoint may leave out.
 
         The state: policy weights and loss buffers; left out: the frozen base weights of a LoRA policy.
         """
-        built, frozen = policy_shapes(self.handle.model_dir, self.lora, self.source.trust_remote_code)
-        shapes = {f"policy.{name}": shape for name, shape in built.items()}
-        own = shapes | {k: tuple(v.shape) for k, v in self.state_dict().items() if not k.startswith("policy.")}
-        return own, {f"policy.{name}" for name in frozen}
+        built, frozen = policy_shapes(self.policy.model_dir, self.lora, self.source.trust_remote_code)
+        shapes = {f"{WEIGHTS_PREFIX}{name}": shape for name, shape in built.items()}
+        own = shapes | {k: tuple(v.shape) for k, v in self.state_dict().items() if not k.startswith(WEIGHTS_PREFIX)}
+        return own, {f"{WEIGHTS_PREFIX}{name}" for name in frozen}
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The module's state without the frozen base weights of a LoRA policy: checkpoints hold what trains.
@@ -112,10 +112,20 @@ class TrainableCheckpoint:
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Check the checkpoint fits (base model, weight shapes); restore what ``on_save_checkpoint`` added."""
+        """Check the checkpoint fits (base model, weight shapes); restore what ``on_save_checkpoint`` added.
+
+        Lightning loads ``checkpoint["state_dict"]`` after this hook, so the older weight names ``policy.<x>`` are
+        renamed ``model.<x>`` here (``renamed_keys``).
+        """
         path = self.trainer.ckpt_path
         check_base_model(checkpoint.get("amir", {}).get("base_model"), self.base_model(), path)
         if "state_dict" in checkpoint:  # a distributed checkpoint is loaded by the strategy, shard by shard
+            checkpoint["state_dict"], renamed = renamed_keys(checkpoint["state_dict"])
+            if renamed and self.trainer.is_global_zero:
+                log.warning(
+                    "checkpoint %s was written with the older weight names policy.*: mapped to model.* to load it",
+                    path,
+                )
             own = super().state_dict()  # every weight: an older checkpoint may hold the base weights too
             check_compatible(own, checkpoint["state_dict"], path, optional=self.frozen_weights())
         if "amir" in checkpoint:

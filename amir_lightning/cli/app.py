@@ -15,9 +15,16 @@ from jsonargparse import lazy_instance
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
-from amir_lightning.checkpoints.checks import check_base_model, check_checkpoint, check_compatible, saved_checkpoint
+from amir_lightning.checkpoints.checks import (
+    check_base_model,
+    check_checkpoint,
+    check_compatible,
+    renamed_keys,
+    saved_checkpoint,
+)
 from amir_lightning.checkpoints.resume import fit_checkpoints_to_storage, keep_given_model_values, resolve_resume
 from amir_lightning.checkpoints.writing import install_atomic_checkpoints
 from amir_lightning.helpers.messages import close_option_hint, moved_key_hint, user_message
@@ -131,13 +138,21 @@ class AmirCLI(LightningCLI):
     @override
     def instantiate_classes(self) -> None:
         super().instantiate_classes()
-        self.datamodule.attach(self.model.handle)  # the data side's one way to the policy
+        self.datamodule.attach(self.model.policy)  # the data side's one way to the policy
         path = self.config[self.subcommand].get("ckpt_path") if self.subcommand else None
         saved = saved_checkpoint(path)
         if saved is not None:  # before the engine starts and the weights load: a foreign checkpoint fails in seconds
             check_base_model(saved.get("amir", {}).get("base_model"), self.model.base_model(), path)
             own, optional = self.model.expected_shapes()
-            check_compatible(own, saved["state_dict"], path, optional)
+            state, renamed = renamed_keys(saved["state_dict"])  # the older names; the load maps them too
+            check_compatible(own, state, path, optional)
+            if renamed and isinstance(self.trainer.strategy, ModelParallelStrategy):
+                raise ValueError(
+                    f"checkpoint {path} was written with the older weight names (policy.*, now model.*), which "
+                    "ModelParallelStrategy cannot map: it loads a whole checkpoint into the sharded weights before "
+                    "the module sees it. Resume it with the earlier version of amir_lightning, or once under DDP or "
+                    "one device (their checkpoints then have the new names)"
+                )
 
     @override
     def instantiate_trainer(self, **kwargs):

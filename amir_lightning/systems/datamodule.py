@@ -141,8 +141,8 @@ class RolloutDataModule(LightningDataModule):
     def attach(self, policy: Policy) -> None:
         """Take the trained policy: its tokenizer, its files for the engine, its weights and its scoring.
 
-        ``amir`` attaches the module's (``AmirGRPOModule.handle``) before the trainer runs; a script that builds the
-        trainer itself calls ``data.attach(module.handle)``.
+        ``amir`` attaches the module's (``AmirGRPOModule.policy``) before the trainer runs; a script that builds the
+        trainer itself calls ``data.attach(module.policy)``.
         """
         self.policy = policy
 
@@ -167,7 +167,7 @@ class RolloutDataModule(LightningDataModule):
             )
         if self.policy is None:
             raise RuntimeError(
-                "RolloutDataModule has no policy: call data.attach(module.handle) before the trainer runs (amir does)"
+                "RolloutDataModule has no policy: call data.attach(module.policy) before the trainer runs (amir does)"
             )
         self.chat.check(self.tokenizer)
         if self.schedule is None:

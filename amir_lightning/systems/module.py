@@ -62,6 +62,11 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         scoring: How log-probs are computed: chunk size, fused head, packed rows, attention kernels, entropy.
         export: Where and how the trained policy is written: folder, every how many rollouts, merged or adapter.
         max_bad_steps: Stop after this many optimisation steps in a row skipped for a non-finite loss or gradient.
+
+    Attributes:
+        model: The ``nn.Module`` that trains (built in ``configure_model``); its weights are the state's ``model.*``.
+        policy: The ``Policy`` over it (``amir_lightning/rollout/policy.py``): tokenizer, scoring, reference, the
+            weights to push; the data module's ``policy`` is this one (``RolloutDataModule.attach``).
     """
 
     def __init__(
@@ -100,8 +105,8 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
             errors.append("model.export.format: adapter needs model.lora (the whole policy trains: export merged)")
         raise_errors(errors)
         self.bad_steps = BadStepGuard(max_bad_steps)
-        self.policy = None  # built in configure_model; its reference lives in the Policy, never checkpointed
-        self.handle = Policy(policy, temperature, scoring)  # the policy as the data module sees it
+        self.model = None  # built in configure_model; its reference lives in the Policy, never checkpointed
+        self.policy = Policy(policy, temperature, scoring)  # the policy as the data module sees it
         self.val_accuracy = MeanMetric()
 
     # ------------------------------------------------------------------ model
@@ -118,15 +123,15 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
 
     @override
     def configure_model(self) -> None:
-        if self.policy is None:  # ModelParallelStrategy sets device_mesh: shard with FSDP2
+        if self.model is None:  # ModelParallelStrategy sets device_mesh: shard with FSDP2
             mesh, reference = getattr(self, "device_mesh", None), self.loss.needs_reference
             args = self.frozen_dtype, self.trainable_dtype, self.gradient_checkpointing, self.lora, mesh, reference
-            self.policy = self.handle.build(self.compute_dtype, *args)
+            self.model = self.policy.build(self.compute_dtype, *args)
 
     @override
     def on_fit_start(self) -> None:
-        if self.handle.reference_copy is not None:
-            self.handle.reference_copy.to(self.device)
+        if self.policy.reference_copy is not None:
+            self.policy.reference_copy.to(self.device)
         data = getattr(self.trainer, "datamodule", None)
         if self.trainer.is_global_zero and hasattr(data, "settings") and hasattr(data, "prompt_limit"):
             for line in run_summary(self.trainer, self, data):  # the global batch, the length, the memory
@@ -147,11 +152,11 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         ``scoring.entropy`` the stats include ``train/entropy`` (the micro-batch's share of the step's mean over
         the tokens of the policy-gradient term: the policy's own, counted by the step's ``num_tokens``).
         """
-        logps, entropy = self.handle.completion_logps(self.policy, batch, self.temperature, self.handle.scoring.entropy)
+        logps, entropy = self.policy.completion_logps(self.model, batch, self.temperature, self.policy.scoring.entropy)
         ref = None
         if self.loss.needs_reference:
-            with torch.no_grad(), self.handle.reference() as reference:
-                ref = self.handle.completion_logps(reference, batch, self.temperature)[0]
+            with torch.no_grad(), self.policy.reference() as reference:
+                ref = self.policy.completion_logps(reference, batch, self.temperature)[0]
         out = self.loss(
             logps,
             batch.completion_mask,
@@ -179,7 +184,7 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         rows, total, bad = [], 0.0, False
         for batch in step.micro_batches:
             if batch.filler:  # another process has more micro-batches: join its collectives, add nothing
-                self.manual_backward(self.handle.completion_logps(self.policy, batch, self.temperature)[0].sum() * 0.0)
+                self.manual_backward(self.policy.completion_logps(self.model, batch, self.temperature)[0].sum() * 0.0)
                 continue
             out, logps = self.compute_loss(batch, context)
             ok = bool(torch.isfinite(out.loss))
@@ -196,7 +201,7 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
 
     def _optimizer_step(self, stats: dict[str, torch.Tensor], bad: bool) -> None:
         optimizer, guard, norm = self.optimizers(), self.bad_steps, self.max_grad_norm
-        grad_norm = apply_step(self.policy, optimizer, self.lr_schedulers(), norm, bad, guard, self.global_step)
+        grad_norm = apply_step(self.model, optimizer, self.lr_schedulers(), norm, bad, guard, self.global_step)
         logged = {"train/skipped_steps": self.bad_steps.skipped}
         if grad_norm is not None:  # applied on every process (never a NaN or inf gradient)
             logged |= sum_shares(stats, self.device)  # every stat is its process's share of the step
@@ -224,14 +229,14 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         """One benchmark: unbiased pass@k (``eval/<benchmark>/pass@k``) and ``<log_dir>/eval/<benchmark>.json``."""
         out_dir = Path(self.trainer.log_dir) / "eval" if self.trainer.log_dir else None
         write = self.trainer.is_global_zero
-        results = benchmark_report(self.handle, batch, batch["ks"], out_dir if write else None, batch["logps"])
+        results = benchmark_report(self.policy, batch, batch["ks"], out_dir if write else None, batch["logps"])
         log_metrics(self.trainer, results)
         self.log_dict(results, logger=False, batch_size=1, sync_dist=True)
 
     # ------------------------------------------------------------------ optimisation and export
     @override
     def configure_optimizers(self):
-        optimizer = self.optimizer_factory(parameter_groups(self.policy))  # no weight decay on biases and norms
+        optimizer = self.optimizer_factory(parameter_groups(self.model))  # no weight decay on biases and norms
         if self.scheduler_factory is None:
             return optimizer
         scheduler = self.scheduler_factory(optimizer)
@@ -259,7 +264,7 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         Every process must call it (gathering sharded weights is collective); the global-zero process writes.
         """
         write = getattr(self, "_trainer", None) is None or self.trainer.is_global_zero
-        self.export_settings.save(self.policy, self.handle.tokenizer, Path(target), write)
+        self.export_settings.save(self.model, self.policy.tokenizer, Path(target), write)
         if write:
             log.warning("exported the trained policy to %s", target)
         return Path(target)

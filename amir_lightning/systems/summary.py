@@ -60,16 +60,16 @@ def estimate_memory(module, data, processes: int, device_memory: float | None = 
     ``device_memory``: the device's bytes (default: the CUDA device's; none on a CPU).
     """
     settings, sampling = data.settings, data.sampling
-    trainable = sum(p.numel() for p in module.policy.parameters() if p.requires_grad)
-    weights = sum(p.numel() * p.element_size() for p in module.policy.parameters())
+    trainable = sum(p.numel() for p in module.model.parameters() if p.requires_grad)
+    weights = sum(p.numel() * p.element_size() for p in module.model.parameters())
     weights += trainable * 4 * 3  # float32 gradients and the two AdamW moments
-    reference = module.handle.reference_copy
+    reference = module.policy.reference_copy
     weights += sum(p.numel() * p.element_size() for p in reference.parameters()) if reference is not None else 0
-    if module.handle.sharded:
+    if module.policy.sharded:
         weights /= processes
     rows = settings.micro_batch_groups * settings.group_size
     tokens = settings.micro_batch_tokens or rows * (data.prompt_limit + sampling.max_new_tokens)
-    config = getattr(module.policy, "config", None)
+    config = getattr(module.model, "config", None)
     activations = activation_bytes(config, tokens, module.compute_dtype, module.gradient_checkpointing) if config else 0
     device = module.device
     total = device_memory

@@ -85,16 +85,16 @@ def test_varlen_packing_matches_padded_sdpa(tmp_path, monkeypatch):
         torch.manual_seed(1)  # the same adapters in both: lora_A at creation, lora_B below
         module.configure_model()
         module.to("cuda")
-        for name, p in module.policy.named_parameters():  # the same non-zero adapters in both
+        for name, p in module.model.named_parameters():  # the same non-zero adapters in both
             if "lora_B" in name:
                 p.data.normal_(0, 0.02)
         calls.clear()
 
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            logps, _ = completion_logps(module.policy, ids, mask, 20, 0.9, packed=module.handle.packed)
+            logps, _ = completion_logps(module.model, ids, mask, 20, 0.9, packed=module.policy.packed)
         logps.sum().backward()
-        grads = {n: p.grad.float().clone() for n, p in module.policy.named_parameters() if p.grad is not None}
-        results[attention] = (logps.detach().float(), grads, module.handle.packed, len(calls))
+        grads = {n: p.grad.float().clone() for n, p in module.model.named_parameters() if p.grad is not None}
+        results[attention] = (logps.detach().float(), grads, module.policy.packed, len(calls))
     (ref, ref_grads, ref_packed, _), (out, grads, packed, kernel_calls) = results["sdpa"], results["varlen"]
     assert not ref_packed and packed and kernel_calls == 2  # 2 layers, one packed row
     torch.testing.assert_close(out, ref, rtol=0, atol=3e-2)

@@ -51,7 +51,7 @@ class FixedRollouts(L.LightningDataModule):
 
     def train_dataloader(self):
         module = self.trainer.lightning_module
-        groups = fixed_groups(module.handle.tokenizer)
+        groups = fixed_groups(module.policy.tokenizer)
         world, rank = self.trainer.world_size, self.trainer.global_rank
         bounds = [0, 3, 4] if self.uneven and world == 2 else [GROUPS * r // world for r in range(world + 1)]
         mine = groups[bounds[rank] : bounds[rank + 1]]
@@ -61,7 +61,7 @@ class FixedRollouts(L.LightningDataModule):
 
         plan = agree_on_plan(plan_steps(mine, 1, 1, self.micro_batch_tokens), 1, max_over_processes)
         self.micro_batches = [len(step) for step in plan]
-        batches = build_steps(plan, module.handle.pad_token_id, filler=groups[0])
+        batches = build_steps(plan, module.policy.pad_token_id, filler=groups[0])
         return DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
 
 
@@ -145,7 +145,7 @@ def main():
     print(f"rank {trainer.global_rank}: log-prob forwards {dict(sorted(paths.items()))}")
     from amir_lightning.models.loading import full_state_dict
 
-    state = {k: v.detach().cpu().clone() for k, v in full_state_dict(module.policy).items()}
+    state = {k: v.detach().cpu().clone() for k, v in full_state_dict(module.model).items()}
     if trainer.is_global_zero:
         torch.save(state, args.out)
 
