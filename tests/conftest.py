@@ -46,6 +46,70 @@ def run_amir(args, tmp_path, timeout=600, console_script=False, env=None):
     return result
 
 
+class RunHere:
+    """What ``amir`` run in this process wrote: ``stdout``, and in ``stderr`` its own lines then its log's (INFO up:
+    in this process the log goes to pytest's handler, not to the stream a run of its own writes it to)."""
+
+    def __init__(self, stdout: str, stderr: str) -> None:
+        self.stdout, self.stderr = stdout, stderr
+
+
+def run_here(args, tmp_path, monkeypatch, capsys, caplog, expect: int = 0) -> RunHere:
+    """Run the ``amir`` CLI in this process, in ``tmp_path`` (``tests/helpers`` importable), and check its exit.
+
+    No interpreter to start and no vLLM to import: the runs that test what the CLI wires (loggers, callbacks, data
+    checks, resume) and not the engine use this with ``HF_ENGINE``; ``run_amir`` is for what needs a process.
+    """
+    import logging
+    import sys
+    from pathlib import Path
+
+    from amir_lightning.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AMIR_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("AMIR_DEBUG", raising=False)
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "helpers"))
+    monkeypatch.setattr(sys, "argv", ["amir"])
+    caplog.set_level(logging.INFO)
+    caplog.clear()
+    capsys.readouterr()
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exit_info:
+        code = exit_info.code
+    out, err = capsys.readouterr()
+    err += caplog.text
+    if code != expect:
+        raise AssertionError(f"amir {' '.join(args)} exited with {code}, not {expect}:\n{err[-4000:]}")
+    return RunHere(out, err)
+
+
+#: The HF engine instead of the config's vLLM engine, for runs in this process.
+HF_ENGINE = ["--data.engine", "amir_lightning.rollout.HFEngine", "--data.engine.init_args.progress", "false"]
+
+
+def stop_and_resume(run, tmp_path, common, first_half=()):
+    """4 rollouts in one run ("full"), and 2 stopped then resumed from last.ckpt for 2 more ("part"), each by
+    ``run(args)`` (``run_amir`` or ``run_here``). Both must end with the same policy, bitwise; returns the checkpoint
+    the resume started from."""
+    import torch
+    from safetensors.torch import load_file
+
+    run([*common, "--trainer.max_epochs", "4", "--trainer.logger.init_args.name", "full"])
+    run([*common, *first_half, "--trainer.max_epochs", "2", "--trainer.logger.init_args.name", "part"])
+    checkpoint = tmp_path / "runs" / "part" / "version_0" / "checkpoints" / "last.ckpt"
+    resume = ["--trainer.max_epochs", "4", "--trainer.logger.init_args.name", "part", "--ckpt_path", str(checkpoint)]
+    run([*common, *resume])
+    full = load_file(tmp_path / "runs" / "full" / "version_0" / "policy" / "model.safetensors")
+    resumed = load_file(tmp_path / "runs" / "part" / "version_1" / "policy" / "model.safetensors")
+    assert full.keys() == resumed.keys()
+    for key in full:
+        assert torch.equal(full[key], resumed[key]), key
+    return checkpoint
+
+
 def read_scalars(log_dir):
     """All scalars of the TensorBoard event files under ``log_dir``: {tag: [values in step order]}."""
     from pathlib import Path

@@ -2,20 +2,17 @@
 non-zero exit, bad rows are found when the data opens, and every message names its cause.
 
 Most cases run ``amir fit`` in this process on ``configs/tiny.yaml`` with the HF engine (2 rollouts, a few seconds);
-those that need a process of their own (SIGTERM, Ctrl-C, a file-size limit, a closed stdout) run one and are marked
-``slow``. The reward functions are in ``tests/helpers/bad_rewards.py``.
+those that need a process of their own (SIGTERM, Ctrl-C, a file-size limit, a closed stdout) are in
+``tests/e2e/test_stops.py``. The reward functions are in ``tests/helpers/bad_rewards.py``.
 """
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_amir
-from helpers.processes import own_session_with_ctrl_c
 from safetensors.torch import load_file
 
 from amir_lightning.cli import main
@@ -207,66 +204,6 @@ def test_a_checkpoint_cut_short_after_the_start_up_check_is_one_line(tmp_path):
         AtomicCheckpointIO().load_checkpoint(path)
 
 
-@pytest.mark.slow
-def test_a_checkpoint_the_disk_refuses_is_one_line_and_leaves_nothing(tmp_path):
-    """From rollout 2 on, files may not grow past 500 KB (RLIMIT_FSIZE; a checkpoint is 930 KB): the write fails as
-    on a full disk. Before: three chained tracebacks whose last line named no path, and the partial file left."""
-    env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(HELPERS))
-    args = [*BASE, "--trainer.callbacks+=faults.FileSizeLimitFrom", "--trainer.callbacks.at_epoch", "1"]
-    args += ["--trainer.callbacks.limit_bytes", "500000"]
-    result = subprocess.run([sys.executable, "-m", "amir_lightning", *args], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert result.returncode == 2, result.stderr[-3000:]
-    folder = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints"
-    line = f"amir: error: could not write the checkpoint {folder}/epoch=1-step=2.ckpt: File too large (the last one"
-    assert line in result.stderr and "the partial file was removed, the previous checkpoint is intact" in result.stderr
-    assert "Traceback" not in result.stderr
-    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=1.ckpt", "last.ckpt"]
-    assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 1
-
-
-@pytest.mark.slow
-def test_sigterm_is_a_clear_non_zero_exit_and_the_run_resumes_exactly(tmp_path):
-    """SIGTERM (what SLURM and Kubernetes send on preemption) in the middle of rollout 3's generation: the rollout
-    finishes, its checkpoint is written, the run exits 143 with one line saying where it stopped and how to go on;
-    the same command with ``--ckpt_path last`` ends with the weights of an uninterrupted run. Before: exit 0 and
-    no message, so schedulers and ``amir fit && amir test`` read a preemption as success."""
-    common = ["fit", "--config", TINY, "--trainer.max_epochs", "4", "--trainer.check_val_every_n_epoch", "50"]
-    common += ["--trainer.deterministic", "true"]
-    run_amir([*common, "--trainer.logger.init_args.name", "clean"], tmp_path)
-    env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(HELPERS))
-    engine = ["--data.engine", "faults.SignalDuringRollout", "--data.engine.init_args.at_call", "3"]
-    engine += ["--data.engine.init_args.signal_name", "SIGTERM", "--data.engine.init_args.max_model_len", "64"]
-    engine += ["--data.engine.init_args.kv_cache_memory_bytes", "33554432", "--data.engine.init_args.progress", "false"]
-    stopped = subprocess.run([sys.executable, "-m", "amir_lightning", *common, *engine], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert stopped.returncode == 143, stopped.stderr[-3000:]
-    last = "runs/tiny/version_0/checkpoints/last.ckpt"
-    assert stopped.stderr.strip().splitlines()[-1] == (
-        f"amir: stopped by SIGTERM with 3 of 4 rollouts done; the last checkpoint is {last}: resume with the same "
-        "command and --ckpt_path last"
-    )
-    run_amir([*common, "--ckpt_path", "last"], tmp_path)
-    clean, resumed = policy(tmp_path, "clean"), policy(tmp_path, "tiny")
-    for key in clean:
-        assert torch.equal(clean[key], resumed[key]), key
-
-
-@pytest.mark.slow
-def test_a_closed_stdout_does_not_stop_the_run(tmp_path):
-    """``amir fit ... | head -1``: the reader goes away, the run goes on and saves its checkpoints (before: the next
-    print raised BrokenPipeError and the run ended with status 1 and no message)."""
-    env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"))
-    cmd = [sys.executable, "-m", "amir_lightning", *BASE, "--trainer.enable_progress_bar", "true"]
-    run = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    run.stdout.readline()
-    run.stdout.close()  # as `head -1` does
-    stderr = run.communicate(timeout=600)[1].decode()
-    assert run.returncode == 0, stderr[-3000:]
-    checkpoint = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
-    assert torch.load(checkpoint, weights_only=True)["global_step"] == 2
-
-
 def test_characters_the_tokenizer_cannot_encode_are_reported_once(tmp_path, monkeypatch, capsys, caplog):
     """The tiny model's tokenizer knows only digits and ``=``: a letter used to vanish from the prompt unsaid."""
     rows = digits()
@@ -281,28 +218,3 @@ def test_characters_the_tokenizer_cannot_encode_are_reported_once(tmp_path, monk
         "2 of 20 training prompts have characters the tokenizer cannot encode (dropped, or turned into its unknown "
         f"token), the first at {path}:5 ('a')"
     ]
-
-
-@pytest.mark.slow
-def test_a_second_ctrl_c_exits_quietly(tmp_path):
-    """Two Ctrl-C 50 ms apart while the run trains: before, the second one interrupted the shutdown that the first
-    began, and garbage-collection callbacks printed "Exception ignored ... KeyboardInterrupt" tracebacks."""
-    import signal
-    import time
-
-    env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"))
-    cmd = [sys.executable, "-m", "amir_lightning", "fit", "--config", TINY, "--trainer.max_epochs", "500"]
-    cmd += ["--trainer.check_val_every_n_epoch", "1000"]
-    run = subprocess.Popen(cmd, cwd=tmp_path, env=env, preexec_fn=own_session_with_ctrl_c,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    checkpoint = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
-    deadline = time.monotonic() + 300
-    while not checkpoint.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    os.killpg(run.pid, signal.SIGINT)
-    time.sleep(0.05)
-    os.killpg(run.pid, signal.SIGINT)
-    stderr = run.communicate(timeout=120)[1]
-    assert run.returncode == 130, stderr[-3000:]  # not 1, the code of a reward's own error
-    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-3000:]
-    torch.load(checkpoint, weights_only=True)  # whole

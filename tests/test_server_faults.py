@@ -2,7 +2,7 @@
 stops the run with its exit code and one line naming the server, the route and the key, and leaves no process.
 
 The junk servers are a stdlib HTTP server (``tests/helpers/junk_server.py``); the cases that need vLLM itself (a
-server that hangs or dies, the ways a run can end, the transfer folder) are in ``tests/test_server_processes.py``.
+server that hangs or dies, the ways a run can end, the transfer folder) are in ``tests/e2e/test_server_processes.py``.
 """
 
 import json

@@ -29,7 +29,7 @@ def clip_global_norm(model: torch.nn.Module, max_norm: float | None) -> torch.Te
     """Clip the gradients of ``model`` to ``max_norm`` (``None``: no clipping); returns their norm before it.
 
     The global norm under every strategy: DDP's gradients are already averaged, and FSDP2's are DTensor shards whose
-    norm torch reduces over the mesh (tests/test_distributed.py pins both).
+    norm torch reduces over the mesh (tests/e2e/test_distributed.py pins both).
     """
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm or math.inf)

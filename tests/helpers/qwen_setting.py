@@ -1,6 +1,6 @@
 """``configs/qwen.yaml`` with only the model, the prompts and the accelerator overridden.
 
-The same arguments run on 2 CPU processes in the suite (tests/test_distributed.py) and on one GPU
+The same arguments run on 2 CPU processes in the suite (tests/e2e/test_distributed.py) and on one GPU
 (tests/gpu/test_gpu.py): the paper's setting is the code path CI exercises.
 """
 

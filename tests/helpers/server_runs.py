@@ -1,4 +1,4 @@
-"""Servers that hang or die, and runs that end in each way, for ``tests/test_server_processes.py``.
+"""Servers that hang or die, and runs that end in each way, for ``tests/e2e/test_server_processes.py``.
 
 ``StopsServerAt`` is a ``VLLMServerEngine`` that stops its own server (SIGSTOP: a hung server) before the
 ``at_call``-th generation sends its requests. Run as a script (``python server_runs.py MODE MODEL_DIR``), this file

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 
 def test_a_wheel_built_here_installs_into_a_fresh_venv_and_trains_the_tiny_config(tmp_path):

@@ -15,8 +15,8 @@ import pytest
 from helpers.processes import Watched, count_after, leftovers, report, tree
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).parents[1]
-HELPERS = Path(__file__).parent / "helpers"
+ROOT = Path(__file__).parents[2]
+HELPERS = Path(__file__).parents[1] / "helpers"
 TINY = str(ROOT / "configs" / "tiny.yaml")
 SERVER = {"max_model_len": 64, "kv_cache_memory_bytes": 32 * 1024**2, "threads": 1}
 

@@ -1,0 +1,322 @@
+"""Runs stopped from outside, each in a process of its own: SIGKILL in three phases, Ctrl-C (once and twice),
+SIGTERM, SLURM's requeue, a disk that refuses the checkpoint, a reader that goes away. Each must leave a whole last
+checkpoint, a clear exit status and, where it resumes, the weights of the uninterrupted run (``clean_six``). Last, a
+LoRA run stopped and resumed with vLLM (the HF engine's LoRA resume is not exact yet: ``tests/test_resume.py``)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_amir, stop_and_resume
+from helpers.processes import own_session_with_ctrl_c
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).parents[2]
+HELPERS = Path(__file__).parents[1] / "helpers"
+CONFIG = TINY = str(ROOT / "configs" / "tiny.yaml")
+HF = ["--data.engine", "amir_lightning.rollout.HFEngine", "--data.engine.init_args.progress", "false"]
+BASE = ["fit", "--config", TINY, "--trainer.max_epochs", "2", "--trainer.check_val_every_n_epoch", "50"]
+BASE += ["--trainer.deterministic", "true", *HF]
+#: The runs of 6 rollouts (vLLM, deterministic, no validation) that the stopped runs resume to.
+SIX = ["fit", "--config", CONFIG, "--trainer.deterministic", "true", "--trainer.check_val_every_n_epoch", "50"]
+SIX += ["--trainer.max_epochs", "6"]
+
+
+@pytest.fixture(scope="module")
+def clean_six(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The weights after an uninterrupted run of ``SIX``: built once for every test here that resumes."""
+    folder = tmp_path_factory.mktemp("clean")
+    run_amir([*SIX, "--trainer.logger.init_args.name", "clean"], folder)
+    return load_file(folder / "runs" / "clean" / "version_0" / "policy" / "model.safetensors")
+
+
+def policy(tmp_path, name="run") -> dict[str, torch.Tensor]:
+    return load_file(tmp_path / "runs" / name / "version_0" / "policy" / "model.safetensors")
+
+
+FAULTS = [
+    # (what kills the run, extra arguments)
+    (
+        "during a rollout",
+        [
+            "--data.engine",
+            "faults.KillDuringRollout",
+            "--data.engine.init_args.at_call",
+            "2",
+            "--data.engine.init_args.max_model_len",
+            "64",
+            "--data.engine.init_args.kv_cache_memory_bytes",
+            "33554432",
+            "--data.engine.init_args.progress",
+            "false",
+        ],
+    ),
+    (
+        "before an optimiser step",
+        ["--trainer.callbacks+=faults.KillBeforeOptimizerStep", "--trainer.callbacks.at_step", "2"],
+    ),
+    ("while writing a checkpoint", ["--trainer.plugins+=faults.KillDuringSave", "--trainer.plugins.at_save", "2"]),
+]
+
+
+def test_killed_runs_resume_from_the_last_good_checkpoint(tmp_path, clean_six):
+    """SIGKILL in three phases, resuming after each from last.ckpt: the end state equals an uninterrupted run's."""
+    import os
+    import subprocess
+    import sys
+
+    common = SIX
+    checkpoint = tmp_path / "runs" / "faulty" / "version_0" / "checkpoints" / "last.ckpt"
+    env = dict(
+        os.environ,
+        AMIR_CACHE=str(tmp_path / "cache"),
+        PYTHONPATH=str(HELPERS) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    kills = 0
+    for _, extra in FAULTS:
+        resume = ["--ckpt_path", str(checkpoint)] if checkpoint.exists() else []
+        args = [
+            *common,
+            "--trainer.logger.init_args.name",
+            "faulty",
+            "--trainer.logger.init_args.version",
+            "0",
+            *resume,
+            *extra,
+        ]
+        result = subprocess.run(
+            [sys.executable, "-m", "amir_lightning", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert result.returncode == -9, result.stderr[-3000:]  # killed, as injected
+        kills += 1
+        torch.load(checkpoint, weights_only=True)  # the last checkpoint is always whole (and safe to load)
+    assert kills == 3 and list(checkpoint.parent.glob(".*.ckpt.tmp-*"))  # the half-written file was left aside
+    run_amir(
+        [
+            *common,
+            "--trainer.logger.init_args.name",
+            "faulty",
+            "--trainer.logger.init_args.version",
+            "0",
+            "--ckpt_path",
+            str(checkpoint),
+        ],
+        tmp_path,
+    )
+    faulty = policy(tmp_path, "faulty")
+    for key in clean_six:
+        assert torch.equal(clean_six[key], faulty[key]), key
+
+
+def test_ctrl_c_stops_cleanly_and_leaves_a_loadable_checkpoint(tmp_path):
+    """Ctrl-C (SIGINT to the process group) while two workers grade: no traceback, no process left, last.ckpt whole."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(
+        os.environ,
+        AMIR_CACHE=str(tmp_path / "cache"),
+        PYTHONPATH=str(HELPERS) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    args = ["fit", "--config", CONFIG, "--trainer.max_epochs", "6", "--trainer.check_val_every_n_epoch", "9"]
+    args += ["--data.rewards", "[{class_path: faults.CtrlCDuringGrading, init_args: {at_call: 3, num_workers: 2}}]"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "amir_lightning", *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=own_session_with_ctrl_c,
+    )
+    try:
+        _, err = process.communicate(timeout=600)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, 9)
+    assert process.returncode == 130, err[-3000:]  # after Lightning's graceful shutdown; 1 is a reward's error
+    assert "Detected KeyboardInterrupt" in err and "Traceback" not in err, err[-3000:]
+    group = subprocess.run(["ps", "-o", "stat=,pid=,args=", "-g", str(process.pid)], capture_output=True, text=True)
+    alive = [line for line in group.stdout.splitlines() if line.strip() and not line.strip().startswith("Z")]
+    assert not alive, f"processes of the run still alive after it exited: {alive}"  # grading workers included
+    checkpoint = torch.load(tmp_path / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == 2 and checkpoint["state_dict"]  # the two finished rollouts, loadable
+
+
+def test_a_slurm_requeue_resumes_from_its_checkpoint_with_ckpt_path_auto(tmp_path, clean_six):
+    """SLURM's warning before it ends a job (``#SBATCH --signal=USR1@90``), here in the middle of rollout 3's
+    generation: Lightning's auto-requeue writes hpc_ckpt_1.ckpt and asks ``scontrol`` to requeue the job, which ends
+    it. The requeued job runs the same command with ``--ckpt_path auto``: it resumes from that checkpoint (newer than
+    last.ckpt), logs into the same version folder, and ends with the weights of an uninterrupted run. ``scontrol`` is
+    a script that records its arguments and ends the job, as SLURM's does (there is no SLURM here)."""
+    import os
+    import subprocess
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # `scontrol requeue` ends the running job and queues it again: the script records the call and ends the job.
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\nkill -KILL $PPID\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    env["PYTHONPATH"] = str(HELPERS) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(SLURM_NTASKS="1", SLURM_JOB_NAME="amir", SLURM_JOB_ID="4242", SLURM_NODELIST="127.0.0.1")
+    env.update(SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0")
+    args = [*SIX, "--ckpt_path", "auto"]
+    warned = ["--data.engine", "faults.SignalDuringRollout", "--data.engine.init_args.at_call", "3"]
+    warned += ["--data.engine.init_args.max_model_len", "64", "--data.engine.init_args.progress", "false"]
+    warned += ["--data.engine.init_args.kv_cache_memory_bytes", "33554432"]
+    cmd = [sys.executable, "-m", "amir_lightning", *args, *warned]
+    first = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == -9, first.stderr[-3000:]  # ended by the requeue
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    hpc = tmp_path / "hpc_ckpt_1.ckpt"
+    assert torch.load(hpc, weights_only=True)["global_step"] == 2  # written during rollout 3
+
+    result = run_amir(args, tmp_path, env=env)
+    assert f"--ckpt_path auto: resuming from {hpc}" in result.stderr
+    run = tmp_path / "runs" / "tiny"
+    assert sorted(p.name for p in run.iterdir()) == ["version_0"]
+    assert torch.load(run / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
+    requeued = policy(tmp_path, "tiny")
+    for key in clean_six:
+        assert torch.equal(clean_six[key], requeued[key]), key
+
+
+def test_sigterm_is_a_clear_non_zero_exit_and_the_run_resumes_exactly(tmp_path, clean_six):
+    """SIGTERM (what SLURM and Kubernetes send on preemption) in the middle of rollout 3's generation: the rollout
+    finishes, its checkpoint is written, the run exits 143 with one line saying where it stopped and how to go on;
+    the same command with ``--ckpt_path last`` ends with the weights of an uninterrupted run. Before: exit 0 and
+    no message, so schedulers and ``amir fit && amir test`` read a preemption as success."""
+    common = SIX
+    env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(HELPERS))
+    engine = ["--data.engine", "faults.SignalDuringRollout", "--data.engine.init_args.at_call", "3"]
+    engine += ["--data.engine.init_args.signal_name", "SIGTERM", "--data.engine.init_args.max_model_len", "64"]
+    engine += ["--data.engine.init_args.kv_cache_memory_bytes", "33554432", "--data.engine.init_args.progress", "false"]
+    stopped = subprocess.run([sys.executable, "-m", "amir_lightning", *common, *engine], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    last = "runs/tiny/version_0/checkpoints/last.ckpt"
+    assert stopped.stderr.strip().splitlines()[-1] == (
+        f"amir: stopped by SIGTERM with 3 of 6 rollouts done; the last checkpoint is {last}: resume with the same "
+        "command and --ckpt_path last"
+    )
+    run_amir([*common, "--ckpt_path", "last"], tmp_path)
+    resumed = policy(tmp_path, "tiny")
+    for key in clean_six:
+        assert torch.equal(clean_six[key], resumed[key]), key
+
+
+def test_a_checkpoint_the_disk_refuses_is_one_line_and_leaves_nothing(tmp_path):
+    """From rollout 2 on, files may not grow past 500 KB (RLIMIT_FSIZE; a checkpoint is 930 KB): the write fails as
+    on a full disk. Before: three chained tracebacks whose last line named no path, and the partial file left."""
+    env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(HELPERS))
+    args = [*BASE, "--trainer.callbacks+=faults.FileSizeLimitFrom", "--trainer.callbacks.at_epoch", "1"]
+    args += ["--trainer.callbacks.limit_bytes", "500000"]
+    result = subprocess.run([sys.executable, "-m", "amir_lightning", *args], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    folder = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints"
+    line = f"amir: error: could not write the checkpoint {folder}/epoch=1-step=2.ckpt: File too large (the last one"
+    assert line in result.stderr and "the partial file was removed, the previous checkpoint is intact" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=1.ckpt", "last.ckpt"]
+    assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 1
+
+
+def test_a_closed_stdout_does_not_stop_the_run(tmp_path):
+    """``amir fit ... | head -1``: the reader goes away, the run goes on and saves its checkpoints (before: the next
+    print raised BrokenPipeError and the run ended with status 1 and no message)."""
+    env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"))
+    cmd = [sys.executable, "-m", "amir_lightning", *BASE, "--trainer.enable_progress_bar", "true"]
+    run = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    run.stdout.readline()
+    run.stdout.close()  # as `head -1` does
+    stderr = run.communicate(timeout=600)[1].decode()
+    assert run.returncode == 0, stderr[-3000:]
+    checkpoint = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    assert torch.load(checkpoint, weights_only=True)["global_step"] == 2
+
+
+def test_a_second_ctrl_c_exits_quietly(tmp_path):
+    """Two Ctrl-C 50 ms apart while the run trains: before, the second one interrupted the shutdown that the first
+    began, and garbage-collection callbacks printed "Exception ignored ... KeyboardInterrupt" tracebacks."""
+    import signal
+    import time
+
+    env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"))
+    cmd = [sys.executable, "-m", "amir_lightning", "fit", "--config", TINY, "--trainer.max_epochs", "500"]
+    cmd += ["--trainer.check_val_every_n_epoch", "1000"]
+    run = subprocess.Popen(cmd, cwd=tmp_path, env=env, preexec_fn=own_session_with_ctrl_c,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    checkpoint = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    deadline = time.monotonic() + 300
+    while not checkpoint.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os.killpg(run.pid, signal.SIGINT)
+    time.sleep(0.05)
+    os.killpg(run.pid, signal.SIGINT)
+    stderr = run.communicate(timeout=120)[1]
+    assert run.returncode == 130, stderr[-3000:]  # not 1, the code of a reward's own error
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-3000:]
+    torch.load(checkpoint, weights_only=True)  # whole
+
+
+LORA = ["--model.lora", "{r: 4, alpha: 8, target_modules: all-linear}"]
+
+
+def test_lora_checkpoints_hold_the_adapters_and_resume_exactly(tmp_path):
+    """LoRA: last.ckpt holds the adapters, optimiser and loop state and the base model's identity, not the base
+    weights; a stopped and resumed run still ends identical; resuming on another base model is refused."""
+    import subprocess
+    import sys
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    common = [
+        "fit",
+        "--config",
+        CONFIG,
+        *LORA,
+        "--trainer.deterministic",
+        "true",
+        "--trainer.check_val_every_n_epoch",
+        "9",
+    ]
+    # The first half also exports its adapters every rollout (peft directories beside the final export).
+    adapters = ["--model.export.every_n_epochs", "1", "--model.export.format", "adapter"]
+    checkpoint = stop_and_resume(lambda args: run_amir(args, tmp_path), tmp_path, common, first_half=adapters)
+    part = checkpoint.parents[1]
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    weight_keys = [k for k in saved["state_dict"] if k.startswith("model.")]
+    assert weight_keys and all(".lora_A." in k or ".lora_B." in k for k in weight_keys)
+    assert set(saved["amir"]["base_model"]) == {"source", "config_sha256", "weights_sha256"}
+    assert saved["optimizer_states"][0]["state"]  # AdamW's moments of the adapters
+    # The adapter export of rollout 1 loads onto the base model with peft.
+    base_dir = next((tmp_path / "cache" / "models").iterdir())
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    loaded = PeftModel.from_pretrained(base, str(part / "policy_epoch_1"))
+    trained = [p for n, p in loaded.named_parameters() if "lora_B" in n]
+    assert trained and any(p.abs().sum() > 0 for p in trained)  # lora_B starts at zero: it trained
+    assert (part / "policy" / "adapter_config.json").is_file()  # the final export in the same format
+    # Another base model (the same config, other random weights): the adapters would act on other weights.
+    result = subprocess.run(
+        [sys.executable, "-m", "amir_lightning", *common, "--trainer.max_epochs", "4", "--ckpt_path", str(checkpoint),
+         "--model.policy.init_args.seed", "1"],
+        cwd=tmp_path, env={**__import__("os").environ, "AMIR_CACHE": str(tmp_path / "cache")},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 2  # bad input: one line, as every other
+    assert "holds LoRA adapters trained on the base model" in result.stderr and "weights differ" in result.stderr
+    assert "Traceback" not in result.stderr
