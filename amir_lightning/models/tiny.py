@@ -98,9 +98,12 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         **({"num_labels": 1} if head == "reward" else {}),
     )
-    torch.manual_seed(seed)
     auto = AutoModelForCausalLM if head == "causal_lm" else AutoModelForSequenceClassification
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+    # A random state of its own: the run's global one (seeded by seed_everything, and drawn from by LoRA's adapter
+    # init) must be the same whether this model was built now or found in the cache.
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices), torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        torch.manual_seed(seed)
         model = auto.from_config(config, dtype=getattr(torch, dtype))
     with atomic_directory(Path(directory), replace=False) as tmp:
         model.save_pretrained(tmp)

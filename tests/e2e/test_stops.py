@@ -1,7 +1,7 @@
 """Runs stopped from outside, each in a process of its own: SIGKILL in three phases, Ctrl-C (once and twice),
 SIGTERM, SLURM's requeue, a disk that refuses the checkpoint, a reader that goes away. Each must leave a whole last
 checkpoint, a clear exit status and, where it resumes, the weights of the uninterrupted run (``clean_six``). Last, a
-LoRA run stopped and resumed with vLLM (the HF engine's LoRA resume is not exact yet: ``tests/test_resume.py``)."""
+LoRA run stopped and resumed with vLLM (with the HF engine in ``tests/test_resume.py``)."""
 
 import os
 import subprocess
