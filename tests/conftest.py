@@ -71,6 +71,11 @@ def run_here(args, tmp_path, monkeypatch, capsys, caplog, expect: int = 0) -> Ru
     monkeypatch.delenv("AMIR_DEBUG", raising=False)
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "helpers"))
     monkeypatch.setattr(sys, "argv", ["amir"])
+    # A stream handler an earlier run in this process left (Lightning's, logging's own) writes to this test's stderr,
+    # not to an earlier test's, closed by now.
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for handler in {h for lg in loggers for h in getattr(lg, "handlers", ()) if type(h) is logging.StreamHandler}:
+        monkeypatch.setattr(handler, "stream", sys.stderr)
     caplog.set_level(logging.INFO)
     caplog.clear()
     capsys.readouterr()

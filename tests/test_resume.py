@@ -34,12 +34,46 @@ def test_stopped_and_resumed_run_matches_the_uninterrupted_one(amir, tmp_path):
 LORA = ["--model.lora", "{r: 4, alpha: 8, target_modules: all-linear}"]
 
 
-def test_lora_with_the_hf_engine_resumes_exactly(amir, tmp_path):
-    """The LoRA resume of ``tests/e2e/test_stops.py`` with the HF engine, whose start leaves the global random state
-    alone. Before, the first run built the tiny model, which reseeded that state before LoRA's adapters were drawn;
-    the resumed run found the model cached: other adapters, rollout 3 sampled otherwise, weights 0.05 apart."""
-    common = ["fit", "--config", CONFIG, *LORA, "--trainer.deterministic", "true"]
-    stop_and_resume(amir, tmp_path, [*common, "--trainer.check_val_every_n_epoch", "9"])
+def test_lora_checkpoints_hold_the_adapters_and_resume_exactly(amir, tmp_path):
+    """LoRA: last.ckpt holds the adapters, optimiser and loop state and the base model's identity, not the base
+    weights; a stopped and resumed run still ends identical; resuming on another base model is refused. (Before,
+    the first run built the tiny model, which reseeded the global RNG that LoRA's adapter init draws from; the
+    resumed run found the model cached: other adapters, weights 0.05 apart with the HF engine. vLLM's start reseeds
+    that RNG, which hid it there.)"""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    common = [
+        "fit",
+        "--config",
+        CONFIG,
+        *LORA,
+        "--trainer.deterministic",
+        "true",
+        "--trainer.check_val_every_n_epoch",
+        "9",
+    ]
+    # The first half also exports its adapters every rollout (peft directories beside the final export).
+    adapters = ["--model.export.every_n_epochs", "1", "--model.export.format", "adapter"]
+    checkpoint = stop_and_resume(amir, tmp_path, common, first_half=adapters)
+    part = checkpoint.parents[1]
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    weight_keys = [k for k in saved["state_dict"] if k.startswith("model.")]
+    assert weight_keys and all(".lora_A." in k or ".lora_B." in k for k in weight_keys)
+    assert set(saved["amir"]["base_model"]) == {"source", "config_sha256", "weights_sha256"}
+    assert saved["optimizer_states"][0]["state"]  # AdamW's moments of the adapters
+    # The adapter export of rollout 1 loads onto the base model with peft.
+    base_dir = next((tmp_path / "cache" / "models").iterdir())
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    loaded = PeftModel.from_pretrained(base, str(part / "policy_epoch_1"))
+    trained = [p for n, p in loaded.named_parameters() if "lora_B" in n]
+    assert trained and any(p.abs().sum() > 0 for p in trained)  # lora_B starts at zero: it trained
+    assert (part / "policy" / "adapter_config.json").is_file()  # the final export in the same format
+    # Another base model (the same config, other random weights): the adapters would act on other weights.
+    other_base = ["--trainer.max_epochs", "4", "--ckpt_path", str(checkpoint), "--model.policy.init_args.seed", "1"]
+    result = amir([*common, *other_base], expect=2)  # bad input: one line, as every other
+    assert "holds LoRA adapters trained on the base model" in result.stderr and "weights differ" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_restarting_the_same_command_with_ckpt_path_last_continues_the_run_and_its_curves(amir, tmp_path):

@@ -1,7 +1,6 @@
 """Runs stopped from outside, each in a process of its own: SIGKILL in three phases, Ctrl-C (once and twice),
 SIGTERM, SLURM's requeue, a disk that refuses the checkpoint, a reader that goes away. Each must leave a whole last
-checkpoint, a clear exit status and, where it resumes, the weights of the uninterrupted run (``clean_six``). Last, a
-LoRA run stopped and resumed with vLLM (with the HF engine in ``tests/test_resume.py``)."""
+checkpoint, a clear exit status and, where it resumes, the weights of the uninterrupted run (``clean_six``)."""
 
 import os
 import subprocess
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_amir, stop_and_resume
+from conftest import run_amir
 from helpers.processes import own_session_with_ctrl_c
 from safetensors.torch import load_file
 
@@ -270,53 +269,3 @@ def test_a_second_ctrl_c_exits_quietly(tmp_path):
     assert run.returncode == 130, stderr[-3000:]  # not 1, the code of a reward's own error
     assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-3000:]
     torch.load(checkpoint, weights_only=True)  # whole
-
-
-LORA = ["--model.lora", "{r: 4, alpha: 8, target_modules: all-linear}"]
-
-
-def test_lora_checkpoints_hold_the_adapters_and_resume_exactly(tmp_path):
-    """LoRA: last.ckpt holds the adapters, optimiser and loop state and the base model's identity, not the base
-    weights; a stopped and resumed run still ends identical; resuming on another base model is refused."""
-    import subprocess
-    import sys
-
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    common = [
-        "fit",
-        "--config",
-        CONFIG,
-        *LORA,
-        "--trainer.deterministic",
-        "true",
-        "--trainer.check_val_every_n_epoch",
-        "9",
-    ]
-    # The first half also exports its adapters every rollout (peft directories beside the final export).
-    adapters = ["--model.export.every_n_epochs", "1", "--model.export.format", "adapter"]
-    checkpoint = stop_and_resume(lambda args: run_amir(args, tmp_path), tmp_path, common, first_half=adapters)
-    part = checkpoint.parents[1]
-    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
-    weight_keys = [k for k in saved["state_dict"] if k.startswith("model.")]
-    assert weight_keys and all(".lora_A." in k or ".lora_B." in k for k in weight_keys)
-    assert set(saved["amir"]["base_model"]) == {"source", "config_sha256", "weights_sha256"}
-    assert saved["optimizer_states"][0]["state"]  # AdamW's moments of the adapters
-    # The adapter export of rollout 1 loads onto the base model with peft.
-    base_dir = next((tmp_path / "cache" / "models").iterdir())
-    base = AutoModelForCausalLM.from_pretrained(base_dir)
-    loaded = PeftModel.from_pretrained(base, str(part / "policy_epoch_1"))
-    trained = [p for n, p in loaded.named_parameters() if "lora_B" in n]
-    assert trained and any(p.abs().sum() > 0 for p in trained)  # lora_B starts at zero: it trained
-    assert (part / "policy" / "adapter_config.json").is_file()  # the final export in the same format
-    # Another base model (the same config, other random weights): the adapters would act on other weights.
-    result = subprocess.run(
-        [sys.executable, "-m", "amir_lightning", *common, "--trainer.max_epochs", "4", "--ckpt_path", str(checkpoint),
-         "--model.policy.init_args.seed", "1"],
-        cwd=tmp_path, env={**__import__("os").environ, "AMIR_CACHE": str(tmp_path / "cache")},
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 2  # bad input: one line, as every other
-    assert "holds LoRA adapters trained on the base model" in result.stderr and "weights differ" in result.stderr
-    assert "Traceback" not in result.stderr
