@@ -26,11 +26,15 @@ def test_ten_thousand_adversarial_completions():
 
 
 def test_hostile_answer_families_are_screened_before_sympy(monkeypatch):
-    """Towers, deep nesting, huge numbers and TeX macros are scored 0 without parsing: math-verify is never called."""
+    """Towers, deep nesting, huge numbers and TeX macros are scored 0 without parsing: math-verify sees plain numbers
+    only (the reference "7", and "10000000", which is what ``10000000!!!`` commits to)."""
     import amir_lightning.rewards.grading as grading
 
+    original = grading._parse
+
     def parse(candidate):
-        raise AssertionError(f"{candidate!r} reached math-verify")
+        assert candidate.isdigit(), f"{candidate!r} reached math-verify"
+        return original(candidate)
 
     monkeypatch.setattr(grading, "_parse", parse)
     for completion in [
