@@ -54,11 +54,12 @@ class RunHere:
         self.stdout, self.stderr = stdout, stderr
 
 
-def run_here(args, tmp_path, monkeypatch, capsys, caplog, expect: int = 0) -> RunHere:
-    """Run the ``amir`` CLI in this process, in ``tmp_path`` (``tests/helpers`` importable), and check its exit.
+def amir_here(args, tmp_path, monkeypatch, capsys) -> tuple[int, str, str]:
+    """Run the ``amir`` CLI in this process, in ``tmp_path`` (``tests/helpers`` importable): (exit status, stdout,
+    stderr).
 
     No interpreter to start and no vLLM to import: the runs that test what the CLI wires (loggers, callbacks, data
-    checks, resume) and not the engine use this with ``HF_ENGINE``; ``run_amir`` is for what needs a process.
+    checks, resume, faults) and not the engine use this with ``HF_ENGINE``; ``run_amir`` is for what needs a process.
     """
     import logging
     import sys
@@ -76,8 +77,6 @@ def run_here(args, tmp_path, monkeypatch, capsys, caplog, expect: int = 0) -> Ru
     loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
     for handler in {h for lg in loggers for h in getattr(lg, "handlers", ()) if type(h) is logging.StreamHandler}:
         monkeypatch.setattr(handler, "stream", sys.stderr)
-    caplog.set_level(logging.INFO)
-    caplog.clear()
     capsys.readouterr()
     try:
         main(list(args))
@@ -85,6 +84,16 @@ def run_here(args, tmp_path, monkeypatch, capsys, caplog, expect: int = 0) -> Ru
     except SystemExit as exit_info:
         code = exit_info.code
     out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_here(args, tmp_path, monkeypatch, capsys, caplog, expect: int = 0) -> RunHere:
+    """``amir_here``, its exit status checked (``expect``), its log (INFO up) appended to its stderr."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    caplog.clear()
+    code, out, err = amir_here(args, tmp_path, monkeypatch, capsys)
     err += caplog.text
     if code != expect:
         raise AssertionError(f"amir {' '.join(args)} exited with {code}, not {expect}:\n{err[-4000:]}")

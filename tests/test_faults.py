@@ -8,14 +8,12 @@ those that need a process of their own (SIGTERM, Ctrl-C, a file-size limit, a cl
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import amir_here
 from safetensors.torch import load_file
-
-from amir_lightning.cli import main
 
 ROOT = Path(__file__).parents[1]
 HELPERS = Path(__file__).parent / "helpers"
@@ -27,18 +25,9 @@ _CLEAN: dict[str, dict[str, torch.Tensor]] = {}
 
 
 def fit_here(tmp_path, monkeypatch, capsys, extra, name="run") -> tuple[int, str]:
-    """``amir fit`` in this process; (exit status, stderr)."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("AMIR_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("AMIR_DEBUG", raising=False)
-    monkeypatch.syspath_prepend(str(HELPERS))
-    monkeypatch.setattr(sys, "argv", ["amir"])
-    try:
-        main([*BASE, "--trainer.logger.init_args.name", name, *extra])
-        code = 0
-    except SystemExit as exit_info:
-        code = exit_info.code
-    return code, capsys.readouterr().err
+    """``amir fit`` of ``BASE`` in this process; (exit status, stderr)."""
+    code, _, err = amir_here([*BASE, "--trainer.logger.init_args.name", name, *extra], tmp_path, monkeypatch, capsys)
+    return code, err
 
 
 def policy(tmp_path, name="run") -> dict[str, torch.Tensor]:
