@@ -142,20 +142,20 @@ def max_abs_difference(first: Path, second: Path) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize(("strategy", "stale_logps"), [("ddp", "current"), (FSDP2, "sampler")], ids=["ddp", "fsdp2"])
 def test_two_processes_resumed_a_rollout_ahead_end_where_an_uninterrupted_run_does(tmp_path, strategy, stale_logps):
-    """2 processes share one vLLM server, which samples the next rollout while they train. Cut after rollout 2 of 3
-    and resumed with ``--ckpt_path last``: each rank trains its own saved rollout 3 (under FSDP2 ``sampler``, with
-    its own shard of the weights that sampled it), ending with the uninterrupted run's weights, bitwise."""
+    """2 processes share one vLLM server, which samples the next rollout while they train. The uninterrupted run of 3
+    rollouts keeps each rollout's checkpoint (``save_top_k: -1``); resumed from rollout 2's, written while rollout 3
+    was being sampled ahead, each rank trains its own saved rollout 3 (under FSDP2 ``sampler``, with its own shard of
+    the weights that sampled it), ending with the uninterrupted run's weights, bitwise."""
     engine = json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": SERVER})
     common = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.engine", engine]
     common += ["--trainer.devices", "2", "--trainer.strategy", strategy, "--trainer.deterministic", "true"]
     common += ["--data.rollout.max_staleness", "1", "--data.rollout.stale_logps", stale_logps]
     common += ["--data.rollout.prompts_per_process", "4", "--data.rollout.micro_batch_groups", "4"]
-    common += ["--trainer.check_val_every_n_epoch", "50"]
-    run_amir([*common, "--trainer.max_epochs", "3", "--trainer.logger.init_args.name", "full"], tmp_path)
-    part = [*common, "--trainer.logger.init_args.name", "part"]
-    run_amir([*part, "--trainer.max_epochs", "2"], tmp_path)
-    run_amir([*part, "--trainer.max_epochs", "3", "--ckpt_path", "last"], tmp_path)
+    common += ["--trainer.check_val_every_n_epoch", "50", "--trainer.max_epochs", "3"]
+    run_amir([*common, "--checkpoint.save_top_k", "-1", "--trainer.logger.init_args.name", "full"], tmp_path)
     runs = tmp_path / "runs"
+    (second,) = (runs / "full" / "version_0" / "checkpoints").glob("epoch=1-*")  # rollout 2's, of 0, 1, 2
+    run_amir([*common, "--trainer.logger.init_args.name", "part", "--ckpt_path", str(second)], tmp_path)
     difference = max_abs_difference(runs / "full" / "version_0", runs / "part" / "version_0")
     print(f"max abs weight difference, resumed vs uninterrupted ({stale_logps}): {difference}")
     assert difference == 0.0

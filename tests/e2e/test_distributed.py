@@ -2,6 +2,7 @@
 and a distributed checkpoint resumes."""
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +18,10 @@ from amir_lightning.models import build_tiny_model
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]
 HELPER = Path(__file__).parents[1] / "helpers" / "dp_step.py"
-_SINGLE: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+STRATEGIES = ["ddp", "fsdp2"]
+LOSSES = [("grpo", "grpo"), ("grpo", "amir"), ("dapo", "grpo"), ("dapo", "amir")]
+PACKINGS = [("ddp", "off"), ("fsdp2", "off"), ("fsdp2", "on")]
+UNEVEN = {"uneven": True, "micro_batch_tokens": 1}
 
 
 @pytest.fixture(scope="module")
@@ -25,82 +29,79 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=5)
 
 
-def one_step(model_dir, out, devices, strategy, aggregation, loss, max_grad_norm=None, extra=(), stdout=None):
+def launch(model_dir, out_dir, devices: int, runs: dict[str, dict]) -> str:
+    """One launch of dp_step.py on ``devices`` processes, running every one of ``runs`` (name: settings) in turn;
+    its output (both ranks')."""
+    runs = json.dumps([{"name": name, **settings} for name, settings in runs.items()])
+    cmd = [sys.executable, str(HELPER), str(model_dir), str(out_dir), "--devices", str(devices), "--runs", runs]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        str(HELPER),
-        str(model_dir),
-        str(out),
-        "--devices",
-        str(devices),
-        "--strategy",
-        strategy,
-        "--aggregation",
-        aggregation,
-        "--loss",
-        loss,
-        *(["--max-grad-norm", str(max_grad_norm)] if max_grad_norm else []),
-        *extra,
-    ]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=out.parent)
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=out_dir)
     assert result.returncode == 0, result.stderr[-3000:]
-    if stdout is not None:
-        stdout.append(result.stdout)
-    return torch.load(out)
+    return result.stdout
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-@pytest.mark.parametrize(
-    ("aggregation", "loss"), [("grpo", "grpo"), ("grpo", "amir"), ("dapo", "grpo"), ("dapo", "amir")]
-)
-def test_two_processes_make_the_same_update_as_one(model_dir, tmp_path, strategy, aggregation, loss):
-    """Tolerance: 1e-5 relative to the largest update (float32 sums in a different order)."""
+@pytest.fixture(scope="module")
+def updates(model_dir, tmp_path_factory):
+    """Every one-step update the tests below compare: the references on one process, the rest on two (the
+    2-process launch costs most of each run's time, so all runs share two launches)."""
+    out = tmp_path_factory.mktemp("updates")
+    single = {f"one-{agg}-{loss}": {"aggregation": agg, "loss": loss} for agg, loss in LOSSES}
+    single["one-clip"] = {"max_grad_norm": 0.05}
+    double = {
+        f"two-{strategy}-{agg}-{loss}": {"strategy": strategy, "aggregation": agg, "loss": loss}
+        for strategy in STRATEGIES
+        for agg, loss in LOSSES
+    }
+    double |= {f"two-uneven-{s}-{p}": {"strategy": s, "packing": p, **UNEVEN} for s, p in PACKINGS}
+    double["two-clip"] = {"strategy": "fsdp2", "max_grad_norm": 0.05}
+    printed = launch(model_dir, out, 1, single) + launch(model_dir, out, 2, double)
+    return {name: torch.load(out / f"{name}.pt") for name in [*single, *double]}, printed.splitlines()
+
+
+def largest_update(model_dir, update: dict[str, torch.Tensor]) -> float:
     from transformers import AutoModelForCausalLM
 
-    key = (aggregation, loss)
-    if key not in _SINGLE:  # the one-process reference is shared by both strategies
-        _SINGLE[key] = one_step(model_dir, tmp_path / "one.pt", 1, "ddp", aggregation, loss)
-    single = _SINGLE[key]
-    double = one_step(model_dir, tmp_path / "two.pt", 2, strategy, aggregation, loss)
     start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
-    largest = max((single[k] - start[k]).abs().max().item() for k in single)
+    return max((update[k] - start[k]).abs().max().item() for k in update)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize(("aggregation", "loss"), LOSSES)
+def test_two_processes_make_the_same_update_as_one(model_dir, updates, strategy, aggregation, loss):
+    """Tolerance: 1e-5 relative to the largest update (float32 sums in a different order)."""
+    single, double = updates[0][f"one-{aggregation}-{loss}"], updates[0][f"two-{strategy}-{aggregation}-{loss}"]
+    largest = largest_update(model_dir, single)
     assert largest > 1e-3  # the step moved the weights
     for key in single:
         torch.testing.assert_close(double[key], single[key], atol=1e-5 * largest, rtol=0)
 
 
-@pytest.mark.parametrize(("strategy", "packing"), [("ddp", "off"), ("fsdp2", "off"), ("fsdp2", "on")])
-def test_processes_with_unequal_micro_batches_agree_and_make_the_same_update(model_dir, tmp_path, strategy, packing):
+@pytest.mark.parametrize(("strategy", "packing"), PACKINGS)
+def test_processes_with_unequal_micro_batches_agree_and_make_the_same_update(model_dir, updates, strategy, packing):
     """Rank 0 holds 3 groups, rank 1 one (as when groups without reward variance are dropped), and a token budget
     of one group per micro-batch: rank 1 runs 2 fillers to keep in step. The update equals one process's (padded),
     with packed rows too (model.scoring.packing on, FSDP2)."""
-    from transformers import AutoModelForCausalLM
-
-    single = one_step(model_dir, tmp_path / "one.pt", 1, "ddp", "grpo", "amir")
-    printed = []
-    extra = ["--uneven", "--micro-batch-tokens", "1", "--packing", packing]
-    double = one_step(model_dir, tmp_path / "two.pt", 2, strategy, "grpo", "amir", extra=extra, stdout=printed)
-    assert "rank 0: micro-batches per step [3]" in printed[0] and "rank 1: micro-batches per step [3]" in printed[0]
+    name = f"two-uneven-{strategy}-{packing}"
+    single, double, printed = updates[0]["one-grpo-amir"], updates[0][name], updates[1]
+    for rank in (0, 1):
+        assert f"run {name}, rank {rank}: micro-batches per step [3]" in printed
     # one log-prob path per run, whatever FSDP2's shard state (the fused head, packed when asked), on every rank
     for rank in (0, 1):
-        line = next(x for x in printed[0].splitlines() if x.startswith(f"rank {rank}: log-prob forwards"))
+        line = next(x for x in printed if x.startswith(f"run {name}, rank {rank}: log-prob forwards"))
         counts = ast.literal_eval(line.split("forwards ", 1)[1])  # a dict printed by dp_step.py
         used = {path for path, n in counts.items() if n}
         assert used == ({"packed"} if packing == "on" else {"fused"}), line
-    start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
-    largest = max((single[k] - start[k]).abs().max().item() for k in single)
+    largest = largest_update(model_dir, single)
     for key in single:
         torch.testing.assert_close(double[key], single[key], atol=1e-5 * largest, rtol=0)
 
 
-def test_clipping_uses_the_global_gradient_norm_under_fsdp2(model_dir, tmp_path):
+def test_clipping_uses_the_global_gradient_norm_under_fsdp2(model_dir, updates):
     """Each process holds a shard of every gradient (FSDP2 DTensors); clipping by a per-shard norm would scale the
     shards differently. The clipped 2-process update equals the 1-process one."""
     from transformers import AutoModelForCausalLM
 
-    single = one_step(model_dir, tmp_path / "one.pt", 1, "ddp", "grpo", "amir", max_grad_norm=0.05)
-    double = one_step(model_dir, tmp_path / "two.pt", 2, "fsdp2", "grpo", "amir", max_grad_norm=0.05)
+    single, double = updates[0]["one-clip"], updates[0]["two-clip"]
     start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     update = torch.cat([(single[k] - start[k]).flatten() for k in single if k != "lm_head.weight"])  # tied
     # SGD at lr 1: the update is the clipped gradient, whose norm is the clip (the raw norm is far above it)

@@ -1,16 +1,20 @@
-"""One optimisation step of AmirGRPOModule on fixed rollouts, on 1 or 2 CPU processes; rank 0 saves the policy.
+"""One optimisation step of AmirGRPOModule on fixed rollouts, for each of several settings in turn, on 1 or 2 CPU
+processes (one launch for all of them); rank 0 saves each run's policy as OUT_DIR/NAME.pt.
 
-    python tests/helpers/dp_step.py MODEL_DIR OUT.pt --devices 2 --strategy ddp --aggregation dapo --loss amir
-    python tests/helpers/dp_step.py MODEL_DIR OUT.pt --devices 2 --strategy fsdp2 --max-grad-norm 0.05
-    python tests/helpers/dp_step.py MODEL_DIR OUT.pt --devices 2 --uneven --micro-batch-tokens 30
-    python tests/helpers/dp_step.py MODEL_DIR OUT.pt --devices 2 --strategy fsdp2 --packing on
+    python tests/helpers/dp_step.py MODEL_DIR OUT_DIR --devices 2 \
+        --runs '[{"name": "dapo", "strategy": "ddp", "aggregation": "dapo", "loss": "amir"},
+                 {"name": "clip", "strategy": "fsdp2", "max_grad_norm": 0.05},
+                 {"name": "uneven", "uneven": true, "micro_batch_tokens": 30, "packing": "on"}]'
 
 The global batch is the same whatever the number of processes: 4 groups of 4 completions, split into equal
-per-process shares of whole groups (``--uneven``: 3 groups on rank 0, 1 on rank 1), each process accumulating over
-micro-batches of one group (or of ``--micro-batch-tokens``), agreed over processes as the data module does.
+per-process shares of whole groups (``uneven``: 3 groups on rank 0, 1 on rank 1), each process accumulating over
+micro-batches of one group (or of ``micro_batch_tokens``), agreed over processes as the data module does. Every
+run prints, per rank, its micro-batches per step and its log-prob forwards by path (``run NAME, rank R: ...``).
 """
 
 import argparse
+import json
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -92,43 +96,36 @@ def count_logprob_paths() -> dict[str, int]:
     return counts
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model_dir")
-    parser.add_argument("out")
-    parser.add_argument("--devices", type=int, default=1)
-    parser.add_argument("--strategy", default="ddp")
-    parser.add_argument("--aggregation", default="grpo")
-    parser.add_argument("--loss", default="amir")
-    parser.add_argument("--max-grad-norm", type=float, default=None)
-    parser.add_argument("--uneven", action="store_true")
-    parser.add_argument("--micro-batch-tokens", type=int, default=None)
-    parser.add_argument("--packing", default="auto")
-    args = parser.parse_args()
+#: A run's settings and their defaults (strategy ``ddp`` or ``fsdp2``, ``auto`` on one process).
+DEFAULTS = {"strategy": "ddp", "aggregation": "grpo", "loss": "amir", "max_grad_norm": None, "uneven": False,
+            "micro_batch_tokens": None, "packing": "auto"}  # fmt: skip
+
+
+def one_run(model_dir: str, devices: int, run: dict, paths: dict[str, int]) -> dict[str, torch.Tensor]:
+    settings = {**DEFAULTS, **{k: v for k, v in run.items() if k != "name"}}
     torch.manual_seed(0)
-    if args.loss == "amir":
-        loss = AmirGRPOLoss(
-            aggregation=args.aggregation, pair_weight=PairWeightSettings(value=0.5, max=1.0, schedule="fixed")
-        )
+    if settings["loss"] == "amir":
+        pair_weight = PairWeightSettings(value=0.5, max=1.0, schedule="fixed")
+        loss = AmirGRPOLoss(aggregation=settings["aggregation"], pair_weight=pair_weight)
     else:
-        loss = GRPOLoss(aggregation=args.aggregation)
+        loss = GRPOLoss(aggregation=settings["aggregation"])
     module = AmirGRPOModule(
-        policy=HFModel(args.model_dir),
+        policy=HFModel(model_dir),
         loss=loss,
-        max_grad_norm=args.max_grad_norm,
+        max_grad_norm=settings["max_grad_norm"],
         optimizer=lambda params: torch.optim.SGD(params, lr=1.0),
-        scoring=ScoringSettings(entropy=False, packing=args.packing),
+        scoring=ScoringSettings(entropy=False, packing=settings["packing"]),
     )
-    strategy = args.strategy
+    strategy = settings["strategy"]
     if strategy == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy()  # its default mesh is tensor-parallel; the module shards over all ranks
-    elif args.devices == 1:
+    elif devices == 1:
         strategy = "auto"
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=args.devices,
+        devices=devices,
         strategy=strategy,
         max_steps=1,
         logger=False,
@@ -138,16 +135,33 @@ def main():
         enable_model_summary=False,
         reload_dataloaders_every_n_epochs=1,
     )
-    data = FixedRollouts(args.uneven, args.micro_batch_tokens)
-    paths = count_logprob_paths()
+    data = FixedRollouts(settings["uneven"], settings["micro_batch_tokens"])
+    for path in paths:
+        paths[path] = 0
+    # the first run of 2 launches the second process (Lightning's launcher re-runs this script); later runs, and
+    # every run there, find the process group made
     trainer.fit(module, data)
-    print(f"rank {trainer.global_rank}: micro-batches per step {data.micro_batches}")
-    print(f"rank {trainer.global_rank}: log-prob forwards {dict(sorted(paths.items()))}")
+    rank = trainer.global_rank
+    print(f"run {run['name']}, rank {rank}: micro-batches per step {data.micro_batches}", flush=True)
+    print(f"run {run['name']}, rank {rank}: log-prob forwards {dict(sorted(paths.items()))}", flush=True)
     from amir_lightning.models.loading import full_state_dict
 
     state = {k: v.detach().cpu().clone() for k, v in full_state_dict(module.model).items()}
-    if trainer.is_global_zero:
-        torch.save(state, args.out)
+    return state if trainer.is_global_zero else {}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_dir")
+    parser.add_argument("out_dir")
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--runs", type=json.loads, required=True, help="a JSON list of runs: name and settings")
+    args = parser.parse_args()
+    paths = count_logprob_paths()
+    for run in args.runs:
+        state = one_run(args.model_dir, args.devices, run, paths)
+        if state:
+            torch.save(state, Path(args.out_dir) / f"{run['name']}.pt")
 
 
 if __name__ == "__main__":
