@@ -92,12 +92,16 @@ def build(
     return module, data
 
 
-def make_trainer(tmp_path, epochs: int, callbacks: list, checkpoints: bool = False) -> L.Trainer:
+def make_trainer(
+    tmp_path, epochs: int, callbacks: list, checkpoints: bool = False, keep_all: bool = False
+) -> L.Trainer:
+    """A CPU trainer of ``epochs`` rollouts; with ``checkpoints``, ``last.ckpt`` after each (and each rollout's own
+    with ``keep_all``)."""
     if checkpoints:
-        callbacks = [
-            *callbacks,
-            ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_on_train_epoch_end=True),
-        ]
+        keep = ModelCheckpoint(
+            dirpath=tmp_path / "ckpt", save_last=True, save_on_train_epoch_end=True, save_top_k=-1 if keep_all else 1
+        )
+        callbacks = [*callbacks, keep]
     return L.Trainer(
         accelerator="cpu",
         max_epochs=epochs,
@@ -113,17 +117,18 @@ def make_trainer(tmp_path, epochs: int, callbacks: list, checkpoints: bool = Fal
 
 
 def cut_and_resume(build, tmp_path, epochs: int) -> list[tuple[AmirGRPOModule, RolloutDataModule]]:
-    """Runs of ``build``'s module and data module: ``epochs`` rollouts straight, then ``epochs - 1`` and a resume of
-    that run's last checkpoint to ``epochs``; their (module, data module) pairs in that order."""
+    """Runs of ``build``'s module and data module: ``epochs`` rollouts straight, each rollout's checkpoint kept, then
+    one resumed from rollout ``epochs - 1``'s checkpoint to ``epochs``; their (module, data module) pairs."""
     straight = build(tmp_path / "straight")
-    make_trainer(tmp_path / "straight", epochs, []).fit(straight[0], datamodule=straight[1])
-    first = build(tmp_path / "cut")
-    make_trainer(tmp_path / "cut", epochs - 1, [], checkpoints=True).fit(first[0], datamodule=first[1])
-    resumed = build(tmp_path / "cut")
-    make_trainer(tmp_path / "cut", epochs, [], checkpoints=True).fit(
-        resumed[0], datamodule=resumed[1], ckpt_path="last"
+    make_trainer(tmp_path / "straight", epochs, [], checkpoints=True, keep_all=True).fit(
+        straight[0], datamodule=straight[1]
     )
-    return [straight, first, resumed]
+    (cut,) = (tmp_path / "straight" / "ckpt").glob(f"epoch={epochs - 2}-*.ckpt")
+    resumed = build(tmp_path / "resumed")
+    make_trainer(tmp_path / "resumed", epochs, [], checkpoints=True).fit(
+        resumed[0], datamodule=resumed[1], ckpt_path=cut
+    )
+    return [straight, resumed]
 
 
 def fit(tmp_path, steps_per_rollout: int, passes: int) -> tuple[Watch, RolloutDataModule, list]:
@@ -168,8 +173,8 @@ def test_a_run_resumed_at_the_end_of_a_rollout_runs_only_the_next_one_and_ends_w
     Resumed from the checkpoint written at the end of rollout 1 of 2, the run generates once (rollout 2), draws the
     prompts an uninterrupted run draws there, and ends with its weights, bitwise.
     """
-    (straight_module, straight), (_, first), (module, data) = cut_and_resume(build, tmp_path, 2)
-    assert (straight.engine.calls, first.engine.calls, data.engine.calls) == (2, 1, 1)
+    (straight_module, straight), (module, data) = cut_and_resume(build, tmp_path, 2)
+    assert (straight.engine.calls, data.engine.calls) == (2, 1)
     assert data.feed.position == straight.feed.position == 4  # 2 rollouts of 2 prompts
     for name, weight in straight_module.model.state_dict().items():
         assert torch.equal(weight, module.model.state_dict()[name]), name
