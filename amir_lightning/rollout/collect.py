@@ -42,6 +42,13 @@ class RolloutSettings:
             off-policy (ratios and clipping act).
         advantage_scale: ``group``, ``batch`` or ``none`` (see ``group_advantages``).
         drop_zero_std_groups: Skip groups whose rewards are all equal (they carry no policy gradient).
+        dynamic_sampling: Drop those groups and sample more prompts, from the same weights, until this process has
+            ``prompts_per_process`` groups with reward variance or ``max_sampling_rounds`` rounds ran (DAPO's
+            dynamic sampling, arXiv 2503.14476; ``rollout/dynamic.py``). Each further round draws the missing
+            groups' worth of prompts at the share with variance seen so far. With ``max_staleness`` 0.
+        max_sampling_rounds: Rounds of sampling per rollout with ``dynamic_sampling``, the first included; when they
+            run out the step trains the groups with variance it has (``rollout/sampling_rounds``,
+            ``rollout/kept_group_frac``).
         max_bad_rollouts: Stop after this many rollouts in a row with NaN or inf rewards.
         reward_warn_s: Say so when a reward has run this many seconds on a rollout, and again as often while it
             runs (a reward that hangs is not silent; ``FunctionReward.timeout_s`` stops the run instead).
@@ -70,6 +77,8 @@ class RolloutSettings:
     passes: int = 1
     advantage_scale: Literal["group", "batch", "none"] = "group"
     drop_zero_std_groups: bool = False
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4
     max_bad_rollouts: int = 3
     reward_warn_s: float = 60.0
     max_staleness: int = 0
@@ -78,7 +87,8 @@ class RolloutSettings:
     def __post_init__(self) -> None:
         errors: list[str] = []
         check_number(errors, "data.rollout.group_size", self.group_size, ge=2)
-        for key in ("prompts_per_process", "micro_batch_groups", "steps_per_rollout", "passes", "max_bad_rollouts"):
+        for key in ("prompts_per_process", "micro_batch_groups", "steps_per_rollout", "passes", "max_bad_rollouts",
+                    "max_sampling_rounds"):  # fmt: skip
             check_number(errors, f"data.rollout.{key}", getattr(self, key), ge=1)
         if self.micro_batch_tokens is not None:
             check_number(errors, "data.rollout.micro_batch_tokens", self.micro_batch_tokens, ge=1)
@@ -87,12 +97,22 @@ class RolloutSettings:
             errors.append(f"data.rollout.max_staleness must be 0 or 1, got {self.max_staleness!r}")
         if self.stale_logps not in ("sampler", "current"):
             errors.append(f"data.rollout.stale_logps must be sampler or current, got {self.stale_logps!r}")
+        if self.dynamic_sampling and self.max_staleness:
+            errors.append(
+                "data.rollout.dynamic_sampling needs data.rollout.max_staleness 0: its further rounds sample from the "
+                "weights of the rollout's first round, which a rollout sampled ahead no longer has in the engine"
+            )
         if not errors and self.steps_per_rollout > self.prompts_per_process:
             errors.append(
                 f"data.rollout.steps_per_rollout ({self.steps_per_rollout}) > data.rollout.prompts_per_process "
                 f"({self.prompts_per_process}): every step needs at least one group"
             )
         raise_errors(errors)
+
+    @property
+    def drops_zero_std(self) -> bool:
+        """Whether steps leave out the groups whose rewards are all equal."""
+        return self.drop_zero_std_groups or self.dynamic_sampling
 
     @property
     def off_policy(self) -> bool:
@@ -161,7 +181,7 @@ def make_rollout(
             "rollout/tokens_per_s": tokens / max(generate_s, 1e-9),
             "rollout/generate_s": generate_s,
             "rollout/score_s": score_s,
-            "rollout/groups_kept": float(len(rollout.trained_groups(settings.drop_zero_std_groups))),
+            "rollout/groups_kept": float(len(rollout.trained_groups(settings.drops_zero_std))),
         }
     )
     return rollout

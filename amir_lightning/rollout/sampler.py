@@ -29,6 +29,11 @@ def generation_seed(seed: int, step: int, rank: int, purpose: int) -> int:
     return (((seed * 1_000_003 + step) * 65_537 + rank) * 8 + purpose) % 2**63
 
 
+def round_seed(seed: int, index: int) -> int:
+    """The seed of a rollout's ``index``-th round of sampling (dynamic sampling; the first round's is ``seed``)."""
+    return seed if index == 0 else (seed + 104_729 * index) % 2**63
+
+
 def turn_seed(seed: int, turn: int) -> int:
     """The seed of an episode's ``turn``-th turn (the first turn's is the generation's)."""
     return (seed + 7919 * turn) % 2**63

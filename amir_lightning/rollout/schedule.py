@@ -27,10 +27,12 @@ from amir_lightning.data.feed import PromptFeed
 from amir_lightning.helpers.distributed import all_reduce
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rollout.collect import RolloutSettings, make_rollout
+from amir_lightning.rollout.dynamic import Round, refill
 from amir_lightning.rollout.engine import SamplingConfig
 from amir_lightning.rollout.pending import PendingRollout, SavedRollout
 from amir_lightning.rollout.policy import Policy
-from amir_lightning.rollout.sampler import AHEAD, TRAIN, Sampler, generation_seed
+from amir_lightning.rollout.rewarding import Scores
+from amir_lightning.rollout.sampler import AHEAD, TRAIN, Sampler, generation_seed, round_seed
 from amir_lightning.rollout.saved import gather_saved, restore, saved_for_rank
 from amir_lightning.rollout.types import Rollout
 
@@ -162,15 +164,44 @@ class InTurn(Schedule):
     def next_rollout(self, at: At) -> Rollout:
         prompts, prompt_ids = self._draw_for(at)
         sync = self._push(at, prompts, prompt_ids)
-        start, n, tokenizer = time.perf_counter(), self.settings.group_size, self.policy.tokenizer
-        completions = self.sampler.generate(prompt_ids, n, self.sampling, self._seed(at, TRAIN), prompts, tokenizer)
-        generate_s = time.perf_counter() - start
+        first = self._sample(at, prompts, prompt_ids, 0)
+        settings, scores, dynamic = self.settings, None, {}
+        if settings.dynamic_sampling:  # more rounds, from these weights, until the groups have reward variance
+            first.scores = Scores.of(self.rewards, prompts, first.completions, settings.reward_warn_s)
+            more = lambda count, index, sample: self._more(at, count, index, sample)  # noqa: E731
+            wanted, size, rounds = settings.prompts_per_process, settings.group_size, settings.max_sampling_rounds
+            first, dynamic = refill(first, more, wanted, size, rounds, at.max_over_processes)
+            scores = first.scores
         self.sampler.sleep()  # a colocated engine with sleep mode lends its memory to training until the push
-        rewards, settings = self.rewards, self.settings
-        rollout = make_rollout(prompts, prompt_ids, completions, generate_s, rewards, settings, at.sum_over_processes)
+        rollout = make_rollout(
+            first.prompts,
+            first.prompt_ids,
+            first.completions,
+            first.generate_s,
+            self.rewards,
+            settings,
+            at.sum_over_processes,
+            scores,
+        )
         rollout.seconds["sync_s"] = sync["rollout/sync_s"]
-        rollout.metrics |= sync
+        rollout.metrics |= sync | dynamic
         return rollout
+
+    def _sample(self, at: At, prompts: list[Prompt], prompt_ids: list[list[int]], index: int) -> Round:
+        """Round ``index`` of this rollout's sampling (its own seed; the first round's is the rollout's), unscored."""
+        start, n, tokenizer = time.perf_counter(), self.settings.group_size, self.policy.tokenizer
+        seed = round_seed(self._seed(at, TRAIN), index)
+        completions = self.sampler.generate(prompt_ids, n, self.sampling, seed, prompts, tokenizer)
+        return Round(prompts, prompt_ids, completions, None, time.perf_counter() - start)
+
+    def _more(self, at: At, count: int, index: int, sample: bool) -> Round | None:
+        """Dynamic sampling's round ``index``: ``count`` more prompts drawn, sampled and scored when ``sample``."""
+        prompts = self.feed.draw(at.rank, at.ranks, count)
+        if not sample:  # this process is full; its share of the stream is skipped, as every process draws alike
+            return None
+        extra = self._sample(at, prompts, self.feed.tokenize(self.policy.tokenizer, prompts), index)
+        extra.scores = Scores.of(self.rewards, prompts, extra.completions, self.settings.reward_warn_s)
+        return extra
 
 
 class Ahead(Schedule):

@@ -278,7 +278,7 @@ class RolloutDataModule(LightningDataModule):
         rollout = self.schedule.next_rollout(at)  # pushed, sampled, scored, with its advantages
         self.reward_guard.check(rollout.metrics)  # a run of rollouts with non-finite rewards stops here
         self._log(rollout.metrics, at)
-        groups = rollout.trained_groups(settings.drop_zero_std_groups)
+        groups = rollout.trained_groups(settings.drops_zero_std)
         plan = plan_steps(groups, settings.steps_per_rollout, settings.micro_batch_groups, settings.micro_batch_tokens)
         plan = agree_on_plan(plan, settings.steps_per_rollout, at.max_over_processes)  # the same steps everywhere
         steps = build_steps(plan, self.policy.pad_token_id, settings.passes, filler=rollout.groups[0], rollout=rollout)

@@ -1,0 +1,140 @@
+"""Dynamic sampling: sample more prompts until a rollout has its groups with reward variance.
+
+A group whose G rewards are all equal has zero advantage everywhere: no policy gradient and, for AMIR-GRPO, no pairs
+(arXiv 2601.03661 mines its pairs from the reward ranking inside a group). Dropping such groups
+(``data.rollout.drop_zero_std_groups``) shrinks the step as the task becomes easy or hard; DAPO's dynamic sampling
+(arXiv 2503.14476, section 3.2) samples more prompts instead, until the batch is full again. ``refill`` does that
+for one process: after the rollout's first round, further rounds of prompts drawn from the stream, sampled from the
+same weights and scored, until ``prompts_per_process`` groups have variance or ``max_sampling_rounds`` rounds ran.
+
+Every process runs the same rounds and draws the same number of prompts in each (the stream stays in step; a
+process already full draws its share without sampling it), so the steps that follow are planned as before
+(``agree_on_plan``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from amir_lightning.data.base import Prompt
+from amir_lightning.rollout.engine import Completion
+from amir_lightning.rollout.rewarding import Scores
+
+
+@dataclass
+class Round:
+    """One round of a rollout's sampling.
+
+    Attributes:
+        prompts: Its prompts.
+        prompt_ids: Their token ids.
+        completions: ``G`` per prompt.
+        scores: Their scores (``[count * G]`` totals); ``None`` until scored.
+        generate_s: Seconds sampling took.
+    """
+
+    prompts: list[Prompt]
+    prompt_ids: list[list[int]]
+    completions: list[list[Completion]]
+    scores: Scores | None
+    generate_s: float
+
+
+def has_variance(scores: Scores, group_size: int) -> list[bool]:
+    """Per group: finite rewards that are not all equal (the groups a step learns from)."""
+    rows = scores.total.view(-1, group_size)
+    return [bool(torch.isfinite(row).all() and (row != row[0]).any()) for row in rows]
+
+
+def prompts_to_draw(wanted: int, kept: int, sampled: int) -> int:
+    """How many prompts the next round draws: 0 when full, else at most ``wanted``.
+
+    Enough to find the ``wanted - kept`` missing groups at the share with variance seen so far (``kept`` of
+    ``sampled``); ``wanted`` when none had variance yet.
+    """
+    missing = wanted - kept
+    if missing <= 0:
+        return 0
+    if kept == 0:
+        return wanted
+    return min(wanted, math.ceil(missing * sampled / kept))
+
+
+def refill(
+    first: Round,
+    more: Callable[[int, int, bool], Round | None],
+    wanted: int,
+    group_size: int,
+    max_rounds: int,
+    max_over_processes: Callable[[list[float]], list[float]],
+) -> tuple[Round, dict[str, float]]:
+    """The rollout of up to ``wanted`` groups with variance, from ``first`` and further rounds; its metrics.
+
+    Args:
+        first: The rollout's first round (``wanted`` prompts).
+        more: ``more(count, index, sample)`` draws ``count`` prompts for round ``index`` and, when ``sample``,
+            samples and scores them (``None`` otherwise: this process is full, its share of the stream is skipped).
+        wanted: ``prompts_per_process``.
+        group_size: ``G``.
+        max_rounds: ``max_sampling_rounds``, the first included.
+        max_over_processes: Every process calls it once per round: the largest draw any process needs.
+
+    Returns:
+        ``wanted`` groups: those with variance in the order sampled, then, when the rounds ran out, groups without
+        (which the step drops: kept so that every process has a rollout to log and a filler to plan with); and
+        ``rollout/sampling_rounds``, ``rollout/kept_group_frac`` (groups with variance among those sampled),
+        ``rollout/zero_std_frac`` (all rewards equal, among those sampled).
+    """
+    rounds, flags = [first], [has_variance(first.scores, group_size)]
+    index = 1
+    while index < max_rounds:
+        kept, sampled = sum(map(sum, flags)), sum(map(len, flags))
+        count = int(max_over_processes([float(prompts_to_draw(wanted, kept, sampled))])[0])
+        if count == 0:  # every process is full
+            break
+        extra = more(count, index, kept < wanted)
+        index += 1
+        if extra is not None:
+            rounds.append(extra)
+            flags.append(has_variance(extra.scores, group_size))
+    places = [(r, g) for r, round_flags in enumerate(flags) for g, varied in enumerate(round_flags) if varied]
+    places = places[:wanted]
+    fill = [(r, g) for r, round_flags in enumerate(flags) for g, varied in enumerate(round_flags) if not varied]
+    places += fill[: wanted - len(places)]
+    sampled = sum(map(len, flags))
+    zero_std = sum(bool((row == row[0]).all()) for r in rounds for row in r.scores.total.view(-1, group_size))
+    metrics = {
+        "rollout/sampling_rounds": float(index),
+        "rollout/kept_group_frac": sum(map(sum, flags)) / sampled,
+        "rollout/zero_std_frac": zero_std / sampled,
+    }
+    return _select(rounds, places, group_size), metrics
+
+
+def _select(rounds: list[Round], places: list[tuple[int, int]], group_size: int) -> Round:
+    """The groups at ``places`` (round, group) as one round.
+
+    Its reward and length metrics are the first round's (a uniform draw of prompts, not one chosen by its rewards);
+    its seconds are every round's.
+    """
+
+    def rows(tensor_of, r: int, g: int) -> torch.Tensor:
+        return tensor_of(rounds[r].scores)[g * group_size : (g + 1) * group_size]
+
+    scores = Scores(
+        torch.cat([rows(lambda s: s.total, r, g) for r, g in places]),
+        dict(rounds[0].scores.metrics),
+        torch.cat([rows(lambda s: s.correct, r, g) for r, g in places]),
+        sum(r.scores.seconds for r in rounds),
+    )
+    return Round(
+        [rounds[r].prompts[g] for r, g in places],
+        [rounds[r].prompt_ids[g] for r, g in places],
+        [rounds[r].completions[g] for r, g in places],
+        scores,
+        sum(r.generate_s for r in rounds),
+    )

@@ -1,0 +1,185 @@
+"""Dynamic sampling (``data.rollout.dynamic_sampling``): groups without reward variance are dropped and more prompts
+sampled, from the same weights, until each process has its groups with variance, within ``max_sampling_rounds``."""
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from test_datamodule import Watch, build, cut_and_resume, make_trainer
+
+from amir_lightning.data.base import Prompt
+from amir_lightning.helpers.distributed import all_reduce
+from amir_lightning.rewards.base import Reward
+from amir_lightning.rollout.collect import RolloutSettings
+from amir_lightning.rollout.dynamic import Round, has_variance, prompts_to_draw, refill
+from amir_lightning.rollout.engine import Completion
+from amir_lightning.rollout.rewarding import Scores
+
+G = 2
+
+
+def a_round(name: str, totals: list[list[float]]) -> Round:
+    """A scored round of prompts named ``name0``, ``name1``...: group ``i`` has the rewards ``totals[i]``."""
+    count = len(totals)
+    prompts = [Prompt(f"{name}{i}", "") for i in range(count)]
+    completions = [[Completion([i, k], f"{name}{i}.{k}", [0.0, 0.0], "stop") for k in range(G)] for i in range(count)]
+    flat = torch.tensor([float(v) for group in totals for v in group])
+    scores = Scores(flat, {"rollout/reward_mean": float(flat.nan_to_num().mean())}, torch.full_like(flat, 1.0), 0.5)
+    return Round(prompts, [[i] for i in range(len(totals))], completions, scores, 2.0)
+
+
+def one_process(values: list[float]) -> list[float]:
+    return values
+
+
+def test_a_group_has_variance_when_its_rewards_are_finite_and_not_all_equal():
+    scores = a_round("q", [[1.0, 1.0], [0.0, 1.0], [float("nan"), 1.0], [2.0, 2.0]]).scores
+    assert has_variance(scores, G) == [False, True, False, False]
+
+
+@pytest.mark.parametrize(
+    ("kept", "sampled", "draw"), [(4, 4, 0), (5, 6, 0), (0, 4, 4), (2, 4, 4), (3, 4, 2), (1, 8, 4), (3, 5, 2)]
+)
+def test_a_round_draws_the_missing_groups_worth_of_prompts_at_the_share_seen(kept, sampled, draw):
+    """4 groups wanted: 0 when full, all 4 when none had variance, else the missing ones over the share seen."""
+    assert prompts_to_draw(4, kept, sampled) == draw
+
+
+def test_rounds_go_on_until_the_groups_have_variance_and_keep_them_in_the_order_sampled():
+    """4 wanted; round 0 has 1 with variance (draw 4 more at 1 in 4), round 1 has 2 (3 of 8 seen: draw 3), round 2
+    gives the last one and one more, which is left out."""
+    first = a_round("a", [[1, 1], [0, 1], [1, 1], [1, 1]])
+    later = {1: a_round("b", [[0, 2], [3, 3], [5, 4], [0, 0]]), 2: a_round("c", [[1, 2], [2, 1], [7, 7]])}
+    asked = []
+
+    def more(count, index, sample):
+        asked.append((count, index, sample))
+        return later[index]
+
+    chosen, metrics = refill(first, more, 4, G, 5, one_process)
+    assert asked == [(4, 1, True), (3, 2, True)]  # and no round 3: full
+    assert [p.question for p in chosen.prompts] == ["a1", "b0", "b2", "c0"]
+    assert [c[0].text for c in chosen.completions] == ["a1.0", "b0.0", "b2.0", "c0.0"]
+    assert chosen.scores.total.tolist() == [0, 1, 0, 2, 5, 4, 1, 2] and chosen.prompt_ids == [[1], [0], [2], [0]]
+    assert chosen.scores.metrics == first.scores.metrics  # the uniform first round describes the policy
+    assert chosen.generate_s == 6.0 and chosen.scores.seconds == 1.5
+    assert metrics == {
+        "rollout/sampling_rounds": 3.0,
+        "rollout/kept_group_frac": 5 / 11,
+        "rollout/zero_std_frac": 6 / 11,
+    }
+
+
+def test_when_the_rounds_run_out_the_rollout_is_filled_with_groups_the_step_drops():
+    first = a_round("a", [[1, 1], [0, 1], [1, 1]])
+    chosen, metrics = refill(first, lambda count, index, sample: a_round("b", [[2, 2]] * count), 3, G, 2, one_process)
+    assert [p.question for p in chosen.prompts] == ["a1", "a0", "a2"]  # the one with variance first
+    assert has_variance(chosen.scores, G) == [True, False, False]
+    assert metrics["rollout/sampling_rounds"] == 2.0 and metrics["rollout/kept_group_frac"] == 1 / 6
+
+
+def test_one_round_is_the_rollout_as_sampled():
+    first = a_round("a", [[1, 1], [0, 1]])
+    chosen, metrics = refill(first, lambda *args: pytest.fail("no second round"), 2, G, 1, one_process)
+    assert [p.question for p in chosen.prompts] == ["a1", "a0"] and metrics["rollout/sampling_rounds"] == 1.0
+
+
+def _two_ranks(rank: int, port: int, out: str) -> None:
+    """Rank 0's first round is full, rank 1's has no group with variance: both run the same rounds and draw as many
+    prompts in each; rank 0 draws its share without sampling it."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        first = a_round("a", [[0, 1], [0, 1]] if rank == 0 else [[1, 1], [1, 1]])
+        asked = []
+
+        def more(count, index, sample):
+            asked.append((count, index, sample))
+            return a_round("b", [[1, 1], [0, 3]][:count]) if sample else None
+
+        def max_over(values):
+            return all_reduce(torch.tensor(values, dtype=torch.float64), "max").tolist()
+
+        chosen, metrics = refill(first, more, 2, G, 3, max_over)
+        Path(f"{out}.{rank}").write_text(repr((asked, [p.question for p in chosen.prompts], metrics)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_process_runs_the_same_rounds_and_draws_alike(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "ranks")
+    mp.start_processes(_two_ranks, args=(port, out), nprocs=2, start_method="spawn")
+    rank0, rank1 = (eval(Path(f"{out}.{rank}").read_text()) for rank in (0, 1))  # noqa: S307 (our own repr)
+    # round 1: rank 1 needs 2 (none seen with variance); round 2: rank 1 has 1 of 4, needs ceil(1 * 4 / 1) > 2: 2
+    assert rank0[0] == [(2, 1, False), (2, 2, False)] and rank1[0] == [(2, 1, True), (2, 2, True)]
+    assert rank0[1] == ["a0", "a1"] and rank1[1] == ["b1", "b1"]
+    assert rank0[2]["rollout/sampling_rounds"] == rank1[2]["rollout/sampling_rounds"] == 3.0
+
+
+class VariesOnOddAnswers(Reward):
+    """A group of a prompt with an even answer always scores 1 (no variance); an odd one, its completion's length
+    plus its first character's code: about half the groups of the tiny random policy have no variance."""
+
+    def score(self, completions, answers, **kwargs) -> list[float]:
+        return [1.0 if int(a) % 2 == 0 else float(len(c) + ord((c or " ")[0])) for c, a in zip(completions, answers)]
+
+
+def build_dynamic(tmp_path, dynamic: bool = True, rounds: int = 6):
+    settings = RolloutSettings(group_size=4, prompts_per_process=4, micro_batch_groups=2, dynamic_sampling=dynamic,
+                               drop_zero_std_groups=True, max_sampling_rounds=rounds)  # fmt: skip
+    module, data = build(tmp_path, rollout=settings, new_tokens=3)
+    data.rewards = [VariesOnOddAnswers()]
+    return module, data
+
+
+class Logged(Watch):
+    """Also each rollout's ``rollout/`` metrics as logged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[dict[str, float]] = []
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("rollout/")})
+
+
+def test_a_run_with_dynamic_sampling_trains_full_steps_where_dropping_alone_shrinks_them(tmp_path):
+    """The same prompts and weights: dropping alone trains the groups with variance the first round had; dynamic
+    sampling draws more prompts and trains prompts_per_process groups, all with variance."""
+    runs = {}
+    for dynamic in (False, True):
+        module, data = build_dynamic(tmp_path / str(dynamic), dynamic)
+        logged = Logged()
+        make_trainer(tmp_path / str(dynamic), 2, [logged]).fit(module, datamodule=data)
+        runs[dynamic] = (logged.metrics, data.feed.position)
+        data.engine.close()
+    (dropped, dropped_at), (dynamic, dynamic_at) = runs[False], runs[True]
+    # rollout 1 drew 4 prompts with odd answers, rollout 2 two with even ones: dropping trains 4 groups, then 2
+    assert dropped_at == 8 and [m["rollout/groups_kept"] for m in dropped] == [4, 2]
+    assert [m["rollout/groups_kept"] for m in dynamic] == [4, 4] and dynamic_at > 8  # rollout 2 drew more prompts
+    assert [m["rollout/sampling_rounds"] for m in dynamic] == [1, 4] and "rollout/sampling_rounds" not in dropped[1]
+    assert dynamic[0]["rollout/kept_group_frac"] == 1 and 0 < dynamic[1]["rollout/kept_group_frac"] < 0.5
+    assert dynamic[1]["rollout/zero_std_frac"] == pytest.approx(1 - dynamic[1]["rollout/kept_group_frac"])
+    for key in ("rollout/reward_mean", "rollout/zero_std_frac"):  # the same first rollout, one round
+        assert dropped[0][key] == dynamic[0][key]
+
+
+def test_a_run_with_dynamic_sampling_resumed_at_a_rollouts_end_ends_where_an_uninterrupted_run_does(tmp_path):
+    (straight_module, straight), (module, data) = cut_and_resume(build_dynamic, tmp_path, 2)
+    assert data.feed.position == straight.feed.position > 8  # the further rounds' prompts, drawn again alike
+    for name, weight in straight_module.model.state_dict().items():
+        assert torch.equal(weight, module.model.state_dict()[name]), name
+
+
+def test_dynamic_sampling_is_refused_on_a_rollout_sampled_ahead():
+    with pytest.raises(ValueError, match="data.rollout.dynamic_sampling needs data.rollout.max_staleness 0"):
+        RolloutSettings(dynamic_sampling=True, max_staleness=1)
+    with pytest.raises(ValueError, match="data.rollout.max_sampling_rounds"):
+        RolloutSettings(dynamic_sampling=True, max_sampling_rounds=0)
