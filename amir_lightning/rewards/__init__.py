@@ -6,6 +6,7 @@ from amir_lightning.rewards.judge import JudgeReward, JudgeServer
 from amir_lightning.rewards.length import LengthControlledAnswerReward
 from amir_lightning.rewards.math import MathAnswerReward
 from amir_lightning.rewards.model import RewardModel
+from amir_lightning.rewards.overlong import OverlongPenalty
 from amir_lightning.rewards.sandbox import SandboxedGrader
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "JudgeServer",
     "LengthControlledAnswerReward",
     "MathAnswerReward",
+    "OverlongPenalty",
     "Reward",
     "RewardInputs",
     "RewardModel",

@@ -133,6 +133,9 @@ class Reward(ABC):
         """
         return {}
 
+    def fit_to_sampling(self, max_new_tokens: int) -> None:  # noqa: B027 (optional hook: most rewards need nothing)
+        """Learn the rollout's completion cap (``data.sampling.max_new_tokens``) before the first rollout."""
+
     def setup(self) -> None:  # noqa: B027 (optional hook: most rewards hold nothing)
         """Start what the reward needs (a server), before the first rollout; every training process calls it."""
 

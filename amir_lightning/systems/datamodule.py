@@ -179,6 +179,7 @@ class RolloutDataModule(LightningDataModule):
             if skipped := self.feed.screen(self.tokenizer, grading, self.trainer.is_global_zero):
                 log_metrics(self.trainer, {"data/skipped_prompts": skipped})
             for reward in self.rewards:  # a judge's server starts here, not after the first generation
+                reward.fit_to_sampling(self.sampling.max_new_tokens)
                 reward.setup()
         self.screen_evaluation_prompts(stage)
         if not self.engine.started:
