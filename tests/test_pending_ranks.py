@@ -95,13 +95,13 @@ def test_each_process_resumes_its_own_rollout_sampled_ahead_and_never_another_ra
     sharded, replicated = gathered["sharded"], gathered["replicated"]
     assert sharded["world_size"] == 2 and sorted(sharded["ranks"]) == [0, 1]
     for rank, (question, answer) in enumerate(QUESTIONS):
-        saved, redraw_at = saved_for_rank(sharded, rank, 2, overlapped=True)
+        (saved,), redraw_at = saved_for_rank(sharded, rank, 2, overlapped=True)
         assert redraw_at is None and saved.completions[0][0].text == answer
         assert saved.fits([token_ids(question)]) and not saved.fits([token_ids(QUESTIONS[1 - rank][0])])
         assert torch.equal(saved.weights["w"], torch.full((3,), float(rank + 1)))  # its own shard
         assert saved.scores.total.tolist() == [len(answer), 3.0]  # as scored before the checkpoint (call 1)
-    assert replicated["ranks"][1]["weights"] is None  # written once, by rank 0
-    saved, _ = saved_for_rank(replicated, 1, 2, overlapped=True)
+    assert replicated["ranks"][1][0]["weights"] is None  # written once, by rank 0
+    (saved,), _ = saved_for_rank(replicated, 1, 2, overlapped=True)
     assert saved.completions[0][0].text == "5" and torch.equal(saved.weights["w"], torch.full((3,), 1.0))
     errors = [Path(f"{out}.{rank}").read_text() for rank in (0, 1)]
     assert errors[0] == errors[1] and "holds completions of other prompts than process(es) 1 draw again" in errors[0]
@@ -110,7 +110,10 @@ def test_each_process_resumes_its_own_rollout_sampled_ahead_and_never_another_ra
     assert saved_for_rank(unkeyed, 1, 2, overlapped=True) == (None, 6)
     assert saved_for_rank(sharded, 0, 4, overlapped=True) == (None, 6)  # another number of processes
     assert saved_for_rank(sharded, 0, 2, overlapped=False) == (None, 6)  # resumed in turn (max_staleness 0)
-    assert saved_for_rank(unkeyed, 0, 1, overlapped=True)[0].completions[0][0].text == "13"  # one process's
+    assert saved_for_rank(unkeyed, 0, 1, overlapped=True)[0][0].completions[0][0].text == "13"  # one process's
+    one_each = {"world_size": 2, "ranks": {r: states[0] for r, states in sharded["ranks"].items()}}  # as written
+    (saved,), _ = saved_for_rank(one_each, 1, 2, overlapped=True)  # before several could sample ahead
+    assert saved.completions[0][0].text == "5" and torch.equal(saved.weights["w"], torch.full((3,), 2.0))
 
 
 def test_a_rollout_sampled_ahead_is_scored_once_and_resumed_with_those_scores(tmp_path):

@@ -55,9 +55,18 @@ class RolloutSettings:
         max_staleness: ``0``: every rollout is sampled from the weights it trains (generation, then training).
             ``1``: the next rollout is sampled while the policy trains on this one, from the weights this one
             started with, so each rollout trains one rollout's updates late (its ratios and clipping act, from the
-            trainer's log-probs under the weights that sampled it). Needs an engine in its own process
-            (``VLLMServerEngine``). The last rollout samples one more, never trained but kept in the last
-            checkpoint, so a run resumed to train longer goes on exactly.
+            trainer's log-probs under the weights that sampled it). ``N`` > 1 (with ``partial_rollouts``): N
+            rollouts sample while the policy trains, the oldest N rollouts' updates late at most. Needs an engine
+            in its own process (``VLLMServerEngine``). The last rollout samples N more, never trained but kept in
+            the last checkpoint, so a run resumed to train longer goes on exactly.
+        partial_rollouts: With ``max_staleness`` >= 1, a push does not wait for the rollouts sampling ahead: they
+            go on with the new weights (in-flight weight updates), and each token says which weights sampled it
+            (``rollout/staleness``, ``rollout/staleness_max``, over tokens; ``rollout/spanning_frac``: completions
+            sampled across a push). Their behaviour log-probs are the engine's, token by token, which the engine /
+            trainer importance weights use (``stale_logps: current``). A checkpoint waits for the rollouts
+            sampling ahead to finish on the weights they have, and keeps them whole: checkpoint every few rollouts
+            (``checkpoint.every_n_epochs``) to keep the overlap; which tokens a push catches depends on timing, so
+            two such runs differ (the exact resume holds from a checkpoint, for the rollouts it kept).
         stale_logps: With ``max_staleness`` 1, the old log-probs of a rollout sampled by older weights.
             ``current`` (default): the trainer's current weights, so the first step's ratio is 1 and no pass is
             added (decoupled PPO, arXiv 2110.00641); the staleness is then corrected by the engine/trainer importance
@@ -82,6 +91,7 @@ class RolloutSettings:
     max_bad_rollouts: int = 3
     reward_warn_s: float = 60.0
     max_staleness: int = 0
+    partial_rollouts: bool = False
     stale_logps: Literal["sampler", "current"] = "current"
 
     def __post_init__(self) -> None:
@@ -93,8 +103,20 @@ class RolloutSettings:
         if self.micro_batch_tokens is not None:
             check_number(errors, "data.rollout.micro_batch_tokens", self.micro_batch_tokens, ge=1)
         check_number(errors, "data.rollout.reward_warn_s", self.reward_warn_s, gt=0)
-        if self.max_staleness not in (0, 1):
-            errors.append(f"data.rollout.max_staleness must be 0 or 1, got {self.max_staleness!r}")
+        check_number(errors, "data.rollout.max_staleness", self.max_staleness, ge=0)
+        if not errors and self.max_staleness > 1 and not self.partial_rollouts:
+            errors.append(
+                f"data.rollout.max_staleness {self.max_staleness} needs data.rollout.partial_rollouts true: without it "
+                "each push waits for the rollouts sampling ahead, so more than one ahead trains later, not faster"
+            )
+        if self.partial_rollouts and not self.max_staleness:
+            errors.append("data.rollout.partial_rollouts needs data.rollout.max_staleness >= 1 (rollouts sampling "
+                          "while the policy trains, which a push can update)")  # fmt: skip
+        if self.partial_rollouts and self.stale_logps == "sampler":
+            errors.append(
+                "data.rollout.partial_rollouts needs data.rollout.stale_logps current: a completion sampled across "
+                "pushes has no one set of weights that sampled it (the engine's per-token log-probs weigh it)"
+            )
         if self.stale_logps not in ("sampler", "current"):
             errors.append(f"data.rollout.stale_logps must be sampler or current, got {self.stale_logps!r}")
         if self.dynamic_sampling and self.max_staleness:

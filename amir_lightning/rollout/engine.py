@@ -167,6 +167,8 @@ class Completion:
         tool_errors: How many of those replies were errors (``ToolError``; ``rollout/episodes.py``).
         tool_truncated: How many of those replies were cut at the environment's ``max_reply_tokens``.
         tool_cut: Whether the episode was cut while calling the tool (at ``max_turns``, or out of context).
+        versions: Per token, the weight version (optimisation step) that sampled it, where a completion can span
+            pushes (``data.rollout.partial_rollouts``); ``None``: its rollout's version sampled every token.
     """
 
     token_ids: list[int]
@@ -178,6 +180,7 @@ class Completion:
     tool_errors: int = 0
     tool_truncated: int = 0
     tool_cut: bool = False
+    versions: list[int] | None = None
 
     @property
     def truncated(self) -> bool:
@@ -202,6 +205,13 @@ class RolloutEngine(ABC):
     #: Whether the engine generates in a process of its own, so a rollout can be sampled while the policy trains
     #: (``data.rollout.max_staleness``); its ``generate`` then takes the rollout's ``seed``.
     runs_apart: bool = False
+    #: Whether a push can land while requests are in flight, which go on with the new weights and say which
+    #: weights sampled each token (``Completion.versions``; ``data.rollout.partial_rollouts``).
+    takes_updates_in_flight: bool = False
+    #: Set by the run: pushes keep requests in flight (``data.rollout.partial_rollouts``), on an engine that can.
+    updates_in_flight: bool = False
+    #: Set by the run before each push: the weight version (optimisation step) the pushed weights are.
+    weight_version: int = 0
 
     @abstractmethod
     def start(self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0) -> None:

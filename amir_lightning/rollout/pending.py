@@ -1,4 +1,4 @@
-"""A rollout sampled in the background while the policy trains (``data.rollout.max_staleness: 1``).
+"""A rollout sampled in the background while the policy trains (``data.rollout.max_staleness`` >= 1).
 
 With ``max_staleness`` 1 the data module starts rollout k + 1 on the engine (which runs in its own process) right
 after pushing the weights that rollout k trains from, and trains on rollout k meanwhile. Rollout k + 1 is then
@@ -8,7 +8,8 @@ the policy ratio (``RolloutBatch.old_logps``), exactly as for any off-policy ste
 
 A checkpoint holds the pending rollout whole (its completions, its policy version and those weights) and scored (its
 rewards, so a resumed run never asks a judge or a reward model again), one per process (``rollout/saved.py``), so a
-resumed run trains on the same rollout, with the same ratios and rewards, as an uninterrupted one.
+resumed run trains on the same rollout, with the same ratios and rewards, as an uninterrupted one; with
+``max_staleness`` N, every one of the N sampling ahead.
 """
 
 from __future__ import annotations

@@ -116,6 +116,7 @@ class Sampler:
         if self.synced_at_step == step:
             return None
         self.sync_check.set_probe(policy.tokenizer, *probe)
+        self.engine.weight_version = step  # the label of the tokens these weights sample
         report = self.sync_check.push_and_verify(policy, self.engine, max_over_processes)
         self.synced_at_step = step
         return report

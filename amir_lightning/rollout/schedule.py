@@ -5,9 +5,10 @@ the run is, for checkpoints (``state_dict``, ``load_state_dict``): the epoch of 
 stream's position before that draw, how many of its steps have started, and, ahead, the rollouts sampling meanwhile.
 
 - ``InTurn`` (``data.rollout.max_staleness`` 0): push the weights, sample from them, train on what they sampled.
-- ``Ahead`` (``max_staleness`` 1): the rollout an epoch trains was sampled while the epoch before trained, from the
-  weights that epoch started with; right after taking it, the schedule pushes this epoch's weights and starts the
-  next one. Its rollouts sampling meanwhile sit in a hand-off bounded by ``max_staleness``.
+- ``Ahead`` (``max_staleness`` N >= 1): the rollout an epoch trains was sampled while earlier epochs trained, from
+  weights at most N epochs older; right after taking it, the schedule pushes this epoch's weights and starts the
+  next one. Its rollouts sampling meanwhile sit in a hand-off of N, oldest first; with ``partial_rollouts`` a push
+  reaches them in flight and their later tokens are sampled by the newer weights.
 
 Lightning's counters reach a schedule once per epoch, frozen, as ``At``: nothing here reads the trainer.
 """
@@ -28,7 +29,7 @@ from amir_lightning.helpers.distributed import all_reduce
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rollout.collect import RolloutSettings, make_rollout
 from amir_lightning.rollout.dynamic import Round, refill
-from amir_lightning.rollout.engine import SamplingConfig
+from amir_lightning.rollout.engine import Completion, SamplingConfig
 from amir_lightning.rollout.pending import PendingRollout, SavedRollout
 from amir_lightning.rollout.policy import Policy
 from amir_lightning.rollout.rewarding import Scores
@@ -92,7 +93,7 @@ class Schedule(ABC):
         self.epoch: int | None = None  # of the rollout last drawn
         self.drawn_at: int | None = None  # the stream's position before that draw, until its steps start
         self.steps_started = 0
-        self._saved: SavedRollout | None = None  # the next rollout to train, as a checkpoint brought it back
+        self._saved: list[SavedRollout] | None = None  # the next rollouts to train, as a checkpoint brought them back
 
     #: Whether it samples ahead: a checkpoint's rollout sampled ahead is resumed, not sampled again.
     overlapped = False
@@ -205,11 +206,14 @@ class InTurn(Schedule):
 
 
 class Ahead(Schedule):
-    """Sample the next rollout while the policy trains on this one (``max_staleness`` 1; the engine in its own process).
+    """Sample the next rollouts while the policy trains on this one (``max_staleness`` N >= 1, an engine apart).
 
     The run's first rollout (and the first after a resume without a saved one) is sampled in turn, from the weights
-    it trains. Every later one was sampled from the weights its predecessor started with: the trainer's log-probs
-    of its tokens under those weights (``stale_logps: sampler``) or under the current ones weigh its staleness.
+    it trains; right after it, N rollouts start sampling from those weights. Each later epoch takes the oldest,
+    pushes its own weights and starts one more, so N are always sampling: each rollout was sampled by weights N
+    epochs older than those it trains, at most (with ``partial_rollouts`` a push reaches the rollouts in flight,
+    whose later tokens are sampled by newer weights). The trainer's log-probs of its tokens under the weights that
+    sampled it (``stale_logps: sampler``, N = 1) or under the current ones weigh its staleness.
     """
 
     overlapped = True
@@ -217,7 +221,7 @@ class Ahead(Schedule):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.current: PendingRollout | None = None  # the rollout this epoch trains
-        self.ahead: deque[PendingRollout] = deque(maxlen=self.settings.max_staleness)  # sampling now, oldest first
+        self.ahead: deque[PendingRollout] = deque()  # sampling now, oldest first: at most max_staleness of them
 
     @override
     def next_rollout(self, at: At) -> Rollout:
@@ -235,7 +239,7 @@ class Ahead(Schedule):
         self.epoch, self.steps_started, self.drawn_at, self.current = at.epoch, 0, None, current
         completions = current.wait()
         waited = time.perf_counter() - start
-        # Also after the last rollout: the checkpoint then holds the next one, and a run resumed to train longer
+        # Also after the last rollout: the checkpoint then holds the next ones, and a run resumed to train longer
         # goes on as if it had never stopped.
         sync |= self._sample_ahead(at)
         scores = current.score(self.rewards, self.settings.reward_warn_s)  # a checkpoint's rollout kept its own
@@ -254,19 +258,28 @@ class Ahead(Schedule):
         rollout.seconds.update(sync_s=sync["rollout/sync_s"], wait_s=waited)
         rollout.metrics |= sync
         rollout.metrics["rollout/wait_s"] = waited  # the trainer's wait for this rollout (0 when sampling kept up)
-        rollout.metrics["rollout/staleness"] = float(at.step - current.version)  # updates since its weights
+        rollout.metrics |= staleness(completions, current.version, at.step)
         return rollout
 
     def _sample_ahead(self, at: At) -> dict[str, float]:
-        """Push the weights this epoch trains from and start sampling the next rollout from them; the sync's metrics."""
-        drawn_at = self.feed.position
-        prompts, prompt_ids = self._draw(at)
-        sync = self._push(at, prompts, prompt_ids)
-        keep = self.settings.stale_logps == "sampler"  # the weights that will score it
-        weights = self.policy.trainable_weights() if keep else {}
-        pending = PendingRollout(prompts, prompt_ids, drawn_at, at.step, weights)
-        n, seed, tokenizer = self.settings.group_size, self._seed(at, AHEAD), self.policy.tokenizer
-        self.ahead.append(self.sampler.start_apart(pending, n, self.sampling, seed, tokenizer))
+        """Push the weights this epoch trains from and start sampling from them; the sync's metrics.
+
+        As many rollouts start as ``max_staleness`` lacks ahead: one each epoch, but for the run's first.
+        """
+        sync: dict[str, float] = {}
+        keep = self.settings.stale_logps == "sampler"  # the weights that will score them
+        for index in range(self.settings.max_staleness - len(self.ahead)):
+            drawn_at = self.feed.position
+            prompts, prompt_ids = self._draw(at)
+            sync = sync or self._push(at, prompts, prompt_ids)  # once per epoch
+            weights = self.policy.trainable_weights() if keep else {}
+            pending = PendingRollout(prompts, prompt_ids, drawn_at, at.step, weights)
+            n, seed, tokenizer = (
+                self.settings.group_size,
+                round_seed(self._seed(at, AHEAD), index),
+                self.policy.tokenizer,
+            )
+            self.ahead.append(self.sampler.start_apart(pending, n, self.sampling, seed, tokenizer))
         return sync
 
     @override
@@ -274,27 +287,29 @@ class Ahead(Schedule):
         for pending in self.ahead:  # a rollout sampling in the background finishes on the weights it started with
             pending.wait()
 
-    def _next_to_train(self) -> tuple[PendingRollout | SavedRollout | None, int | None]:
-        """The rollout a resumed run trains next, and the stream position it resumes at.
+    def _next_to_train(self) -> tuple[list[PendingRollout | SavedRollout], int | None]:
+        """The rollouts a resumed run trains next, oldest first, and the stream position it resumes at.
 
-        After this rollout's steps started, that is the one sampling meanwhile; before, this one, which then runs
-        again, drawing its successor again from where it was drawn.
+        After this rollout's steps started, those are the ones sampling meanwhile; before, this one, which then runs
+        again, drawing its successors again from where they were drawn.
         """
         if self.current is not None and not self.steps_started:
-            return self.current, self.ahead[0].drawn_at if self.ahead else self.feed.position
-        return (self.ahead[0] if self.ahead else self._saved), None
+            return [self.current], self.ahead[0].drawn_at if self.ahead else self.feed.position
+        return (list(self.ahead) if self.ahead else list(self._saved or [])), None
 
     @override
     def state_dict(self) -> dict:
-        """Also every process's rollout a resumed run trains next, scored (``rollout/saved.py``).
+        """Also every process's rollouts a resumed run trains next, scored (``rollout/saved.py``).
 
-        Every process must call it: it waits for that rollout's sampling to finish, and rank 0 writes them all.
+        Every process must call it: it waits for their sampling to finish, and rank 0 writes them all.
         """
         state = super().state_dict()
-        rollout, cursor = self._next_to_train()
-        if self.ahead and rollout is self.ahead[0]:
-            rollout.score(self.rewards, self.settings.reward_warn_s)  # this run and a resumed one train these scores
-        state["pending"] = gather_saved(rollout.state() if rollout else None, not self.policy.sharded)
+        rollouts, cursor = self._next_to_train()
+        for rollout in rollouts:
+            if any(rollout is other for other in self.ahead):
+                rollout.score(self.rewards, self.settings.reward_warn_s)  # this run and a resumed one train these
+        states = [rollout.state() for rollout in rollouts]
+        state["pending"] = gather_saved(states or None, not self.policy.sharded)
         if cursor is not None:
             state["cursor"] = cursor
         return state
@@ -306,10 +321,37 @@ class Ahead(Schedule):
         self.ahead.clear()
 
     def _restore_saved(self, at: At) -> PendingRollout | None:
-        """The rollout a checkpoint held, its prompts drawn again from where they were drawn."""
+        """The oldest of the rollouts a checkpoint held; the others sample ahead again (sampled already).
+
+        Their prompts are drawn again from where they were drawn.
+        """
         saved, self._saved = self._saved, None
-        if saved is None:
+        if not saved:
             return None
-        self.feed.position = saved.drawn_at
-        prompts, prompt_ids = self._draw(at)
-        return restore(saved, prompts, prompt_ids, at.rank, at.ranks, at.max_over_processes)
+        saved = saved[: self.settings.max_staleness]  # resumed with fewer ahead: the later ones' prompts sample again
+        restored = []
+        for one in saved:
+            self.feed.position = one.drawn_at
+            prompts, prompt_ids = self._draw(at)
+            restored.append(restore(one, prompts, prompt_ids, at.rank, at.ranks, at.max_over_processes))
+        self.ahead.extend(restored[1:])
+        return restored[0]
+
+
+def staleness(completions: list[list[Completion]], version: int, step: int) -> dict[str, float]:
+    """How stale a rollout sampled from weight ``version`` is when trained at optimisation ``step``.
+
+    The updates between the weights that sampled each token (``Completion.versions``) and those it trains, mean
+    and max over tokens, and the share of its completions sampled across a push.
+    """
+    ages, spanning, count = [], 0, 0
+    for completion in (c for group in completions for c in group):
+        versions = completion.versions or [version] * len(completion.token_ids)
+        ages += [step - v for v in versions]
+        spanning += len(set(versions)) > 1
+        count += 1
+    return {
+        "rollout/staleness": sum(ages) / len(ages) if ages else float(step - version),
+        "rollout/staleness_max": float(max(ages)) if ages else float(step - version),
+        "rollout/spanning_frac": spanning / max(count, 1),
+    }

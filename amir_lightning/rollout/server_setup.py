@@ -50,6 +50,7 @@ def server_command(engine: ServerEngine, model_dir: Path, port: int, seed: int, 
     command += ["--weight-transfer-config", json.dumps({"backend": FILE_BACKEND})]
     command += ["--worker-extension-cls", "amir_lightning.rollout.vllm_worker.AmirWorkerExtension"]
     command += ["--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching"]
+    command += ["--enable-scale-out"]  # /inference/v1/generate: which weights sampled each token
     command += ["--disable-uvicorn-access-log"]
     kv_bytes = engine.kv_cache_memory_bytes
     if on_gpu:
@@ -110,7 +111,10 @@ def push_weights(engine: ServerEngine, tensors: dict[str, torch.Tensor]) -> None
     """Push ``tensors`` into ``engine``'s server: a file in its transfer folder, loaded through vLLM's update routes.
 
     ``/pause`` (requests in flight finish on the old weights), ``/start_weight_update``, ``/update_weights``,
-    ``/finish_weight_update`` with the push's number as the weight version, ``/reset_prefix_cache``, ``/resume``.
+    ``/finish_weight_update`` with the run's weight version (the optimisation step), ``/reset_prefix_cache``,
+    ``/resume``. With updates in flight (``engine.updates_in_flight``) the pause keeps the requests in flight
+    (``mode=keep``) and the cache reset sends them back to the queue (``reset_running_requests``): their tokens so
+    far are read again under the new weights, which sample the rest; nothing runs on a cache of the old ones.
     """
     if not tensors:
         raise ValueError("load_weights got no tensors: the engine would keep stale weights")
@@ -118,12 +122,18 @@ def push_weights(engine: ServerEngine, tensors: dict[str, torch.Tensor]) -> None
     write_weights(path, tensors)
     del tensors
     try:
-        engine._post("/pause?mode=wait")
+        keep = engine.updates_in_flight
+        engine._post("/pause?mode=keep" if keep else "/pause?mode=wait")
         try:
             engine._post("/start_weight_update")
             _load(engine, path)
-            engine._post("/finish_weight_update", {"weight_version": str(engine.pushes + 1)})
-            engine._post("/reset_prefix_cache")
+            engine._post("/finish_weight_update", {"weight_version": str(engine.weight_version)})
+            reset = engine._post("/reset_prefix_cache?reset_running_requests=true" if keep else "/reset_prefix_cache")
+            if keep and not (isinstance(reset, dict) and reset.get("success")):
+                raise ServerError(
+                    f"{engine.endpoint.what} at {engine.url} could not drop its cache of the old weights after a push "
+                    f"with requests in flight (/reset_prefix_cache answered {reset!r:.200})"
+                )
         except BaseException:
             with contextlib.suppress(ServerError):  # the first failure is the one to name
                 engine._post("/resume")
@@ -157,6 +167,30 @@ def deadline(engine: ServerEngine, route: str, body: dict | None, sequences: int
         waves = math.ceil(max(sequences, 1) / engine.max_num_seqs)
         return BASE_S + PER_TOKEN_S * int(body.get("max_tokens") or 16) * waves
     return ROUTE_S
+
+
+def generated(endpoint: Endpoint, answer: dict, n: int) -> list[Completion]:
+    """The ``n`` completions of a ``/inference/v1/generate`` answer, with the weight version of each token."""
+    group = []
+    route = "/inference/v1/generate"
+    with reading(endpoint, route, answer):
+        for choice in sorted(answer["choices"], key=lambda c: c["index"]):
+            ids = [int(t) for t in choice["token_ids"]]
+            logps = [float(x["logprob"]) for x in choice["logprobs"]["content"]]
+            versions: list[int] = []
+            for span in choice["weight_versions"] or []:  # "default": the weights the server started from
+                version = 0 if span["version"] == "default" else int(span["version"])
+                versions += [version] * (int(span["end"]) - int(span["start"]))
+            if len(logps) != len(ids) or len(versions) != len(ids):
+                raise ServerError(f"{endpoint.what} at {endpoint.url} answered {route} with {len(ids)} tokens, "
+                                  f"{len(logps)} log-probs and {len(versions)} weight versions: {endpoint.url_key} "
+                                  f"must be {endpoint.expect}")  # fmt: skip
+            reason = "length" if choice["finish_reason"] == "length" else "stop"
+            group.append(Completion(ids, choice["text"], logps, reason, versions=versions))
+    if len(group) != n:
+        raise ServerError(f"{endpoint.what} at {endpoint.url} returned {len(group)} completions for n = {n}: "
+                          f"{endpoint.url_key} must be {endpoint.expect}")  # fmt: skip
+    return group
 
 
 def completions(endpoint: Endpoint, answer: dict, n: int) -> list[Completion]:

@@ -128,6 +128,7 @@ class VLLMServerEngine(RolloutEngine):
         self._workdir: Path | None = None
 
     runs_apart = True
+    takes_updates_in_flight = True
 
     # ------------------------------------------------------------------ the server
     def server_command(self, model_dir: Path, port: int, seed: int, on_gpu: bool) -> list[str]:
@@ -197,7 +198,12 @@ class VLLMServerEngine(RolloutEngine):
         body = {"n": n, **sampling.vllm_params(), "logprobs": 0, "return_token_ids": True}
 
         def one(index: int) -> list[Completion]:
-            answer = self._post("/v1/completions", body | {"prompt": list(prompts[index]), "seed": base + index * n})
+            prompt, seeded = list(prompts[index]), base + index * n
+            if self.updates_in_flight:  # the route that says which weights sampled each token
+                params = {k: v for k, v in body.items() if k != "return_token_ids"} | {"seed": seeded}
+                request = {"token_ids": prompt, "sampling_params": params, "output_mode": "text"}
+                return server_setup.generated(self.endpoint, self._post("/inference/v1/generate", request), n)
+            answer = self._post("/v1/completions", body | {"prompt": prompt, "seed": seeded})
             return server_setup.completions(self.endpoint, answer, n)
 
         # Every prompt in flight at once: the server batches them as it would one request.
@@ -217,8 +223,12 @@ class VLLMServerEngine(RolloutEngine):
         check_passed_through(sampling, set(CompletionRequest.model_fields), "the vLLM server's completion request")
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Push the weights through vLLM's update routes, generation paused; the first process pushes for all."""
-        _barrier()  # every process has finished its own generation: nothing samples during the push
+        """Push the weights through vLLM's update routes, generation paused; the first process pushes for all.
+
+        Every process has finished its generation of this step (the rollouts sampling ahead go on, on the new
+        weights, with ``updates_in_flight``; otherwise they finished before).
+        """
+        _barrier()
         if global_rank() != 0:
             for _ in named_tensors:  # the export is a collective under FSDP2: take part, keep nothing
                 pass

@@ -118,6 +118,13 @@ class RolloutDataModule(LightningDataModule):
                 f"(amir_lightning.rollout.VLLMServerEngine): {type(engine).__name__} generates inside the training "
                 "process, so generation and training cannot overlap"
             )
+        elif rollout.partial_rollouts and not engine.takes_updates_in_flight:
+            errors.append(f"data.rollout.partial_rollouts needs an engine that takes pushes with requests in flight "
+                          f"(amir_lightning.rollout.VLLMServerEngine), not {type(engine).__name__}")  # fmt: skip
+        if rollout.partial_rollouts and environment is not None:
+            errors.append("data.rollout.partial_rollouts with data.environment: a multi-turn episode's turns are "
+                          "not tagged with the weights that sampled them yet; sample episodes with partial_rollouts "
+                          "false")  # fmt: skip
         raise_errors(errors)
         if warning := sampling.mismatch_warning():  # top-p/k, min-p: the weight is the kept mass Z <= 1
             log.warning(warning)
@@ -171,6 +178,7 @@ class RolloutDataModule(LightningDataModule):
             )
         self.chat.check(self.tokenizer)
         if self.schedule is None:
+            self.engine.updates_in_flight = self.settings.partial_rollouts  # pushes keep requests in flight
             kind = Ahead if self.settings.max_staleness else InTurn  # sampled while the epoch before trains, or after
             args = self.feed, self.sampler, self.policy, self.rewards, self.settings, self.sampling, self.seed
             self.schedule = kind(*args)

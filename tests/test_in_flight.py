@@ -1,0 +1,124 @@
+"""``data.rollout.max_staleness`` N with ``partial_rollouts``: N rollouts sample while the policy trains, a push
+reaches the requests in flight (vLLM's ``/pause?mode=keep``), and each token says which weights sampled it."""
+
+import threading
+import time
+import urllib.request
+
+import pytest
+import torch
+from test_datamodule import build as build_with
+from test_datamodule import cut_and_resume
+from transformers import AutoModelForCausalLM
+
+from amir_lightning.data import ArithmeticPrompts
+from amir_lightning.models import build_tiny_model
+from amir_lightning.rollout import HFEngine, SamplingConfig, VLLMServerEngine
+from amir_lightning.rollout.collect import RolloutSettings
+from amir_lightning.rollout.engine import Completion
+from amir_lightning.rollout.schedule import staleness
+from amir_lightning.systems.datamodule import RolloutDataModule
+
+SERVER = {"max_model_len": 256, "kv_cache_memory_bytes": 32 * 1024**2, "threads": 1}
+
+
+def test_staleness_is_counted_over_tokens_from_the_weights_that_sampled_each():
+    """Trained at step 5: a completion sampled by version 3 whole, one that a push to 4 reached after 2 tokens, and
+    one of a rollout whose tokens carry no versions (its rollout's, 3)."""
+    spans = Completion([1, 2, 3, 4], "", [0.0] * 4, "stop", versions=[3, 3, 4, 4])
+    whole = Completion([1, 2], "", [0.0] * 2, "stop", versions=[3, 3])
+    untagged = Completion([1, 2], "", [0.0] * 2, "stop")
+    metrics = staleness([[spans, whole], [untagged]], 3, 5)
+    assert metrics == {"rollout/staleness": 14 / 8, "rollout/staleness_max": 2.0, "rollout/spanning_frac": 1 / 3}
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"max_staleness": 2}, "max_staleness 2 needs data.rollout.partial_rollouts true"),
+        ({"partial_rollouts": True}, "partial_rollouts needs data.rollout.max_staleness >= 1"),
+        ({"max_staleness": 1, "partial_rollouts": True, "stale_logps": "sampler"}, "needs data.rollout.stale_logps"),
+        ({"max_staleness": -1}, "data.rollout.max_staleness must be >= 0"),
+    ],
+)
+def test_settings_that_cannot_work_are_refused_naming_the_keys(settings, message):
+    with pytest.raises(ValueError, match=message):
+        RolloutSettings(**settings)
+
+
+def test_an_engine_that_cannot_take_a_push_in_flight_is_refused():
+    with pytest.raises(ValueError, match="max_staleness 2 needs an engine in its own process"):
+        RolloutDataModule(prompts=ArithmeticPrompts(), engine=HFEngine(progress=False),
+                          rollout=RolloutSettings(max_staleness=2, partial_rollouts=True))  # fmt: skip
+
+
+def running_requests(url: str) -> float:
+    """vLLM's ``vllm:num_requests_running`` (its Prometheus metrics)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    lines = [line for line in text.splitlines() if line.startswith("vllm:num_requests_running")]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+@pytest.mark.slow
+def test_a_push_reaches_the_requests_in_flight_and_the_tokens_say_which_weights_sampled_them(tmp_path):
+    """A long generation on the server, a push while it runs: the completions' first tokens carry the version the
+    server had, the rest the pushed one (which its workers hold, exactly); every token has its engine log-prob."""
+    model_dir = build_tiny_model(tmp_path / "model", seed=5)
+    engine = VLLMServerEngine(**SERVER)
+    engine.updates_in_flight = True
+    engine.start(model_dir, seed=0)
+    try:
+        engine.weight_version = 3
+        tensors = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+        engine.load_weights(tensors.items())  # the run's weights, version 3
+        sampling = SamplingConfig(max_new_tokens=240, temperature=1.0, generation_kwargs={"ignore_eos": True})
+        out = {}
+        thread = threading.Thread(target=lambda: out.update(groups=engine.generate([[5, 6, 7]], 2, sampling, 11)))
+        thread.start()
+        deadline = time.monotonic() + 120
+        while running_requests(engine.url) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # some tokens on version 3
+        engine.weight_version = 4
+        moved = {name: value + 0.01 for name, value in tensors.items()}
+        engine.load_weights(moved.items())
+        thread.join(timeout=300)
+        for completion in out["groups"][0]:
+            versions = completion.versions
+            assert len(versions) == len(completion.token_ids) == len(completion.sampling_logps) == 240
+            first_new = versions.index(4)
+            assert 0 < first_new < 240 and versions == [3] * first_new + [4] * (240 - first_new), versions
+        # the server holds the pushed weights: its log-probs of a probe are the moved model's
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        model.load_state_dict(moved)
+        ids = torch.tensor([[5, 6, 7, 8, 9]])
+        with torch.no_grad():
+            expected = torch.log_softmax(model(ids).logits[0, 2:4].float(), -1)[[0, 1], [8, 9]]
+        torch.testing.assert_close(torch.tensor(engine.score([5, 6, 7], [8, 9])), expected, atol=1e-4, rtol=0)
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_two_rollouts_ahead_train_no_older_than_two_and_a_resumed_run_ends_where_the_run_does(tmp_path):
+    """max_staleness 2 with pushes in flight, 4 rollouts: rollouts 1-3 sampled by the first weights (rollout 1 in
+    turn), rollout 4 by rollout 2's. A checkpoint holds both rollouts sampling ahead, scored, their tokens tagged;
+    the run resumed from rollout 3's checkpoint trains on them and ends with the uninterrupted run's weights, bitwise
+    (each checkpoint waits for the rollouts in flight, so no push falls inside a generation in either run)."""
+
+    def build(path):
+        rollout = RolloutSettings(group_size=4, prompts_per_process=4, micro_batch_groups=2, max_staleness=2,
+                                  partial_rollouts=True)  # fmt: skip
+        return build_with(path, engine=VLLMServerEngine(**SERVER), rollout=rollout, new_tokens=8)
+
+    (straight_module, straight), (module, data) = cut_and_resume(build, tmp_path, 4)
+    for name, weight in straight_module.model.state_dict().items():
+        assert torch.equal(weight, module.model.state_dict()[name]), name
+    (second,) = (tmp_path / "straight" / "ckpt").glob("epoch=1-*.ckpt")
+    saved = torch.load(second, weights_only=True)["RolloutDataModule"]["pending"]["ranks"][0]
+    assert [one["version"] for one in saved] == [0, 1] and all(one["scores"] for one in saved)
+    assert all(c["versions"] == [one["version"]] * len(c["token_ids"])
+               for one in saved for group in one["completions"] for c in group)  # fmt: skip
+    for engine in (straight.engine, data.engine):
+        engine.close()
