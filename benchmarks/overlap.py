@@ -12,7 +12,12 @@ Three arms on the same task and seeds, one after another:
 - ``server_async``: the same server, the next rollout sampling while the policy trains (``max_staleness 1``), with
   exact old log-probs (``stale_logps: sampler``: one more forward pass);
 - ``server_async_current`` (``--arms``): the same, with ``stale_logps: current`` (the default; no pass for the old
-  log-probs).
+  log-probs);
+- ``aheadN_inflight`` (``--arms``, N = 1, 2, 4, ...): ``max_staleness N`` with ``partial_rollouts true`` and
+  ``stale_logps: current``: N rollouts sampling while the policy trains, each push reaching them in flight; these
+  arms checkpoint only after the last rollout (a checkpoint waits for the rollouts in flight), and the table adds
+  their staleness (mean and max over tokens), the share of completions a push reached and of tokens whose
+  engine/trainer weight the cap truncated (``train/is_capped_frac``).
 
 On a 2-core machine the training process is pinned to core 0 (``taskset -c 0``) and the server to core 1
 (``cpu_cores: "1"``), each with one thread; the colocated arm runs in one process on core 0. Per arm the script
@@ -81,6 +86,10 @@ def engine_args(arm: str, setting: str) -> list[str]:
     staleness = ["--data.rollout.max_staleness", "1"] if arm.startswith("server_async") else []
     if arm.startswith("server_async"):
         staleness += ["--data.rollout.stale_logps", "current" if arm == "server_async_current" else "sampler"]
+    if arm.startswith("ahead") and arm.endswith("_inflight"):
+        depth = arm.removeprefix("ahead").removesuffix("_inflight")
+        staleness += ["--data.rollout.max_staleness", depth, "--data.rollout.partial_rollouts", "true"]
+        staleness += ["--data.rollout.stale_logps", "current", "--checkpoint.every_n_epochs", "1000"]
     return ["--data.engine", engine, *staleness]
 
 
@@ -131,6 +140,10 @@ def summarise(log_dir: Path) -> dict:
         "train_tok_s": statistics.median(values("throughput/train_tokens_per_s")[1:] or [float("nan")]),
         "accuracy": values("val/accuracy"),
         "rollouts": len(values("rollout/reward_mean")),
+        "staleness": statistics.mean(values("rollout/staleness")[1:] or [0.0]),
+        "staleness_max": max(values("rollout/staleness_max") or [0.0]),
+        "spanning": statistics.mean(values("rollout/spanning_frac")[1:] or [0.0]),
+        "capped": statistics.mean(values("train/is_capped_frac")[1:] or [0.0]),
     }
 
 
@@ -140,8 +153,8 @@ def table(setting: str, results: dict[str, list[dict]]) -> str:
         "(mean, min-max over seeds)",
         "",
         "| arm | seeds | wall s / rollout | generate s | train s | max(gen, train) | trainer wait s | gen tok/s "
-        "| train tok/s | held-out accuracy |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| train tok/s | staleness mean / max | completions a push reached | tokens capped | held-out accuracy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm, runs in results.items():
         if not runs:
@@ -160,7 +173,9 @@ def table(setting: str, results: dict[str, list[dict]]) -> str:
         bound = max(mean("generate_s"), mean("train_s"))
         lines.append(
             f"| {arm} | {len(runs)} | {mean('wall_s'):.1f} | {mean('generate_s'):.1f} | {mean('train_s'):.1f} | "
-            f"{bound:.1f} | {mean('wait_s'):.2f} | {mean('gen_tok_s'):.0f} | {mean('train_tok_s'):.0f} | {acc} |"
+            f"{bound:.1f} | {mean('wait_s'):.2f} | {mean('gen_tok_s'):.0f} | {mean('train_tok_s'):.0f} | "
+            f"{mean('staleness'):.2f} / {max(r['staleness_max'] for r in runs):.0f} | {mean('spanning'):.2f} | "
+            f"{mean('capped'):.3f} | {acc} |"
         )
     return "\n".join(lines)
 
