@@ -19,6 +19,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from typing_extensions import override
@@ -169,9 +170,8 @@ class InTurn(Schedule):
         settings, scores, dynamic = self.settings, None, {}
         if settings.dynamic_sampling:  # more rounds, from these weights, until the groups have reward variance
             first.scores = Scores.of(self.rewards, prompts, first.completions, settings.reward_warn_s)
-            more = lambda count, index, sample: self._more(at, count, index, sample)  # noqa: E731
             wanted, size, rounds = settings.prompts_per_process, settings.group_size, settings.max_sampling_rounds
-            first, dynamic = refill(first, more, wanted, size, rounds, at.max_over_processes)
+            first, dynamic = refill(first, partial(self._more, at), wanted, size, rounds, at.max_over_processes)
             scores = first.scores
         self.sampler.sleep()  # a colocated engine with sleep mode lends its memory to training until the push
         rollout = make_rollout(

@@ -201,7 +201,7 @@ class RolloutDataModule(LightningDataModule):
     def state_dict(self) -> dict:
         """The schedule's record (the prompt stream's position, the rollout the run is in) and the sync's probe.
 
-        With ``max_staleness`` 1 it holds every process's rollout sampled ahead, scored (``rollout/saved.py``).
+        With ``max_staleness`` N it holds every process's N rollouts sampled ahead, scored (``rollout/saved.py``).
         """
         return self.schedule.state_dict() | {"sync": self.sampler.sync_check.state_dict()}
 
