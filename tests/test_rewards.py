@@ -73,6 +73,21 @@ def test_sandbox_survives_a_crashing_grader():
         grader.close()
 
 
+def _allocate(megabytes):
+    return float(len(bytearray(megabytes * 1024 * 1024)) > 0)
+
+
+@pytest.mark.slow
+def test_the_memory_cap_counts_from_what_a_started_worker_holds():
+    """A worker that already maps more than ``memory_mb`` (its interpreter, torch, sympy: a CUDA torch alone maps
+    gigabytes) still starts; an answer that allocates past the cap scores ``timeout_score``, one under it grades."""
+    grader = SandboxedGrader(timeout_s=20.0, num_workers=1, memory_mb=64, timeout_score=-1.0)
+    try:
+        assert grader.map(_allocate, [(8,), (512,), (8,)]) == [1.0, -1.0, 1.0]
+    finally:
+        grader.close()
+
+
 def test_format_rewards():
     good = "<think>4 and 3</think>\n<answer>\\boxed{7}</answer>"
     assert ThinkAnswerFormatReward().score([good, good + "\ntrailing", "7"], ["7"] * 3) == [0.5, 0.0, 0.0]

@@ -25,7 +25,7 @@ class MathAnswerReward(Reward):
         fallback_last_number: Accept the last number of the text when no answer markup is present.
         timeout_s: Wall-clock limit per answer in the sandbox; an answer over it scores ``wrong_score``.
         num_workers: Grading worker processes; by default this process's share of the cores, less one, at most 8.
-        memory_mb: Memory cap per worker.
+        memory_mb: Memory a worker may map beyond what it holds once started (its grader imported).
         name: Metric name (default ``math_answer``).
     """
 

@@ -23,18 +23,29 @@ from tqdm.auto import tqdm
 log = logging.getLogger(__name__)
 
 
+def _address_space_bytes() -> int:
+    """This process's mapped address space (Linux ``/proc/self/statm``); 0 where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
 def _worker_main(conn: Connection, memory_mb: int | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes the workers
-    if memory_mb:
-        import resource
-
-        limit = memory_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     try:  # import the grader's heavy dependencies before the first deadline starts
         import math_verify  # noqa: F401
     except ImportError:
         pass
+    if memory_mb:
+        # On top of what the worker maps once started: a CUDA build of torch alone maps gigabytes of libraries,
+        # so a cap on the whole address space would fail the first import on a GPU machine.
+        import resource
+
+        limit = _address_space_bytes() + memory_mb * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     conn.send("ready")
     while True:
         try:
@@ -116,7 +127,8 @@ class SandboxedGrader:
     Args:
         timeout_s: Wall-clock limit per answer; an answer over it scores ``timeout_score``.
         num_workers: Worker processes; ``None``: this process's share of the cores, less one (``default_workers``).
-        memory_mb: Address-space cap per worker (``RLIMIT_AS``); ``None`` for no cap.
+        memory_mb: Address space a worker may map beyond what it holds once started (``RLIMIT_AS``); ``None`` for
+            no cap.
         timeout_score: Score of an answer whose grading timed out or crashed.
     """
 

@@ -5,6 +5,7 @@ Skipped without CUDA. No vLLM and no hub are needed: the rollout engine is ``HFE
 how to run them on a bare CUDA machine with no internet.
 """
 
+import functools
 import json
 from pathlib import Path
 
@@ -67,7 +68,13 @@ def test_varlen_packing_matches_padded_sdpa(tmp_path, monkeypatch):
     model_dir = build_tiny_model(tmp_path / "model", hidden_size=256, num_heads=4, num_kv_heads=2, dtype="bfloat16")
     calls = []
     kernel = varlen_module.varlen_attn
-    monkeypatch.setattr(varlen_module, "varlen_attn", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+
+    @functools.wraps(kernel)  # the keywords are read from the kernel's signature (models/attention.py)
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(varlen_module, "varlen_attn", counted)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 20, (6, 40), generator=gen).cuda()
     mask = torch.ones_like(ids)
