@@ -205,40 +205,74 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
 
 
 @contextmanager
-def merged_state(model) -> Iterator[Iterable[tuple[str, torch.Tensor]]]:
+def merged_state(model, merge: bool = True) -> Iterator[Iterable[tuple[str, torch.Tensor]]]:
     """Full weights under the base model's parameter names, with LoRA deltas added in; gathered under FSDP2.
 
     vLLM knows nothing of adapter names, so the engine gets merged weights. They are computed out of
     place, one matrix at a time: peft's in-place merge/unmerge would round the frozen base weights a little at
-    every sync, and a lazily merged stream never holds a second copy of the model.
+    every sync, and a lazily merged stream never holds a second copy of the model. ``merge`` off: the base weights
+    alone (for an engine that takes the adapters apart, ``adapter_state``).
     """
     state = full_state_dict(model)
     if not is_peft(model):
         yield list(state.items())
         return
-    yield _merged_weights(model, state)
+    yield _merged_weights(model, state, merge)
 
 
-def _merged_weights(model, state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+def _lora_linear(layer, prefix: str):
     from peft.tuners.lora import Linear as LoraLinear
+
+    if not isinstance(layer, LoraLinear) or layer.fan_in_fan_out:
+        raise ValueError(
+            f"model.lora.target_modules: {prefix} is a {type(layer).__name__}; the rollout engine receives "
+            "merged weights or linear adapters, and only LoRA on linear layers (fan_in_fan_out false) can be either; "
+            "leave this module out of target_modules"
+        )
+    return layer
+
+
+def _merged_weights(model, state: dict[str, torch.Tensor], merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     from peft.tuners.lora import LoraLayer
 
     layers = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
     for key, tensor in state.items():
         if "lora_" in key:
             continue
-        if ".base_layer." in key and key.endswith(".weight"):
+        if merge and ".base_layer." in key and key.endswith(".weight"):
             prefix = key[: key.index(".base_layer.")]
-            layer = layers[prefix]
-            if not isinstance(layer, LoraLinear) or layer.fan_in_fan_out:
-                raise ValueError(
-                    f"model.lora.target_modules: {prefix} is a {type(layer).__name__}; the rollout engine receives "
-                    "merged weights, and only LoRA on linear layers (fan_in_fan_out false) can be merged; leave this "
-                    "module out of target_modules"
-                )
+            layer = _lora_linear(layers[prefix], prefix)
             for adapter in layer.active_adapters:
                 a, b = state.get(f"{prefix}.lora_A.{adapter}.weight"), state.get(f"{prefix}.lora_B.{adapter}.weight")
                 if a is not None and b is not None:  # W + scale * B @ A in float32, rounded once
                     delta = (b.float() @ a.float()) * layer.scaling[adapter]
                     tensor = (tensor.float() + delta).to(tensor.dtype)
         yield _base_name(key), tensor.detach()
+
+
+def adapter_state(model) -> dict[str, torch.Tensor]:
+    """The LoRA factors under Peft's saved names, ``B`` multiplied by its layer's scaling, float32, on the CPU.
+
+    ``W x + B' (A x)`` is then the policy's forward, for an engine that serves the adapter with scale 1
+    (``rollout/adapters.py``). Only the factors are gathered under FSDP2, on every process.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    out = {}
+    for name, layer in model.named_modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        layer = _lora_linear(layer, name)
+        if len(layer.active_adapters) != 1:
+            raise ValueError(f"{name} has {len(layer.active_adapters)} active adapters; an engine takes one")
+        adapter = layer.active_adapters[0]
+        a, b = (_full(factor[adapter].weight).detach().float() for factor in (layer.lora_A, layer.lora_B))
+        key = f"base_model.model.{_base_name(name)}"
+        out[f"{key}.lora_A.weight"] = a.cpu()
+        out[f"{key}.lora_B.weight"] = (b * layer.scaling[adapter]).cpu()
+    return out
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """All of ``tensor``: gathered from every process when it is an FSDP2 shard (a DTensor)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

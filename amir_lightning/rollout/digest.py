@@ -202,6 +202,14 @@ class WeightLayout(ABC):
     def slot(self, name: str) -> WeightSlot | None:
         """Where the engine keeps the pushed tensor ``name``; ``None``: it keeps no copy of it."""
 
+    def adapter_place(self, module: str) -> tuple[str, int] | None:
+        """The engine's LoRA layer and slice that serve the adapter of the trainer's layer ``module``.
+
+        ``model.layers.0.self_attn.k_proj`` -> ``("model.layers.0.self_attn.qkv_proj", 1)``; ``None``: none.
+        """
+        del module
+        return None
+
 
 class PushedDigests:
     """Digests of a push, per engine tensor and part, taken as the tensors stream to the engine.

@@ -212,6 +212,8 @@ class RolloutEngine(ABC):
     updates_in_flight: bool = False
     #: Set by the run before each push: the weight version (optimisation step) the pushed weights are.
     weight_version: int = 0
+    #: Whether pushes carry a LoRA policy's adapters, the base weights pushed once (``take_adapters``).
+    takes_adapters: bool = False
 
     @abstractmethod
     def start(self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0) -> None:
@@ -256,6 +258,21 @@ class RolloutEngine(ABC):
         """
         del columns
         return None
+
+    def take_adapters(self, lora) -> None:  # noqa: B027 (optional hook)
+        """Called before ``start`` with the policy's ``LoraSettings`` (``None``: every weight trains).
+
+        An engine that serves LoRA adapters sets ``takes_adapters`` and then implements ``load_adapters`` and
+        ``held_adapters``; by default pushes carry merged weights.
+        """
+
+    def load_adapters(self, adapters: dict[str, torch.Tensor], rank: int) -> None:
+        """Serve ``adapters`` (``Policy.export_adapters``: Peft names, ``B`` pre-scaled) from now on."""
+        raise NotImplementedError(f"{type(self).__name__} does not take LoRA adapters")
+
+    def held_adapters(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The LoRA factors the engine computes with, by its LoRA layer and slice (``rollout/adapters.py``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not take LoRA adapters")
 
     def sleep(self) -> None:  # noqa: B027 (optional hook)
         """Release the engine's device memory while the policy trains (the next use takes it back); default: keep it."""

@@ -21,7 +21,15 @@ import torch
 
 from amir_lightning.helpers.distributed import rank_zero_first
 from amir_lightning.helpers.validation import check_number, raise_errors
-from amir_lightning.models.loading import LoraSettings, is_peft, load_policy, load_reference, merged_state, shard_fsdp2
+from amir_lightning.models.loading import (
+    LoraSettings,
+    adapter_state,
+    is_peft,
+    load_policy,
+    load_reference,
+    merged_state,
+    shard_fsdp2,
+)
 from amir_lightning.models.scoring import (
     autocast,
     completion_logps,
@@ -77,10 +85,17 @@ class Policy:
         source: Where the initial policy comes from (resolved to a local directory once, by rank 0 first).
         temperature: Temperature of the training log-probs (the sampling temperature).
         scoring: How log-probs are computed (chunks, fused head, packing, attention).
+        lora: The LoRA adapters the policy trains (``model.lora``; ``None``: every weight trains).
     """
 
-    def __init__(self, source: ModelSource, temperature: float = 1.0, scoring: ScoringSettings | None = None) -> None:
-        self.source, self.temperature = source, temperature
+    def __init__(
+        self,
+        source: ModelSource,
+        temperature: float = 1.0,
+        scoring: ScoringSettings | None = None,
+        lora: LoraSettings | None = None,
+    ) -> None:
+        self.source, self.temperature, self.lora = source, temperature, lora
         self.scoring = scoring or ScoringSettings()
         self.model: torch.nn.Module | None = None  # set by ``build`` (or ``bind``)
         self.reference_copy: torch.nn.Module | None = None  # a frozen copy, when the loss needs a reference
@@ -252,10 +267,17 @@ class Policy:
         return [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
 
     @contextmanager
-    def export_weights(self) -> Iterator[Iterable[tuple[str, torch.Tensor]]]:
-        """The policy's full weights under Hugging Face names (LoRA merged in), for the rollout engine."""
-        with merged_state(self.model) as named:
+    def export_weights(self, merged: bool = True) -> Iterator[Iterable[tuple[str, torch.Tensor]]]:
+        """The policy's full weights under Hugging Face names, for the rollout engine, LoRA merged in.
+
+        ``merged`` off: the base weights alone, for an engine that takes the adapters apart.
+        """
+        with merged_state(self.model, merged) as named:
             yield named
+
+    def export_adapters(self) -> dict[str, torch.Tensor]:
+        """The LoRA factors, ``B`` scaled to serve with scale 1 (``models.loading.adapter_state``)."""
+        return adapter_state(self.model)
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

@@ -26,12 +26,13 @@ the run says so once.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from amir_lightning.helpers.validation import check_number, raise_errors
+from amir_lightning.rollout.adapters import adapter_mismatches
 from amir_lightning.rollout.digest import ColumnSample, PushedDigests, WeightLayout
 from amir_lightning.rollout.engine import RolloutEngine
 from amir_lightning.rollout.policy import Policy
@@ -89,19 +90,22 @@ class SyncReport:
     Attributes:
         gap: Largest absolute probe log-prob difference, engine against trainer (over processes).
         tolerance: The warning level of ``gap``.
-        verified: Engine tensors whose digest was compared with the push (0 when the engine cannot read back).
+        verified: Engine tensors (and adapter slices) compared with the push (0 when the engine cannot read back).
+        pushed_bytes: What this process pushed, in the dtypes it sent.
     """
 
     gap: float
     tolerance: float
     verified: int
+    pushed_bytes: int = 0
 
     def metrics(self) -> dict[str, float]:
-        """As logged: ``rollout/sync_logp_diff``, ``rollout/sync_tolerance``, ``rollout/sync_verified_tensors``."""
+        """As logged: ``rollout/sync_logp_diff``, ``_tolerance``, ``_verified_tensors``, ``_mib``."""
         return {
             "rollout/sync_logp_diff": self.gap,
             "rollout/sync_tolerance": self.tolerance,
             "rollout/sync_verified_tensors": float(self.verified),
+            "rollout/sync_mib": self.pushed_bytes / 2**20,
         }
 
 
@@ -121,6 +125,8 @@ class SyncCheck:
         self._warned_at = 0.0  # the probe gap of the last warning
         self._said_unverified = False
         self._said_unread = False
+        self._base_pushed = False  # an engine that takes adapters holds the trainer's base weights (not saved)
+        self._bytes = 0
 
     def set_probe(self, tokenizer, prompt_ids: list[int], answer: str) -> None:
         """Fix the probe (once per run): ``prompt_ids``, then the answer's first tokens and EOS."""
@@ -148,7 +154,10 @@ class SyncCheck:
         """
         if self.probe is None:
             raise RuntimeError("SyncCheck.set_probe must run before the first sync")
-        pushed = self._push(policy, engine)
+        adapters = engine.takes_adapters
+        whole = not (adapters and self._base_pushed)  # the weights themselves, merged or (adapters apart) the base
+        self._bytes = 0
+        pushed = self._push(policy, engine, merged=not adapters) if whole else None
         wrong: list[str] = []
         verified = checked = 0  # tensors compared with the push; and every engine tensor the check looked at
         if pushed is not None:
@@ -159,23 +168,32 @@ class SyncCheck:
                 wrong, verified = pushed.mismatches(held), pushed.compared(held)
                 checked = len(set(pushed.parts) | set(held))
                 self._say_unread(pushed.unread(held))
-        if pushed is None:
+        if pushed is None and whole:
             self._say_unverified(engine)
+        if adapters:
+            self._base_pushed = True
+            adapter_wrong, compared = self._push_adapters(policy, engine)
+            wrong, verified = wrong + adapter_wrong, verified + compared
+            checked += compared + len(adapter_wrong)
         gap = float("nan") if wrong else max(abs(a - b) for a, b in zip(*self.scores(policy, engine)))
         gap, any_wrong = reduce_max([gap, float(bool(wrong))])
         self.syncs += 1
         if any_wrong:
             self._stop(wrong, checked)
         float32 = pushed is not None and pushed.dtypes == {torch.float32}
-        return SyncReport(gap, self._probe_level(gap, verified > 0, float32), verified)
+        return SyncReport(gap, self._probe_level(gap, verified > 0, float32), verified, self._bytes)
 
-    def _push(self, policy: Policy, engine: RolloutEngine) -> PushedDigests | None:
-        """Stream the policy's weights into the engine, digesting them on the way (unless the check is off)."""
+    def _push(self, policy: Policy, engine: RolloutEngine, merged: bool = True) -> PushedDigests | None:
+        """Stream the policy's weights into the engine, digesting them on the way (unless the check is off).
+
+        ``merged`` off: the base weights alone, for an engine that takes the adapters apart.
+        """
         if self.settings.verify_weights and self._layout is None:
             self._layout = engine.weight_layout()
         columns = ColumnSample(self.syncs, self.settings.kernel_columns)
         pushed = PushedDigests(self._layout, columns) if self.settings.verify_weights and self._layout else None
-        with policy.export_weights() as named:
+        with policy.export_weights(merged) as named:
+            named = self._counted(named)
             stream = pushed.tap(named) if pushed is not None else iter(named)
             engine.load_weights(stream)
             for _ in stream:  # what the engine did not read still counts as pushed
@@ -183,6 +201,20 @@ class SyncCheck:
         if pushed is not None and pushed.unheld and self.syncs == 0:
             log.info("weight sync: the engine keeps no copy of %s (not verified)", ", ".join(pushed.unheld[:8]))
         return pushed
+
+    def _push_adapters(self, policy: Policy, engine: RolloutEngine) -> tuple[list[str], int]:
+        """Push the policy's LoRA factors; the adapted layers the engine holds otherwise, and the slices compared."""
+        adapters = policy.export_adapters()
+        engine.load_adapters(adapters, policy.lora.r)
+        self._bytes += sum(t.numel() * t.element_size() for t in adapters.values())
+        if not self.settings.verify_weights or self._layout is None:
+            return [], 0
+        return adapter_mismatches(adapters, engine.held_adapters(), self._layout)
+
+    def _counted(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in named:
+            self._bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
 
     def _stop(self, wrong: list[str], checked: int) -> None:
         where = "this process's engine" if wrong else "the engine of another process"

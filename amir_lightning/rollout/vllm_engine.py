@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from typing_extensions import override
 from amir_lightning.helpers.distributed import world_size
 from amir_lightning.helpers.extras import extra_requirements
 from amir_lightning.helpers.validation import check_number, raise_errors
+from amir_lightning.rollout.adapters import engine_rank, write_adapter
 from amir_lightning.rollout.digest import ColumnSample, Reading
 from amir_lightning.rollout.engine import (
     Completion,
@@ -41,7 +43,7 @@ from amir_lightning.rollout.engine import (
     check_passed_through,
 )
 from amir_lightning.rollout.shards import merge_workers
-from amir_lightning.rollout.vllm_worker import VLLMLayout, layout_of, read_back
+from amir_lightning.rollout.vllm_worker import VLLMLayout, layout_of, read_adapters, read_back
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,9 @@ class VLLMEngine(RolloutEngine):
             engine sleeps (vLLM's level 1: its weights are copied to CPU memory, its KV cache dropped) and it wakes
             at its next use, before the weight push. Training then has the memory ``gpu_memory_utilization`` held,
             for a copy of the weights each way per rollout.
+        push_adapters: With a LoRA policy (``model.lora``), serve its adapters through vLLM's LoRA layers: the base
+            weights are pushed once, then every sync pushes the adapters alone (``rollout/adapters.py``), verified
+            exactly. Off: every sync pushes the merged weights, and generation runs without LoRA kernels.
     """
 
     def __init__(
@@ -90,6 +95,7 @@ class VLLMEngine(RolloutEngine):
         max_num_seqs: int = 256,
         progress: bool = True,
         enable_sleep_mode: bool = False,
+        push_adapters: bool = False,
     ) -> None:
         errors: list[str] = []
         key = "data.engine.init_args"
@@ -116,7 +122,20 @@ class VLLMEngine(RolloutEngine):
         self.enforce_eager, self.tensor_parallel_size = enforce_eager, tensor_parallel_size
         self.enable_prefix_caching, self.max_num_seqs, self.progress = enable_prefix_caching, max_num_seqs, progress
         self.enable_sleep_mode, self.asleep = enable_sleep_mode, False
+        self.push_adapters, self.lora_rank, self._lora_request = push_adapters, 0, None
         self.llm = None
+
+    @override
+    def take_adapters(self, lora) -> None:
+        if not self.push_adapters:
+            return
+        if lora is None:
+            raise ValueError(
+                "data.engine.init_args.push_adapters needs LoRA adapters to push (model.lora); the whole policy "
+                "trains, so set it to false"
+            )
+        engine_rank(lora.r)  # one the engine can serve
+        self.lora_rank, self.takes_adapters = lora.r, True
 
     @override
     def start(self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0) -> None:
@@ -135,6 +154,8 @@ class VLLMEngine(RolloutEngine):
             logprobs_mode="processed_logprobs",  # log-probs of the sampling distribution (after temperature)
             enable_sleep_mode=self.enable_sleep_mode,
         )
+        if self.takes_adapters:  # one adapter, the policy's, replaced in place at every push
+            kwargs.update(enable_lora=True, max_lora_rank=engine_rank(self.lora_rank), max_loras=1)
         if world_size() > 1:
             # One engine per process, each on its own prompt shard: vLLM joins the launched processes instead of
             # spawning workers, and needs the rank variables Lightning's launcher does not set. Its device is
@@ -195,7 +216,8 @@ class VLLMEngine(RolloutEngine):
 
         self.wake()
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        outputs = self.llm.generate(requests, self._params(n, sampling, logprobs=0), use_tqdm=self.progress)
+        params = self._params(n, sampling, logprobs=0)
+        outputs = self.llm.generate(requests, params, use_tqdm=self.progress, lora_request=self._lora_request)
         result = []
         for output in outputs:
             group = []
@@ -217,6 +239,30 @@ class VLLMEngine(RolloutEngine):
         weights = itertools.chain([first], ((name, tensor.detach()) for name, tensor in stream))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
+
+    @override
+    def load_adapters(self, adapters: dict[str, torch.Tensor], rank: int) -> None:
+        from vllm.lora.request import LoRARequest
+
+        self.wake()
+        dtype = self.llm.llm_engine.model_config.dtype
+        shm = Path("/dev/shm")
+        with tempfile.TemporaryDirectory(prefix="amir-adapter-", dir=shm if os.access(shm, os.W_OK) else None) as d:
+            write_adapter(Path(d), adapters, rank, dtype)
+            try:  # read into the engine now; the folder may go once this returns
+                self.llm.llm_engine.add_lora(LoRARequest("policy", 1, d, load_inplace=True))
+            except ValueError as err:
+                raise ValueError(
+                    f"vLLM cannot serve this policy's adapters ({str(err).splitlines()[0]}); set "
+                    "data.engine.init_args.push_adapters false to push merged weights"
+                ) from None
+        self._lora_request = LoRARequest("policy", 1, d)  # registered: requests only activate it
+        self.llm.reset_prefix_cache()  # the cached prefixes were computed with the old adapter
+
+    @override
+    def held_adapters(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+        self.wake()
+        return self.llm.collective_rpc(read_adapters, args=(1,))[0]
 
     def sleep(self) -> None:
         """With ``enable_sleep_mode``: free the engine's GPU memory until its next use (vLLM's sleep level 1)."""
@@ -247,7 +293,8 @@ class VLLMEngine(RolloutEngine):
         self.wake()
         ids = list(prompt) + list(completion)
         params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
-        out = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        request = [TokensPrompt(prompt_token_ids=ids)]
+        out = self.llm.generate(request, params, use_tqdm=False, lora_request=self._lora_request)[0]
         entries = out.prompt_logprobs[len(prompt) :]
         return [entry[token].logprob for token, entry in zip(completion, entries)]
 

@@ -171,6 +171,9 @@ class VLLMLayout(WeightLayout):
                 if f".{piece}." in f".{name}" and (f".{fused}." in target or f".{piece}." in target):
                     target, part, index = target.replace(f".{piece}.", f".{fused}.", 1), piece, i
         key = self.aliases.get(target)
+        if key is None and "." in target:  # a layer wrapped by vLLM's LoRA (enable_lora) keeps it as its base layer
+            layer, _, attr = target.rpartition(".")
+            key = self.aliases.get(f"{layer}.base_layer.{attr}")
         if key is None:
             return None
         starts = self.parts.get(key)
@@ -183,6 +186,34 @@ class VLLMLayout(WeightLayout):
             whole=key in self.whole,
             row=starts[index] if part and starts else 0,
         )
+
+    @override
+    def adapter_place(self, module: str) -> tuple[str, int] | None:
+        slot = self.slot(f"{module}.weight")
+        if slot is None:
+            return None
+        layer = slot.key.removesuffix(".weight").removesuffix(".base_layer")
+        pieces = self.packed.get(layer.rsplit(".", 1)[-1]) or []
+        return layer, pieces.index(slot.part) if slot.part in pieces else 0
+
+
+@torch.no_grad()
+def read_adapters(worker, lora_id: int) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The LoRA factors this worker computes with for adapter ``lora_id``, by LoRA layer and slice.
+
+    Each slice is ``(A [rank, in], B [out, rank])`` at the engine's rank (``max_lora_rank``), copied to the CPU;
+    ``{}`` when the adapter holds no slot.
+    """
+    manager = worker.model_runner.lora_manager._adapter_manager
+    if lora_id not in manager.lora_index_to_id:
+        return {}
+    slot = manager.lora_index_to_id.index(lora_id)
+    held = {}
+    for name, module in manager.modules.items():
+        a, b = getattr(module, "lora_a_stacked", None), getattr(module, "lora_b_stacked", None)
+        if isinstance(a, tuple) and isinstance(b, tuple):  # linear layers: one [loras, 1, rank, in] per slice
+            held[name] = [(ai[slot, 0].cpu().clone(), bi[slot, 0].cpu().clone()) for ai, bi in zip(a, b)]
+    return held
 
 
 # ---------------------------------------------------------------------- a vLLM server's side

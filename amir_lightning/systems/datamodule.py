@@ -193,6 +193,7 @@ class RolloutDataModule(LightningDataModule):
         if not self.engine.started:
             trainer = self.trainer
             seed, device = self.seed + trainer.global_rank, trainer.strategy.root_device
+            self.engine.take_adapters(self.policy.lora)  # LoRA layers in the engine, or merged pushes
             self.engine.start(self.policy.model_dir, seed=seed, device=device, local_rank=trainer.local_rank)
         for sampling in (self.sampling, self.evaluation.val_sampling, self.evaluation.sampling):
             self.engine.check_sampling(sampling)

@@ -106,7 +106,7 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         raise_errors(errors)
         self.bad_steps = BadStepGuard(max_bad_steps)
         self.model = None  # built in configure_model; its reference lives in the Policy, never checkpointed
-        self.policy = Policy(policy, temperature, scoring)  # the policy as the data module sees it
+        self.policy = Policy(policy, temperature, scoring, lora)  # the policy as the data module sees it
         self.val_accuracy = MeanMetric()
 
     # ------------------------------------------------------------------ model

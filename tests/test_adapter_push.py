@@ -1,0 +1,171 @@
+"""LoRA adapter pushes into real vLLM (``push_adapters``): the base once, then the factors alone, verified exactly.
+
+The policy is the real ``Policy`` with peft adapters (r 8, alpha 16: scaling 2, so a push that forgot to pre-scale
+``B`` would be seen) on the tiny model; the engine is vLLM on this CPU, serving the adapter with its LoRA layers.
+"""
+
+import json
+
+import pytest
+import torch
+
+from amir_lightning.models import HFModel, LoraSettings, build_tiny_model
+from amir_lightning.rollout import SamplingConfig, VLLMEngine
+from amir_lightning.rollout import vllm_engine as vllm_engine_module
+from amir_lightning.rollout.adapters import adapter_mismatches, engine_rank, modules_of
+from amir_lightning.rollout.policy import Policy
+from amir_lightning.rollout.sync import StaleEngineError, SyncCheck
+
+LORA = LoraSettings(r=8, alpha=16)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=3)
+
+
+def lora_policy(model_dir) -> Policy:
+    policy = Policy(HFModel(str(model_dir)), lora=LORA)
+    policy.model = policy.build(torch.float32, lora=LORA)
+    step(policy, seed=0)  # B starts at zero: give every adapter a value
+    return policy
+
+
+def step(policy: Policy, seed: int, scale: float = 0.05) -> None:
+    """An optimiser step on the adapters alone (the base is frozen)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_" in name:
+                p.add_(scale * torch.randn(p.shape, generator=gen))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    engine = VLLMEngine(max_model_len=64, kv_cache_memory_bytes=32 * 1024**2, progress=False, push_adapters=True)
+    engine.take_adapters(LORA)
+    engine.start(tiny_dir, seed=0)
+    yield engine
+    engine.close()
+
+
+def new_check(policy: Policy) -> SyncCheck:
+    check = SyncCheck()
+    check.set_probe(policy.tokenizer, policy.tokenizer("3+4=")["input_ids"], "7 and 8")
+    return check
+
+
+@pytest.mark.slow
+def test_the_base_goes_once_then_the_factors_alone_and_the_engine_computes_the_policy(tiny_dir, engine):
+    policy = lora_policy(tiny_dir)
+    adapters = policy.export_adapters()
+    slices = len(modules_of(adapters))  # q, k, v, o, gate, up, down in each of 2 layers
+    adapter_bytes = sum(t.numel() * 4 for t in adapters.values())
+    base_bytes = sum(t.numel() * 4 for k, t in policy.model.state_dict().items() if "lora_" not in k)
+    check = new_check(policy)
+    first = check.push_and_verify(policy, engine)
+    assert slices == 14 and first.pushed_bytes == base_bytes + adapter_bytes
+    assert first.verified > slices and first.gap < 1e-4  # the base tensors, then every adapter slice
+    for sync in range(1, 4):
+        step(policy, seed=sync)
+        report = check.push_and_verify(policy, engine)
+        assert report.pushed_bytes == adapter_bytes and report.verified == slices
+        assert report.gap < 1e-4, report  # float32: the engine's LoRA layers compute the policy's forward
+    # What the engine samples is scored by the policy as the engine scored it.
+    prompt = policy.tokenizer("12+5=")["input_ids"]
+    torch.manual_seed(0)
+    (completion,) = engine.generate([prompt], 1, SamplingConfig(max_new_tokens=12))[0]
+    trainer = policy.score_tokens(prompt, completion.token_ids)
+    assert max(abs(a - b) for a, b in zip(completion.sampling_logps, trainer)) < 1e-4
+
+
+def _exchange_k_and_v(adapters):
+    out = dict(adapters)
+    for key in adapters:
+        if ".k_proj." in key:
+            out[key], out[key.replace(".k_proj.", ".v_proj.")] = (
+                adapters[key.replace(".k_proj.", ".v_proj.")],
+                adapters[key],
+            )
+    return out
+
+
+def _drop_one_layer(adapters):
+    return {k: v for k, v in adapters.items() if "layers.1.mlp.down_proj" not in k}
+
+
+# Each fault acts on the second push (the first is correct); the check stops that sync, naming a wrong layer.
+FAULTS = {
+    "k and v factors exchanged": ("load", _exchange_k_and_v, "k_proj"),
+    "a layer's factors left out": ("load", _drop_one_layer, "layers.1.mlp.down_proj"),
+    "the push ignored": ("load", None, "proj"),
+    "served with its own alpha (B scaled twice)": ("alpha", None, "proj"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", list(FAULTS), ids=list(FAULTS))
+def test_an_engine_that_takes_an_adapter_push_wrong_is_stopped_at_that_sync(tiny_dir, engine, fault, monkeypatch):
+    kind, change, named = FAULTS[fault]
+    policy = lora_policy(tiny_dir)
+    check = new_check(policy)
+    check.push_and_verify(policy, engine)
+    step(policy, seed=9)
+    if kind == "load":
+        load = engine.load_adapters
+        monkeypatch.setattr(engine, "load_adapters", lambda a, r: None if change is None else load(change(a), r))
+    else:
+        write = vllm_engine_module.write_adapter
+
+        def doubled_alpha(folder, adapters, rank, dtype):
+            write(folder, adapters, rank, dtype)
+            config = json.loads((folder / "adapter_config.json").read_text())
+            (folder / "adapter_config.json").write_text(json.dumps(config | {"lora_alpha": 2 * rank}))
+
+        monkeypatch.setattr(vllm_engine_module, "write_adapter", doubled_alpha)
+    with pytest.raises(StaleEngineError, match="holds other weights than the trainer pushed") as stopped:
+        check.push_and_verify(policy, engine)
+    assert named in str(stopped.value).partition("the first: ")[2], stopped.value
+
+
+def test_adapter_checks_compare_each_slice_at_the_engine_rank_and_refuse_ranks_it_cannot_serve():
+    class Layout:
+        def adapter_place(self, module):
+            return ("layers.0.qkv_proj", ["q_proj", "k_proj", "v_proj"].index(module.rsplit(".", 1)[1]))
+
+    gen = torch.Generator().manual_seed(0)
+    pushed = {}
+    for part in ("q_proj", "k_proj"):
+        pushed[f"base_model.model.layers.0.{part}.lora_A.weight"] = torch.randn(8, 16, generator=gen)
+        pushed[f"base_model.model.layers.0.{part}.lora_B.weight"] = torch.randn(16, 8, generator=gen)
+
+    def padded(a, b, rank=16):
+        return torch.cat([a, torch.zeros(rank - 8, a.shape[1])]), torch.cat([b, torch.zeros(b.shape[0], rank - 8)], 1)
+
+    q = padded(*(pushed[f"base_model.model.layers.0.q_proj.lora_{x}.weight"] for x in "AB"))
+    k = padded(*(pushed[f"base_model.model.layers.0.k_proj.lora_{x}.weight"] for x in "AB"))
+    zero = (torch.zeros(16, 16), torch.zeros(16, 16))
+    assert adapter_mismatches(pushed, {"layers.0.qkv_proj": [q, k, zero]}, Layout()) == ([], 2)
+    wrong, _ = adapter_mismatches(pushed, {"layers.0.qkv_proj": [k, q, zero]}, Layout())
+    assert [w.split(" ")[0] for w in wrong] == ["layers.0.q_proj", "layers.0.k_proj"]
+    stray = (zero[0], zero[1].clone().index_fill_(0, torch.tensor([3]), 1.0))
+    assert adapter_mismatches(pushed, {"layers.0.qkv_proj": [q, k, stray]}, Layout())[0] == [
+        "layers.0.qkv_proj[2] (an adapter the policy does not have)"
+    ]
+    junk = (q[0].clone().index_fill_(0, torch.tensor([12]), 1.0), q[1])  # nonzero past the policy's rank
+    assert adapter_mismatches(pushed, {"layers.0.qkv_proj": [junk, k, zero]}, Layout())[0][0].startswith("layers.0.q_")
+    assert adapter_mismatches(pushed, {"layers.0.qkv_proj": [q]}, Layout())[0] == [
+        "layers.0.k_proj (not read back from the engine's adapter)"
+    ]
+    assert [engine_rank(r) for r in (1, 2, 8, 16, 17, 512)] == [1, 8, 8, 16, 32, 512]
+    with pytest.raises(ValueError, match="model.lora.r 600: vLLM serves adapters of rank at most 512"):
+        engine_rank(600)
+
+
+def test_push_adapters_without_lora_is_refused_in_one_line():
+    engine = VLLMEngine(push_adapters=True)
+    with pytest.raises(ValueError, match="push_adapters needs LoRA adapters to push \\(model.lora\\)"):
+        engine.take_adapters(None)
+    engine = VLLMEngine()
+    engine.take_adapters(LORA)
+    assert not engine.takes_adapters  # merged pushes unless asked
