@@ -169,3 +169,24 @@ def test_push_adapters_without_lora_is_refused_in_one_line():
     engine = VLLMEngine()
     engine.take_adapters(LORA)
     assert not engine.takes_adapters  # merged pushes unless asked
+
+
+@pytest.mark.slow
+def test_a_run_that_pushes_adapters_resumes_to_the_same_policy_and_logs_light_syncs(
+    tmp_path, monkeypatch, capsys, caplog
+):
+    """configs/tiny.yaml with LoRA and ``push_adapters``: the resumed run pushes its base again, then the adapters,
+    and ends with the uninterrupted run's weights, bitwise; after the first sync each one moves the adapters alone."""
+    from pathlib import Path
+
+    from conftest import read_scalars, run_here, stop_and_resume
+
+    config = Path(__file__).parents[1] / "configs" / "tiny.yaml"
+    common = ["fit", "--config", str(config), "--model.lora", "{r: 8, alpha: 16}"]
+    common += ["--data.engine.init_args.push_adapters", "true", "--trainer.check_val_every_n_epoch", "2"]
+    stop_and_resume(lambda args: run_here(args, tmp_path, monkeypatch, capsys, caplog), tmp_path, common)
+    scalars = read_scalars(tmp_path / "runs" / "full" / "version_0")
+    mib, verified = scalars["rollout/sync_mib"], scalars["rollout/sync_verified_tensors"]
+    assert len(mib) >= 4 and mib[0] > 4 * mib[1] and mib[1:] == [mib[1]] * (len(mib) - 1)
+    assert verified[1:] == [14.0] * (len(mib) - 1) and verified[0] > 14  # each adapter slice; first the base too
+    assert max(scalars["rollout/sync_logp_diff"]) < 1e-4
