@@ -154,7 +154,7 @@ class SyncCheck:
         """
         if self.probe is None:
             raise RuntimeError("SyncCheck.set_probe must run before the first sync")
-        adapters = engine.takes_adapters
+        adapters = getattr(engine, "takes_adapters", False)  # RolloutEngine says; a duck-typed engine does not
         whole = not (adapters and self._base_pushed)  # the weights themselves, merged or (adapters apart) the base
         self._bytes = 0
         pushed = self._push(policy, engine, merged=not adapters) if whole else None
@@ -192,7 +192,7 @@ class SyncCheck:
             self._layout = engine.weight_layout()
         columns = ColumnSample(self.syncs, self.settings.kernel_columns)
         pushed = PushedDigests(self._layout, columns) if self.settings.verify_weights and self._layout else None
-        with policy.export_weights(merged) as named:
+        with policy.export_weights() if merged else policy.export_weights(merged=False) as named:
             named = self._counted(named)
             stream = pushed.tap(named) if pushed is not None else iter(named)
             engine.load_weights(stream)
