@@ -116,6 +116,44 @@ def test_killed_runs_resume_from_the_last_good_checkpoint(tmp_path, clean_six):
         assert torch.equal(clean_six[key], faulty[key]), key
 
 
+def test_a_run_two_rollouts_ahead_with_pushes_in_flight_killed_mid_generation_resumes_to_the_same_weights(tmp_path):
+    """max_staleness 2 with partial_rollouts on a vLLM server, 5 rollouts: SIGKILL while the server runs rollout
+    4's requests (sampled while rollout 2 trains). last.ckpt, written after rollout 1, holds rollouts 2 and 3 whole;
+    resumed from it, the run ends with the uninterrupted run's weights, bitwise."""
+    import json
+
+    server = {"max_model_len": 64, "kv_cache_memory_bytes": 32 * 1024**2, "threads": 1}
+    common = ["fit", "--config", CONFIG, "--trainer.check_val_every_n_epoch", "50", "--trainer.max_epochs", "5"]
+    common += ["--data.rollout.max_staleness", "2", "--data.rollout.partial_rollouts", "true"]
+    common += ["--data.sampling.max_new_tokens", "12"]
+    plain = json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": server})
+    killing = json.dumps({"class_path": "server_runs.KillsMidGeneration", "init_args": {**server, "at_call": 4}})
+    run_amir([*common, "--data.engine", plain, "--trainer.logger.init_args.name", "clean"], tmp_path)
+    env = dict(
+        os.environ,
+        AMIR_CACHE=str(tmp_path / "cache"),
+        PYTHONPATH=str(HELPERS) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    named = ["--trainer.logger.init_args.name", "cut", "--trainer.logger.init_args.version", "0"]
+    killed = subprocess.run(
+        [sys.executable, "-m", "amir_lightning", *common, *named, "--data.engine", killing],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert killed.returncode == -9 and "test: SIGKILL with" in killed.stderr, killed.stderr[-3000:]
+    checkpoint = tmp_path / "runs" / "cut" / "version_0" / "checkpoints" / "last.ckpt"
+    saved = torch.load(checkpoint, weights_only=True)
+    assert saved["global_step"] == 1 and len(saved["RolloutDataModule"]["pending"]["ranks"][0]) == 2  # rollouts 2, 3
+    run_amir([*common, *named, "--data.engine", plain, "--ckpt_path", str(checkpoint)], tmp_path)
+    clean, resumed = policy(tmp_path, "clean"), policy(tmp_path, "cut")
+    assert clean.keys() == resumed.keys()
+    for key in clean:
+        assert torch.equal(clean[key], resumed[key]), key
+
+
 def test_ctrl_c_stops_cleanly_and_leaves_a_loadable_checkpoint(tmp_path):
     """Ctrl-C (SIGINT to the process group) while two workers grade: no traceback, no process left, last.ckpt whole."""
     import os

@@ -1,11 +1,12 @@
 """Servers that hang or die, and runs that end in each way, for ``tests/e2e/test_server_processes.py``.
 
 ``StopsServerAt`` is a ``VLLMServerEngine`` that stops its own server (SIGSTOP: a hung server) before the
-``at_call``-th generation sends its requests. Run as a script (``python server_runs.py MODE MODEL_DIR``), this file
-starts a server engine, says its process (``SERVER PID N``) and ends as ``MODE`` says: ``normal`` (it returns),
-``error`` (an exception), ``sigterm`` and ``sigint`` (it generates until the signal comes, which the test sends
-once it has stopped the server: a request is blocked), ``sigkill`` (it waits to be killed), ``server_sigkill`` (it
-generates until its server is killed).
+``at_call``-th generation sends its requests; ``KillsMidGeneration`` kills its own training process while the
+server runs the ``at_call``-th generation's requests (``tests/e2e/test_stops.py``). Run as a script
+(``python server_runs.py MODE MODEL_DIR``), this file starts a server engine, says its process (``SERVER PID N``)
+and ends as ``MODE`` says: ``normal`` (it returns), ``error`` (an exception), ``sigterm`` and ``sigint`` (it
+generates until the signal comes, which the test sends once it has stopped the server: a request is blocked),
+``sigkill`` (it waits to be killed), ``server_sigkill`` (it generates until its server is killed).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
+import urllib.request
 
 from amir_lightning.rollout import SamplingConfig, VLLMServerEngine
 
@@ -35,6 +38,36 @@ class StopsServerAt(VLLMServerEngine):
             os.kill(self.process.pid, signal.SIGSTOP)
             log.warning("test: SIGSTOP sent to the vLLM server (process %d)", self.process.pid)
         return super().generate(prompts, n, sampling, seed)
+
+
+class KillsMidGeneration(VLLMServerEngine):
+    """SIGKILLs its own (the training) process in generation call ``at_call`` (1-based), once the server runs its
+    requests: the process dies with a rollout half sampled."""
+
+    def __init__(self, at_call: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.at_call, self.calls = at_call, 0
+
+    def generate(self, prompts, n, sampling, seed=None):  # noqa: D102
+        self.calls += 1
+        if self.calls == self.at_call:
+            threading.Thread(target=self._kill_when_running, daemon=True).start()
+        return super().generate(prompts, n, sampling, seed)
+
+    def _kill_when_running(self) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and running_requests(self.url) == 0:
+            time.sleep(0.01)
+        log.warning("test: SIGKILL with %d requests running", running_requests(self.url))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def running_requests(url: str) -> float:
+    """vLLM's ``vllm:num_requests_running`` (its Prometheus metrics)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    lines = [line for line in text.splitlines() if line.startswith("vllm:num_requests_running")]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
 
 def main(mode: str, model_dir: str) -> None:
