@@ -3,10 +3,10 @@ reaches the requests in flight (vLLM's ``/pause?mode=keep``), and each token say
 
 import threading
 import time
-import urllib.request
 
 import pytest
 import torch
+from helpers.server_runs import running_requests
 from test_datamodule import build as build_with
 from test_datamodule import cut_and_resume
 from transformers import AutoModelForCausalLM
@@ -50,14 +50,6 @@ def test_an_engine_that_cannot_take_a_push_in_flight_is_refused():
     with pytest.raises(ValueError, match="max_staleness 2 needs an engine in its own process"):
         RolloutDataModule(prompts=ArithmeticPrompts(), engine=HFEngine(progress=False),
                           rollout=RolloutSettings(max_staleness=2, partial_rollouts=True))  # fmt: skip
-
-
-def running_requests(url: str) -> float:
-    """vLLM's ``vllm:num_requests_running`` (its Prometheus metrics)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
-        text = answer.read().decode()
-    lines = [line for line in text.splitlines() if line.startswith("vllm:num_requests_running")]
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
 
 @pytest.mark.slow
