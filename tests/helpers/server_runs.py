@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 SERVER = {"max_model_len": 64, "kv_cache_memory_bytes": 32 * 1024**2, "threads": 1}
 
 
-class StopsServerAt(VLLMServerEngine):
-    """Sends SIGSTOP to its server before generation call ``at_call`` (1-based) asks it anything."""
+class _AtCall(VLLMServerEngine):
+    """A server engine that does ``fault()`` as generation call ``at_call`` (1-based) starts."""
 
     def __init__(self, at_call: int, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -35,24 +35,24 @@ class StopsServerAt(VLLMServerEngine):
     def generate(self, prompts, n, sampling, seed=None):  # noqa: D102
         self.calls += 1
         if self.calls == self.at_call:
-            os.kill(self.process.pid, signal.SIGSTOP)
-            log.warning("test: SIGSTOP sent to the vLLM server (process %d)", self.process.pid)
+            self.fault()
         return super().generate(prompts, n, sampling, seed)
 
 
-class KillsMidGeneration(VLLMServerEngine):
+class StopsServerAt(_AtCall):
+    """Sends SIGSTOP to its server before generation call ``at_call`` (1-based) asks it anything."""
+
+    def fault(self) -> None:  # noqa: D102
+        os.kill(self.process.pid, signal.SIGSTOP)
+        log.warning("test: SIGSTOP sent to the vLLM server (process %d)", self.process.pid)
+
+
+class KillsMidGeneration(_AtCall):
     """SIGKILLs its own (the training) process in generation call ``at_call`` (1-based), once the server runs its
     requests: the process dies with a rollout half sampled."""
 
-    def __init__(self, at_call: int, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.at_call, self.calls = at_call, 0
-
-    def generate(self, prompts, n, sampling, seed=None):  # noqa: D102
-        self.calls += 1
-        if self.calls == self.at_call:
-            threading.Thread(target=self._kill_when_running, daemon=True).start()
-        return super().generate(prompts, n, sampling, seed)
+    def fault(self) -> None:  # noqa: D102
+        threading.Thread(target=self._kill_when_running, daemon=True).start()
 
     def _kill_when_running(self) -> None:
         deadline = time.monotonic() + 60
