@@ -40,6 +40,7 @@ test: lint
 
 # The oldest jsonargparse pyproject.toml allows (the suite runs the newest): the CLI's messages are checked against it,
 # with the package installed from its built wheel into a venv of its own that borrows the other dependencies.
+# Its tests are spread test by test over the workers (--dist load): its two files differ too much in length to split by file.
 JSONARGPARSE_LOWEST := 4.47.0
 COMPAT := .venv-compat
 compat: install
@@ -51,7 +52,7 @@ compat: install
 	$(COMPAT)/bin/python -m pip install -q --no-deps --no-index $(COMPAT)/dist/amir_lightning-*.whl
 	$(COMPAT)/bin/python -P -c "import jsonargparse as j, amir_lightning as a; assert j.__version__ == '$(JSONARGPARSE_LOWEST)' \
 		and '$(COMPAT)' in a.__file__, (j.__version__, a.__file__)"
-	$(RUNENV) $(COMPAT)/bin/python -P -m pytest -q -p no:cacheprovider -m "not slow" tests/test_configs.py tests/test_errors.py
+	$(RUNENV) $(COMPAT)/bin/python -P -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist load -m "not slow" tests/test_configs.py tests/test_errors.py
 
 # The quick tier while working: lint and every test not marked slow (no end-to-end runs of real vLLM in subprocesses).
 check: lint
