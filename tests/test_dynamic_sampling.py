@@ -2,7 +2,6 @@
 sampled, from the same weights, until each process has its groups with variance, within ``max_sampling_rounds``."""
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from test_datamodule import Watch, build, cut_and_resume, make_trainer
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.helpers.distributed import all_reduce
+from amir_lightning.helpers.serving import free_port
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rollout.collect import RolloutSettings
 from amir_lightning.rollout.dynamic import Round, has_variance, prompts_to_draw, refill
@@ -111,9 +111,7 @@ def _two_ranks(rank: int, port: int, out: str) -> None:
 
 
 def test_every_process_runs_the_same_rounds_and_draws_alike(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port("127.0.0.1")  # below the ephemeral range: no socket takes it meanwhile
     out = str(tmp_path / "ranks")
     mp.start_processes(_two_ranks, args=(port, out), nprocs=2, start_method="spawn")
     rank0, rank1 = (eval(Path(f"{out}.{rank}").read_text()) for rank in (0, 1))  # noqa: S307 (our own repr)

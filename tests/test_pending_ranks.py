@@ -3,7 +3,6 @@ resumes its own completions, with its own kept weights and its saved rewards, an
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from safetensors.torch import load_file
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.helpers.distributed import all_reduce
+from amir_lightning.helpers.serving import free_port
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rollout.collect import RolloutSettings, make_rollout
 from amir_lightning.rollout.engine import Completion
@@ -85,9 +85,7 @@ def test_each_process_resumes_its_own_rollout_sampled_ahead_and_never_another_ra
     own completions, scores and weight shard (rank 0's weights only when they are replicated, as under DDP). Rank 0's
     rollout offered to rank 1 (what a checkpoint holding rank 0's alone gave it) stops both processes with one error;
     such an unkeyed checkpoint is dropped on two processes, its prompts drawn again."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port("127.0.0.1")  # below the ephemeral range: no socket takes it meanwhile
     out = str(tmp_path / "gathered.pt")
     # spawned, not forked: a process group an earlier test left in this process must not be inherited
     mp.start_processes(_two_ranks, args=(port, out), nprocs=2, start_method="spawn")

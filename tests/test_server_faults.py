@@ -200,3 +200,24 @@ def test_a_sequence_over_the_reward_models_context_is_scored_on_its_end(short_re
         "their last 32 tokens" in said
     )
     assert "reward_model: 1 of 1 sequences are over max_length 32 tokens; their ends were scored" in said
+
+
+def test_a_servers_port_is_drawn_below_the_ephemeral_range_so_no_socket_meanwhile_takes_it(monkeypatch):
+    """A server binds its port seconds after the run chose it; a port of the ephemeral range may be handed meanwhile
+    to any socket binding port 0 (a process group's store) and the server stops with ``Address already in use``."""
+    import socket
+
+    from amir_lightning.helpers import serving
+
+    low = serving._ephemeral_low()
+    ports = {free_port("127.0.0.1") for _ in range(20)}
+    assert all(serving.PORTS_FROM <= port < low for port in ports) and len(ports) > 1  # drawn, not a sequence
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert not serving._bindable("127.0.0.1", taken.getsockname()[1])
+        monkeypatch.setattr(serving.random.SystemRandom, "randrange", lambda self, a, b: taken.getsockname()[1])
+        port = free_port("127.0.0.1")  # the drawn one is taken every time: one the kernel hands out
+        assert port != taken.getsockname()[1] and port >= low
+    monkeypatch.setattr(serving, "_ephemeral_low", lambda: 1024)  # no room below the range
+    assert free_port("127.0.0.1") >= low

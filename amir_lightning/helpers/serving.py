@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 TRAINER_GROUP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
                  "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
 STOP_S = 10.0  # a server's time to end after SIGTERM, before SIGKILL
+PORTS_FROM = 20000  # where a server's port is drawn from (up to the ephemeral range); below: well-known services
 REFUSED_S = 15.0  # how long a given url may refuse connections (a server launched beside the run binds its port)
 
 #: The watcher: waits for the run's process to go (its pipe's end of file), then ends the server's process group.
@@ -67,10 +69,39 @@ if members():
 
 
 def free_port(host: str) -> int:
-    """A port nothing listens on at ``host`` now."""
-    with socket.socket() as probe:
+    """A port nothing listens on at ``host`` now, below the kernel's ephemeral range where the system has room.
+
+    A server binds the port seconds after it is chosen (vLLM binds once its imports are done). A port of the
+    ephemeral range (``/proc/sys/net/ipv4/ip_local_port_range``) can be handed meanwhile to any socket that binds
+    port 0 or connects out (a vLLM engine's internal ports, a process group's store, an HTTP client), and the server
+    then stops with ``Address already in use``; no such socket draws a port below that range. The draw is from the
+    system's entropy, so processes seeded alike do not draw alike.
+    """
+    low = _ephemeral_low()
+    draw = random.SystemRandom()
+    for _ in range(64) if low - PORTS_FROM > 256 else ():
+        port = draw.randrange(PORTS_FROM, low)
+        if _bindable(host, port):
+            return port
+    with socket.socket() as probe:  # no room below the range (or all taken): one the kernel hands out
         probe.bind((host, 0))
         return probe.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default, and near what macOS (49152) and Windows (49152) use
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def reachable_url(host: str, port: int) -> str:

@@ -159,11 +159,9 @@ def test_two_slurm_nodes_give_each_engine_its_own_local_rank(tmp_path):
     which Lightning's SLURMEnvironment reads. Each vLLM engine must get its process's local rank (0 on both nodes),
     not its global rank (on 8-GPU nodes, the second node's ranks 8-15 asked vLLM for cuda:8..15); only the first
     process shows the engine's progress bar."""
-    import socket
+    from amir_lightning.helpers.serving import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port("127.0.0.1")  # below the ephemeral range: no socket takes it meanwhile
     args = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.max_epochs", "1"]
     args += ["--trainer.devices", "1", "--trainer.num_nodes", "2", "--trainer.strategy", "ddp"]
     args += ["--trainer.check_val_every_n_epoch", "5", "--data.engine", "engines.RecordsLocalRank"]
