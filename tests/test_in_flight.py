@@ -7,8 +7,6 @@ import time
 import pytest
 import torch
 from helpers.server_runs import running_requests
-from test_datamodule import build as build_with
-from test_datamodule import cut_and_resume
 from transformers import AutoModelForCausalLM
 
 from amir_lightning.data import ArithmeticPrompts
@@ -89,28 +87,4 @@ def test_a_push_reaches_the_requests_in_flight_and_the_tokens_say_which_weights_
             expected = torch.log_softmax(model(ids).logits[0, 2:4].float(), -1)[[0, 1], [8, 9]]
         torch.testing.assert_close(torch.tensor(engine.score([5, 6, 7], [8, 9])), expected, atol=1e-4, rtol=0)
     finally:
-        engine.close()
-
-
-@pytest.mark.slow
-def test_two_rollouts_ahead_train_no_older_than_two_and_a_resumed_run_ends_where_the_run_does(tmp_path):
-    """max_staleness 2 with pushes in flight, 4 rollouts: rollouts 1-3 sampled by the first weights (rollout 1 in
-    turn), rollout 4 by rollout 2's. A checkpoint holds both rollouts sampling ahead, scored, their tokens tagged;
-    the run resumed from rollout 3's checkpoint trains on them and ends with the uninterrupted run's weights, bitwise
-    (each checkpoint waits for the rollouts in flight, so no push falls inside a generation in either run)."""
-
-    def build(path):
-        rollout = RolloutSettings(group_size=4, prompts_per_process=4, micro_batch_groups=2, max_staleness=2,
-                                  partial_rollouts=True)  # fmt: skip
-        return build_with(path, engine=VLLMServerEngine(**SERVER), rollout=rollout, new_tokens=8)
-
-    (straight_module, straight), (module, data) = cut_and_resume(build, tmp_path, 4)
-    for name, weight in straight_module.model.state_dict().items():
-        assert torch.equal(weight, module.model.state_dict()[name]), name
-    (second,) = (tmp_path / "straight" / "ckpt").glob("epoch=1-*.ckpt")
-    saved = torch.load(second, weights_only=True)["RolloutDataModule"]["pending"]["ranks"][0]
-    assert [one["version"] for one in saved] == [0, 1] and all(one["scores"] for one in saved)
-    assert all(c["versions"] == [one["version"]] * len(c["token_ids"])
-               for one in saved for group in one["completions"] for c in group)  # fmt: skip
-    for engine in (straight.engine, data.engine):
         engine.close()

@@ -141,12 +141,18 @@ def max_abs_difference(first: Path, second: Path) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("strategy", "stale_logps"), [("ddp", "current"), (FSDP2, "sampler")], ids=["ddp", "fsdp2"])
-def test_two_processes_resumed_a_rollout_ahead_end_where_an_uninterrupted_run_does(tmp_path, strategy, stale_logps):
+def test_two_processes_resumed_a_rollout_ahead_end_where_an_uninterrupted_run_does(tmp_path):
     """2 processes share one vLLM server, which samples the next rollout while they train. The uninterrupted run of 3
     rollouts keeps each rollout's checkpoint (``save_top_k: -1``); resumed from rollout 2's, written while rollout 3
-    was being sampled ahead, each rank trains its own saved rollout 3 (under FSDP2 ``sampler``, with its own shard of
-    the weights that sampled it), ending with the uninterrupted run's weights, bitwise."""
+    was being sampled ahead, each rank trains its own saved rollout 3 with its own shard of the weights that sampled
+    it (FSDP2, ``stale_logps: sampler``), ending with the uninterrupted run's weights, bitwise.
+
+    FSDP2 with ``sampler`` is the case with the most per-rank state. What DDP and ``current`` add is guarded apart:
+    the replicated weights written once by rank 0 and read by rank 1 in
+    ``test_each_process_resumes_its_own_rollout_sampled_ahead_and_never_another_ranks``, a resume with ``current``
+    (two rollouts ahead, killed mid-generation) in tests/e2e/test_stops.py, and DDP on two processes in
+    tests/e2e/test_distributed.py."""
+    strategy, stale_logps = FSDP2, "sampler"
     engine = json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": SERVER})
     common = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.engine", engine]
     common += ["--trainer.devices", "2", "--trainer.strategy", strategy, "--trainer.deterministic", "true"]

@@ -63,15 +63,15 @@ def test_a_hung_server_is_named_in_seconds_and_sigterm_ends_the_run_at_once_resu
 
 
 def test_a_hung_server_stops_the_run_at_its_deadline_in_one_line(tmp_path):
-    run, pid, known, stopped = hung_fit(tmp_path, {"request_timeout": 20})
+    run, pid, known, stopped = hung_fit(tmp_path, {"request_timeout": 10})
     code, ended = run.end()
     assert code == 3, run.text()[-3000:]
     url = run.wait_for("started the vLLM server at")[1].split(" at ")[1].split(" ")[0]
-    assert run.lines[-1][1] == (f"amir: error: the vLLM server at {url} did not answer /v1/completions within 20 s "
+    assert run.lines[-1][1] == (f"amir: error: the vLLM server at {url} did not answer /v1/completions within 10 s "
                                 f"(data.engine.init_args.request_timeout); its process {pid} is stopped (state T: "
                                 "SIGSTOP or a debugger)")  # fmt: skip
     left, _ = count_after(pid, known)
-    report("hung server, deadline 20 s", stop_to_exit_s=round(ended - stopped, 1), exit=code, left_after=left)
+    report("hung server, deadline 10 s", stop_to_exit_s=round(ended - stopped, 1), exit=code, left_after=left)
     assert left == 0
 
 

@@ -119,7 +119,10 @@ def test_killed_runs_resume_from_the_last_good_checkpoint(tmp_path, clean_six):
 def test_a_run_two_rollouts_ahead_with_pushes_in_flight_killed_mid_generation_resumes_to_the_same_weights(tmp_path):
     """max_staleness 2 with partial_rollouts on a vLLM server, 5 rollouts: SIGKILL while the server runs rollout
     4's requests (sampled while rollout 2 trains). last.ckpt, written after rollout 1, holds rollouts 2 and 3 whole;
-    resumed from it, the run ends with the uninterrupted run's weights, bitwise."""
+    resumed from it, the run ends with the uninterrupted run's weights, bitwise. No rollout trains on weights older
+    than two updates: the uninterrupted run's checkpoint after rollout 2 holds rollout 3 (the first weights') and
+    rollout 4 (rollout 1's update's), scored, each token tagged with the weights that sampled it (each checkpoint
+    waits for the rollouts in flight, so no push falls inside a generation there)."""
     import json
 
     server = {"max_model_len": 64, "kv_cache_memory_bytes": 32 * 1024**2, "threads": 1}
@@ -128,7 +131,13 @@ def test_a_run_two_rollouts_ahead_with_pushes_in_flight_killed_mid_generation_re
     common += ["--data.sampling.max_new_tokens", "12"]
     plain = json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": server})
     killing = json.dumps({"class_path": "server_runs.KillsMidGeneration", "init_args": {**server, "at_call": 4}})
-    run_amir([*common, "--data.engine", plain, "--trainer.logger.init_args.name", "clean"], tmp_path)
+    run_amir([*common, "--data.engine", plain, "--trainer.logger.init_args.name", "clean", "--checkpoint.save_top_k",
+              "-1"], tmp_path)  # fmt: skip
+    (second,) = (tmp_path / "runs" / "clean" / "version_0" / "checkpoints").glob("epoch=1-*.ckpt")
+    ahead = torch.load(second, weights_only=True)["RolloutDataModule"]["pending"]["ranks"][0]
+    assert [one["version"] for one in ahead] == [0, 1] and all(one["scores"] for one in ahead)
+    assert all(c["versions"] == [one["version"]] * len(c["token_ids"])
+               for one in ahead for group in one["completions"] for c in group)  # fmt: skip
     env = dict(
         os.environ,
         AMIR_CACHE=str(tmp_path / "cache"),
