@@ -20,6 +20,7 @@ module checks every sync against what the engine reads back from its own workers
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import os
@@ -179,6 +180,12 @@ class VLLMEngine(RolloutEngine):
         # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op; the trainer shares this
         # process and keeps control of its threads.
         set_num_threads = torch.set_num_threads
+        # An engine left behind unclosed (a finished run's, kept by a reference cycle) is shut down by the garbage
+        # collector, and vLLM collects while the next engine loads: that shutdown destroys the process-wide parallel
+        # groups the new engine just made ("pipeline model parallel group is not initialized" at its first
+        # generation). Let such engines go before this one starts.
+        gc.unfreeze()  # vLLM freezes the heap once an engine is up; frozen garbage is never collected
+        gc.collect()
         try:
             self.llm = vllm.LLM(**kwargs)
         except ValueError as err:
@@ -300,4 +307,6 @@ class VLLMEngine(RolloutEngine):
 
     @override
     def close(self) -> None:
-        self.llm = None
+        llm, self.llm = self.llm, None
+        if llm is not None:  # now, not when the garbage collector gets to it (see ``start``)
+            llm.llm_engine.engine_core.shutdown()
