@@ -1,15 +1,18 @@
 """Dynamic sampling against dropping alone, on a task where many groups have no reward variance.
 
     python benchmarks/dynamic_sampling.py --seeds 3      # configs/tiny.yaml, 30 steps per run (~30-60 s a run)
+    python benchmarks/dynamic_sampling.py --arms drop dynamic_ahead
 
 Both arms are ``amir fit --config configs/tiny.yaml`` (the tiny Qwen2 learns to copy a digit: early on most groups
 score 0 everywhere, later 1 everywhere), seeded as ``benchmarks/learning.py`` seeds its runs, with held-out accuracy
 before training and every 5 steps. ``drop``: ``data.rollout.drop_zero_std_groups true``, a step trains the groups
 with variance its rollout had. ``dynamic``: ``data.rollout.dynamic_sampling true`` (``max_sampling_rounds`` 4),
-more prompts are sampled until the step has its 16 groups with variance. The table gives, per arm (mean over seeds,
-min-max), the share of sampled groups without variance, the groups trained per step, the sampling rounds per
-rollout, the held-out accuracy after 30 steps, the wall seconds of a run, and the first step and wall second at
-which a seed reaches the drop arm's final mean accuracy.
+more prompts are sampled until the step has its 16 groups with variance. ``dynamic_ahead``: the same on a
+``VLLMServerEngine`` a rollout ahead (``max_staleness 1``, ``stale_logps current``): each rollout's first round is
+sampled while the step before trains, its further rounds from the weights it trains. The table gives, per arm
+(mean over seeds, min-max), the share of sampled groups without variance, the groups trained per step, the sampling
+rounds per rollout, the held-out accuracy after 30 steps, the wall seconds of a run, and the first step and wall
+second at which a seed reaches the drop arm's final mean accuracy.
 """
 
 from __future__ import annotations
@@ -25,9 +28,16 @@ from pathlib import Path
 
 from learning import ROOT, logger_args
 
+DYNAMIC = ["--data.rollout.dynamic_sampling", "true", "--data.rollout.max_sampling_rounds", "4"]
+SERVER = {"max_model_len": 64, "kv_cache_memory_bytes": 33554432, "threads": 1}
+if len(os.sched_getaffinity(0)) > 1:
+    SERVER["cpu_cores"] = "1"  # the server's one core, the trainer's the rest
+AHEAD = ["--data.engine", json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": SERVER})]
+AHEAD += ["--data.rollout.max_staleness", "1", "--data.rollout.stale_logps", "current"]
 ARMS = {
     "drop": ["--data.rollout.drop_zero_std_groups", "true"],
-    "dynamic": ["--data.rollout.dynamic_sampling", "true", "--data.rollout.max_sampling_rounds", "4"],
+    "dynamic": DYNAMIC,
+    "dynamic_ahead": [*DYNAMIC, *AHEAD],
 }
 KEYS = ["val/accuracy", "rollout/zero_std_frac", "rollout/groups_kept", "rollout/sampling_rounds"]
 
@@ -74,10 +84,12 @@ def spread(values: list[float], digits: int = 3) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), help="drop always runs")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    runs = {arm: [run(arm, seed, args.out.resolve()) for seed in range(args.seeds)] for arm in ARMS}
+    arms = ["drop", *(arm for arm in args.arms if arm != "drop")]  # the target is the drop arm's accuracy
+    runs = {arm: [run(arm, seed, args.out.resolve()) for seed in range(args.seeds)] for arm in arms}
 
     def mean_of(r: dict, key: str) -> float:
         values = [v for _, _, v in r["scalars"].get(key, [])]

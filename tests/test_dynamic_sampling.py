@@ -4,6 +4,7 @@ sampled, from the same weights, until each process has its groups with variance,
 import os
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,8 +15,9 @@ from amir_lightning.data.base import Prompt
 from amir_lightning.helpers.distributed import all_reduce
 from amir_lightning.helpers.serving import free_port
 from amir_lightning.rewards.base import Reward
+from amir_lightning.rollout import VLLMServerEngine
 from amir_lightning.rollout.collect import RolloutSettings
-from amir_lightning.rollout.dynamic import Round, has_variance, prompts_to_draw, refill
+from amir_lightning.rollout.dynamic import Round, has_variance, needs_more, prompts_to_draw, refill
 from amir_lightning.rollout.engine import Completion
 from amir_lightning.rollout.rewarding import Scores
 
@@ -86,6 +88,15 @@ def test_one_round_is_the_rollout_as_sampled():
     first = a_round("a", [[1, 1], [0, 1]])
     chosen, metrics = refill(first, lambda *args: pytest.fail("no second round"), 2, G, 1, one_process)
     assert [p.question for p in chosen.prompts] == ["a1", "a0"] and metrics["rollout/sampling_rounds"] == 1.0
+
+
+def test_a_further_round_is_needed_when_a_group_lacks_variance_on_some_process_and_rounds_are_left():
+    """A rollout sampled ahead pushes its weights for the further rounds only then: a push waits for the rollouts in
+    flight."""
+    full, short = a_round("a", [[0, 1], [1, 0]]), a_round("a", [[0, 1], [1, 1]])
+    assert not needs_more(full, 2, G, 4, one_process)
+    assert needs_more(short, 2, G, 4, one_process) and not needs_more(short, 2, G, 1, one_process)
+    assert needs_more(full, 2, G, 4, lambda values: [1.0])  # another process misses a group
 
 
 def _two_ranks(rank: int, port: int, out: str) -> None:
@@ -176,8 +187,62 @@ def test_a_run_with_dynamic_sampling_resumed_at_a_rollouts_end_ends_where_an_uni
         assert torch.equal(weight, module.model.state_dict()[name]), name
 
 
-def test_dynamic_sampling_is_refused_on_a_rollout_sampled_ahead():
-    with pytest.raises(ValueError, match="data.rollout.dynamic_sampling needs data.rollout.max_staleness 0"):
-        RolloutSettings(dynamic_sampling=True, max_staleness=1)
+def test_dynamic_sampling_ahead_is_refused_with_the_old_weights_of_the_first_round():
+    with pytest.raises(ValueError, match="data.rollout.dynamic_sampling with data.rollout.max_staleness needs "
+                       "data.rollout.stale_logps current"):  # fmt: skip
+        RolloutSettings(dynamic_sampling=True, max_staleness=1, stale_logps="sampler")
     with pytest.raises(ValueError, match="data.rollout.max_sampling_rounds"):
         RolloutSettings(dynamic_sampling=True, max_sampling_rounds=0)
+
+
+def build_dynamic_ahead(tmp_path):
+    """``build_dynamic``, sampled a rollout ahead by a vLLM server."""
+    engine = VLLMServerEngine(max_model_len=64, kv_cache_memory_bytes=32 * 1024**2, threads=1)
+    settings = RolloutSettings(group_size=4, prompts_per_process=4, micro_batch_groups=2, dynamic_sampling=True,
+                               max_sampling_rounds=6, max_staleness=1)  # fmt: skip
+    module, data = build(tmp_path, engine=engine, rollout=settings, new_tokens=3)
+    data.rewards = [VariesOnOddAnswers()]
+    return module, data
+
+
+class RefillCursors(L.Callback):
+    """Per epoch: the refill stream's position at its end, and the one a checkpoint written at its start holds (its
+    rollout taken and refilled, none of its steps started: SLURM's requeue checkpoint can come then)."""
+
+    def __init__(self) -> None:
+        self.at_end, self.saved_at_start = [], []
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self.saved_at_start.append(trainer.datamodule.state_dict()["refill_cursor"])
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.at_end.append(trainer.datamodule.feed.refill_position)
+
+
+@pytest.mark.slow
+def test_a_rollout_sampled_ahead_is_refilled_from_the_weights_it_trains_and_resumes_alike(tmp_path):
+    """Each epoch's rollout was sampled by the weights before; its further rounds, drawn from the refill stream,
+    sample from the weights it trains (staleness 0 on their tokens). Resumed after a rollout, the saved rollout ahead
+    is refilled again alike: the run ends with the uninterrupted run's weights and stream positions. A checkpoint
+    written before a refilled rollout's steps start holds the refill stream where that rollout's rounds began (its
+    resume runs the rollout again, rounds and all)."""
+    straight_module, straight = build_dynamic_ahead(tmp_path / "straight")
+    logged, cursors = Logged(), RefillCursors()
+    make_trainer(tmp_path / "straight", 3, [logged, cursors], checkpoints=True, keep_all=True).fit(
+        straight_module, datamodule=straight
+    )
+    straight.engine.close()
+    assert [m["rollout/groups_kept"] for m in logged.metrics] == [4, 4, 4]
+    refilled = [m for m in logged.metrics[1:] if m["rollout/sampling_rounds"] > 1]
+    assert refilled, [m["rollout/sampling_rounds"] for m in logged.metrics]
+    for metrics in refilled:  # the first round's tokens one update old, the further rounds' none
+        assert 0 < metrics["rollout/staleness"] < 1 and metrics["rollout/staleness_max"] == 1
+    assert straight.feed.position == 4 * 4  # 3 rollouts trained and 1 ahead: the main stream as without refills
+    assert cursors.saved_at_start == [0, *cursors.at_end[:-1]] and cursors.at_end[-1] > 0
+    (after_one,) = (tmp_path / "straight" / "ckpt").glob("epoch=1-*.ckpt")
+    module, data = build_dynamic_ahead(tmp_path / "resumed")
+    make_trainer(tmp_path / "resumed", 3, []).fit(module, datamodule=data, ckpt_path=after_one)
+    data.engine.close()
+    assert (data.feed.position, data.feed.refill_position) == (straight.feed.position, straight.feed.refill_position)
+    for key, weight in straight_module.model.state_dict().items():
+        assert torch.equal(weight, module.model.state_dict()[key]), key

@@ -3,6 +3,10 @@
 Every process takes the same slice of the prompt stream and keeps its own share, so a group never spans processes
 and the stream's position is the same everywhere (a checkpoint saves it once). A finite source is screened before
 the engine starts (``data/screening.py``): every process renders the same prompts and leaves out the same ones.
+
+Dynamic sampling's further rounds on a rollout sampled ahead draw from a second stream over the same prompts, in an
+order of its own (``draw_refill``): the main stream's next prompts are drawn already, by the rollouts sampling ahead,
+and the positions a checkpoint saves of them stay as they were however many rounds a rollout needed.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ from amir_lightning.data.stream import PromptStream
 from amir_lightning.data.templates import ChatFormat, render_prompts
 
 log = logging.getLogger(__name__)
+
+#: Added to the run's seed for the refill stream's order, always shuffled: never the main stream's order.
+REFILL_SEED = 1_000_033
 
 
 class PromptFeed:
@@ -34,6 +41,7 @@ class PromptFeed:
     ) -> None:
         self.source, self.chat, self.prompt_limit, self.bad_prompts = source, chat, prompt_limit, bad_prompts
         self.stream = PromptStream(source, shuffle, seed)
+        self.refill_stream = PromptStream(source, True, seed + REFILL_SEED)
         self.skipped = 0  # prompts screening left out (data/skipped_prompts)
         self._screened = False
 
@@ -46,10 +54,22 @@ class PromptFeed:
     def position(self, value: int) -> None:
         self.stream.position = value
 
+    @property
+    def refill_position(self) -> int:
+        """Prompts drawn from the refill stream so far, by every process together."""
+        return self.refill_stream.position
+
+    @refill_position.setter
+    def refill_position(self, value: int) -> None:
+        self.refill_stream.position = value
+
     def draw(self, rank: int, ranks: int, per_rank: int) -> list[Prompt]:
         """This process's ``per_rank`` prompts of the next ``per_rank * ranks`` (every process draws the slice)."""
-        batch = self.stream.take(per_rank * ranks)
-        return batch[rank * per_rank : (rank + 1) * per_rank]
+        return _share(self.stream.take(per_rank * ranks), rank, per_rank)
+
+    def draw_refill(self, rank: int, ranks: int, per_rank: int) -> list[Prompt]:
+        """``draw``, from the refill stream (dynamic sampling's further rounds on a rollout sampled ahead)."""
+        return _share(self.refill_stream.take(per_rank * ranks), rank, per_rank)
 
     def tokenize(self, tokenizer, prompts: list[Prompt]) -> list[list[int]]:
         """Chat-templated token ids; a prompt over the limit (``prompt_limit``) is an error naming it."""
@@ -96,8 +116,13 @@ class PromptFeed:
                 "data.bad_prompts: skip leaves them out"
             )
         self.stream.exclude(set(found.bad))
+        self.refill_stream.exclude(set(found.bad))
         self.skipped = len(found.bad)
         if report:
             log.warning("skipping %d of %d training prompts that cannot be used: %s; %s", len(found.bad), len(source),
                         first, limit)  # fmt: skip
         return self.skipped
+
+
+def _share(batch: list[Prompt], rank: int, per_rank: int) -> list[Prompt]:
+    return batch[rank * per_rank : (rank + 1) * per_rank]

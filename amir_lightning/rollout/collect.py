@@ -42,10 +42,12 @@ class RolloutSettings:
             off-policy (ratios and clipping act).
         advantage_scale: ``group``, ``batch`` or ``none`` (see ``group_advantages``).
         drop_zero_std_groups: Skip groups whose rewards are all equal (they carry no policy gradient).
-        dynamic_sampling: Drop those groups and sample more prompts, from the same weights, until this process has
-            ``prompts_per_process`` groups with reward variance or ``max_sampling_rounds`` rounds ran (DAPO's
-            dynamic sampling, arXiv 2503.14476; ``rollout/dynamic.py``). Each further round draws the missing
-            groups' worth of prompts at the share with variance seen so far. With ``max_staleness`` 0.
+        dynamic_sampling: Drop those groups and sample more prompts until this process has ``prompts_per_process``
+            groups with reward variance or ``max_sampling_rounds`` rounds ran (DAPO's dynamic sampling, arXiv
+            2503.14476; ``rollout/dynamic.py``). Each further round draws the missing groups' worth of prompts at
+            the share with variance seen so far, and samples them from the weights the rollout trains: with
+            ``max_staleness`` 0 those of its first round; ahead, the newer ones (its first round is stale, the
+            further rounds are not), with ``stale_logps current``.
         max_sampling_rounds: Rounds of sampling per rollout with ``dynamic_sampling``, the first included; when they
             run out the step trains the groups with variance it has (``rollout/sampling_rounds``,
             ``rollout/kept_group_frac``).
@@ -119,10 +121,11 @@ class RolloutSettings:
             )
         if self.stale_logps not in ("sampler", "current"):
             errors.append(f"data.rollout.stale_logps must be sampler or current, got {self.stale_logps!r}")
-        if self.dynamic_sampling and self.max_staleness:
+        if self.dynamic_sampling and self.max_staleness and self.stale_logps == "sampler":
             errors.append(
-                "data.rollout.dynamic_sampling needs data.rollout.max_staleness 0: its further rounds sample from the "
-                "weights of the rollout's first round, which a rollout sampled ahead no longer has in the engine"
+                "data.rollout.dynamic_sampling with data.rollout.max_staleness needs data.rollout.stale_logps current: "
+                "a rollout's further rounds are sampled by the weights it trains, not by those that sampled its first "
+                "round, so no one set of old weights scores them all"
             )
         if not errors and self.steps_per_rollout > self.prompts_per_process:
             errors.append(

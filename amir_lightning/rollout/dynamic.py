@@ -4,8 +4,13 @@ A group whose G rewards are all equal has zero advantage everywhere: no policy g
 (arXiv 2601.03661 mines its pairs from the reward ranking inside a group). Dropping such groups
 (``data.rollout.drop_zero_std_groups``) shrinks the step as the task becomes easy or hard; DAPO's dynamic sampling
 (arXiv 2503.14476, section 3.2) samples more prompts instead, until the batch is full again. ``refill`` does that
-for one process: after the rollout's first round, further rounds of prompts drawn from the stream, sampled from the
-same weights and scored, until ``prompts_per_process`` groups have variance or ``max_sampling_rounds`` rounds ran.
+for one process: after the rollout's first round, further rounds of prompts drawn from the stream, sampled and
+scored, until ``prompts_per_process`` groups have variance or ``max_sampling_rounds`` rounds ran.
+
+In turn (``max_staleness`` 0) the further rounds take the stream's next prompts and sample them from the first
+round's weights. A rollout sampled ahead is refilled when an epoch takes it: its further rounds sample from the
+weights that epoch trains, pushed first, and draw from the refill stream (``data/feed.py``), as the stream's next
+prompts belong to the rollouts sampling ahead. Their tokens are then not stale; ``rollout/staleness`` counts them.
 
 Every process runs the same rounds and draws the same number of prompts in each (the stream stays in step; a
 process already full draws its share without sampling it), so the steps that follow are planned as before
@@ -62,6 +67,15 @@ def prompts_to_draw(wanted: int, kept: int, sampled: int) -> int:
     if kept == 0:
         return wanted
     return min(wanted, math.ceil(missing * sampled / kept))
+
+
+def needs_more(first: Round, wanted: int, group_size: int, max_rounds: int, max_over_processes) -> bool:
+    """Whether a further round will sample on some process: a group of ``first`` without variance anywhere.
+
+    Every process calls it (one collective), with the arguments of ``refill``.
+    """
+    missing = wanted - sum(has_variance(first.scores, group_size))
+    return max_rounds > 1 and max_over_processes([float(missing)])[0] > 0
 
 
 def refill(

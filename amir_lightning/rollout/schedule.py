@@ -18,7 +18,8 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -29,7 +30,7 @@ from amir_lightning.data.feed import PromptFeed
 from amir_lightning.helpers.distributed import all_reduce
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rollout.collect import RolloutSettings, make_rollout
-from amir_lightning.rollout.dynamic import Round, refill
+from amir_lightning.rollout.dynamic import Round, needs_more, refill
 from amir_lightning.rollout.engine import Completion, SamplingConfig
 from amir_lightning.rollout.pending import PendingRollout, SavedRollout
 from amir_lightning.rollout.policy import Policy
@@ -37,6 +38,9 @@ from amir_lightning.rollout.rewarding import Scores
 from amir_lightning.rollout.sampler import AHEAD, TRAIN, Sampler, generation_seed, round_seed
 from amir_lightning.rollout.saved import gather_saved, restore, saved_for_rank
 from amir_lightning.rollout.types import Rollout
+
+#: ``PromptFeed.draw`` or ``draw_refill``: ``(rank, ranks, per_rank)`` -> this process's prompts.
+Draw = Callable[[int, int, int], list[Prompt]]
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,36 @@ class Schedule(ABC):
     def _seed(self, at: At, purpose: int) -> int:
         return generation_seed(self.seed, at.step, at.rank, purpose)
 
+    def _sample(self, at: At, prompts: list[Prompt], prompt_ids: list[list[int]], index: int) -> Round:
+        """Round ``index`` of this rollout's sampling (its own seed; the first round's is the rollout's), unscored."""
+        start, n, tokenizer = time.perf_counter(), self.settings.group_size, self.policy.tokenizer
+        seed = round_seed(self._seed(at, TRAIN), index)
+        completions = self.sampler.generate(prompt_ids, n, self.sampling, seed, prompts, tokenizer)
+        return Round(prompts, prompt_ids, completions, None, time.perf_counter() - start)
+
+    def _refill(self, at: At, first: Round, draw: Draw) -> tuple[Round, dict[str, float]]:
+        """Dynamic sampling (``rollout/dynamic.py``): ``first``, scored, and more rounds until the groups vary.
+
+        The further rounds draw their prompts from ``draw`` and sample them from the weights in the engine.
+        """
+        settings = self.settings
+        wanted, size, rounds = settings.prompts_per_process, settings.group_size, settings.max_sampling_rounds
+        return refill(first, partial(self._more, at, draw), wanted, size, rounds, at.max_over_processes)
+
+    def _needs_more(self, at: At, first: Round) -> bool:
+        settings = self.settings
+        wanted, size, rounds = settings.prompts_per_process, settings.group_size, settings.max_sampling_rounds
+        return needs_more(first, wanted, size, rounds, at.max_over_processes)
+
+    def _more(self, at: At, draw: Draw, count: int, index: int, sample: bool) -> Round | None:
+        """Dynamic sampling's round ``index``: ``count`` more prompts drawn, sampled and scored when ``sample``."""
+        prompts = draw(at.rank, at.ranks, count)
+        if not sample:  # this process is full; its share of the stream is skipped, as every process draws alike
+            return None
+        extra = self._sample(at, prompts, self.feed.tokenize(self.policy.tokenizer, prompts), index)
+        extra.scores = Scores.of(self.rewards, prompts, extra.completions, self.settings.reward_warn_s)
+        return extra
+
 
 class InTurn(Schedule):
     """Sample each rollout from the weights it trains, then train (``max_staleness`` 0)."""
@@ -170,8 +204,7 @@ class InTurn(Schedule):
         settings, scores, dynamic = self.settings, None, {}
         if settings.dynamic_sampling:  # more rounds, from these weights, until the groups have reward variance
             first.scores = Scores.of(self.rewards, prompts, first.completions, settings.reward_warn_s)
-            wanted, size, rounds = settings.prompts_per_process, settings.group_size, settings.max_sampling_rounds
-            first, dynamic = refill(first, partial(self._more, at), wanted, size, rounds, at.max_over_processes)
+            first, dynamic = self._refill(at, first, self.feed.draw)
             scores = first.scores
         self.sampler.sleep()  # a colocated engine with sleep mode lends its memory to training until the push
         rollout = make_rollout(
@@ -187,22 +220,6 @@ class InTurn(Schedule):
         rollout.seconds["sync_s"] = sync["rollout/sync_s"]
         rollout.metrics |= sync | dynamic
         return rollout
-
-    def _sample(self, at: At, prompts: list[Prompt], prompt_ids: list[list[int]], index: int) -> Round:
-        """Round ``index`` of this rollout's sampling (its own seed; the first round's is the rollout's), unscored."""
-        start, n, tokenizer = time.perf_counter(), self.settings.group_size, self.policy.tokenizer
-        seed = round_seed(self._seed(at, TRAIN), index)
-        completions = self.sampler.generate(prompt_ids, n, self.sampling, seed, prompts, tokenizer)
-        return Round(prompts, prompt_ids, completions, None, time.perf_counter() - start)
-
-    def _more(self, at: At, count: int, index: int, sample: bool) -> Round | None:
-        """Dynamic sampling's round ``index``: ``count`` more prompts drawn, sampled and scored when ``sample``."""
-        prompts = self.feed.draw(at.rank, at.ranks, count)
-        if not sample:  # this process is full; its share of the stream is skipped, as every process draws alike
-            return None
-        extra = self._sample(at, prompts, self.feed.tokenize(self.policy.tokenizer, prompts), index)
-        extra.scores = Scores.of(self.rewards, prompts, extra.completions, self.settings.reward_warn_s)
-        return extra
 
 
 class Ahead(Schedule):
@@ -221,6 +238,7 @@ class Ahead(Schedule):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.current: PendingRollout | None = None  # the rollout this epoch trains
+        self.refill_from: int | None = None  # the refill stream's position before this epoch's further rounds
         self.ahead: deque[PendingRollout] = deque()  # sampling now, oldest first: at most max_staleness of them
 
     @override
@@ -237,28 +255,38 @@ class Ahead(Schedule):
             current.completions = self.sampler.generate(prompt_ids, n, self.sampling, seed, prompts, tokenizer)
             current.generate_s = time.perf_counter() - generated
         self.epoch, self.steps_started, self.drawn_at, self.current = at.epoch, 0, None, current
-        completions = current.wait()
+        self.refill_from = self.feed.refill_position  # a checkpoint from here on runs this rollout again
+        completions = tagged(current.wait(), current.version)
         waited = time.perf_counter() - start
+        scores = current.score(self.rewards, self.settings.reward_warn_s)  # a checkpoint's rollout kept its own
+        first, dynamic = Round(current.prompts, current.prompt_ids, completions, scores, current.generate_s), {}
+        if self.settings.dynamic_sampling:
+            # The further rounds sample from the weights this epoch trains, pushed first (only when a round will
+            # sample: a push waits for the rollouts in flight), and alone on the engine with max_staleness 1 (a resumed
+            # run samples them again alike); their prompts come from the refill stream (``data/feed.py``).
+            if self._needs_more(at, first):
+                sync = joined(sync, self._push(at, current.prompts, current.prompt_ids))
+            first, dynamic = self._refill(at, first, self.feed.draw_refill)
+            first.completions = tagged(first.completions, at.step)  # the further rounds' tokens: these weights'
         # Also after the last rollout: the checkpoint then holds the next ones, and a run resumed to train longer
         # goes on as if it had never stopped.
-        sync |= self._sample_ahead(at)
-        scores = current.score(self.rewards, self.settings.reward_warn_s)  # a checkpoint's rollout kept its own
+        sync = joined(sync, self._sample_ahead(at))
         rollout = make_rollout(
-            current.prompts,
-            current.prompt_ids,
-            completions,
-            current.generate_s,
+            first.prompts,
+            first.prompt_ids,
+            first.completions,
+            first.generate_s,
             self.rewards,
             self.settings,
             at.sum_over_processes,
-            scores,
+            first.scores,
         )
         if current.version != at.step and self.settings.stale_logps == "sampler":  # exact PPO ratios
             rollout.old_weights = current.weights  # the ratios' old log-probs are the trainer's under these
         rollout.seconds.update(sync_s=sync["rollout/sync_s"], wait_s=waited)
-        rollout.metrics |= sync
+        rollout.metrics |= sync | dynamic
         rollout.metrics["rollout/wait_s"] = waited  # the trainer's wait for this rollout (0 when sampling kept up)
-        rollout.metrics |= staleness(completions, current.version, at.step)
+        rollout.metrics |= staleness(first.completions, current.version, at.step)
         return rollout
 
     def _sample_ahead(self, at: At) -> dict[str, float]:
@@ -312,12 +340,15 @@ class Ahead(Schedule):
         state["pending"] = gather_saved(states or None, not self.policy.sharded)
         if cursor is not None:
             state["cursor"] = cursor
+        again = cursor is not None and self.refill_from is not None  # this rollout runs again, its rounds with it
+        state["refill_cursor"] = self.refill_from if again else self.feed.refill_position
         return state
 
     @override
     def load_state_dict(self, state: dict, at: At) -> None:
         super().load_state_dict(state, at)
-        self.current = None
+        self.feed.refill_position = int(state.get("refill_cursor", 0))
+        self.current, self.refill_from = None, None
         self.ahead.clear()
 
     def _restore_saved(self, at: At) -> PendingRollout | None:
@@ -336,6 +367,21 @@ class Ahead(Schedule):
             restored.append(restore(one, prompts, prompt_ids, at.rank, at.ranks, at.max_over_processes))
         self.ahead.extend(restored[1:])
         return restored[0]
+
+
+def tagged(completions: list[list[Completion]], version: int) -> list[list[Completion]]:
+    """The completions, each token without a weight version tagged with ``version`` (the one that sampled it)."""
+    return [
+        [c if c.versions is not None else replace(c, versions=[version] * len(c.token_ids)) for c in group]
+        for group in completions
+    ]
+
+
+def joined(first: dict[str, float], then: dict[str, float]) -> dict[str, float]:
+    """The sync metrics of two pushes in one epoch: both reports (the later's where both have one), seconds summed."""
+    if not first or not then:
+        return first or then
+    return first | then | {"rollout/sync_s": first["rollout/sync_s"] + then["rollout/sync_s"]}
 
 
 def staleness(completions: list[list[Completion]], version: int, step: int) -> dict[str, float]:
