@@ -139,7 +139,7 @@ def test_a_steps_lengths_are_its_policy_tokens():
 
 
 def test_the_logged_lengths_and_tokens_count_the_policys_tokens():
-    """``length/mean``, ``length/max`` and the generated tokens count the policy's; replies: ``length/tool_tokens``."""
+    """``length/mean``, ``length/max`` and the generated tokens count the policy's; replies: ``tools/reply_tokens``."""
     from amir_lightning.rewards import MathAnswerReward
     from amir_lightning.rollout.collect import RolloutSettings, make_rollout
 
@@ -152,7 +152,7 @@ def test_the_logged_lengths_and_tokens_count_the_policys_tokens():
     every = torch.tensor([len(c.token_ids) for group in completions for c in group], dtype=torch.float)
     assert rollout.metrics["length/mean"] == pytest.approx(float(own.mean()))
     assert rollout.metrics["length/max"] == float(own.max()) and rollout.tokens == int(own.sum())
-    assert rollout.metrics["length/tool_tokens"] == pytest.approx(float((every - own).mean())) and (every > own).all()
+    assert rollout.metrics["tools/reply_tokens"] == pytest.approx(float((every - own).mean())) and (every > own).all()
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +223,7 @@ def test_the_tiny_policy_learns_to_call_the_tool(tmp_path):
     env = dict(os.environ, PYTHONPATH=helpers + os.pathsep + os.environ.get("PYTHONPATH", ""))
     run_amir(args, tmp_path, env=env)
     scalars = read_scalars(tmp_path / "runs" / "tiny")
-    calls, rewards = scalars["rollout/tool_call_frac"], scalars["rollout/reward_mean"]
-    assert len(calls) == 24 and scalars["length/tool_tokens"][-1] > 0
+    calls, rewards = scalars["tools/call_frac"], scalars["rollout/reward_mean"]
+    assert len(calls) == 24 and scalars["tools/reply_tokens"][-1] > 0
     assert sum(calls[-4:]) / 4 > sum(calls[:4]) / 4 + 0.3, calls
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.3, rewards

@@ -56,7 +56,7 @@ def test_a_bug_in_step_is_an_error_reply_when_the_environment_opts_in():
     group = episodes(BuggyStep(on_step_error="reply"), ["7"])
     assert all(c.tool_errors == c.tool_calls == 2 for c in group)
     assert group[0].text == "7error: T7error: T7"  # "error: TypeError: ..." cut to max_reply_tokens (8)
-    assert tool_metrics(group)["rollout/tool_error_frac"] == 1.0
+    assert tool_metrics(group)["tools/error_frac"] == 1.0
 
 
 def test_a_bug_in_reset_stops_naming_the_class():
@@ -98,7 +98,7 @@ def test_a_megabyte_reply_is_cut_at_max_reply_tokens_in_bounded_work_and_counted
     group = episodes(MegabyteReply(), ["7"], tokenizer=tokenizer, n=8)
     assert tokenizer.lengths and max(tokenizer.lengths) < 1_000, max(tokenizer.lengths)  # of a 1,000,000-char reply
     assert all(c.text == "7=1=1=1=17=1=1=1=17" and c.tool_truncated == c.tool_calls == 2 for c in group)
-    assert tool_metrics(group)["rollout/tool_reply_truncated_frac"] == 1.0
+    assert tool_metrics(group)["tools/reply_truncated_frac"] == 1.0
 
 
 def test_an_episode_that_never_ends_is_cut_at_max_turns_and_counted():
@@ -108,7 +108,7 @@ def test_an_episode_that_never_ends_is_cut_at_max_turns_and_counted():
     assert all(c.tool_calls == 2 and c.tool_cut and c.text == "7=127=127" for c in group)
     answered = episodes(Echo(max_turns=3), ["7", "8=", "9"])  # the second turn does not end on a call
     metrics = tool_metrics(group + answered)
-    assert metrics["rollout/tool_cut_frac"] == 0.5 and metrics["rollout/tool_error_frac"] == 0.0
+    assert metrics["tools/cut_frac"] == 0.5 and metrics["tools/error_frac"] == 0.0
 
 
 def test_an_episode_out_of_context_room_is_cut_and_counted():
@@ -182,7 +182,7 @@ def test_the_calculator_answers_every_expression_within_bounds_as_a_counted_erro
     [episode] = episodes(calculator, [call, "7"], n=1)
     assert episode.text == f"{call}<result>error: {error}</result>7"
     assert episode.tool_errors == episode.tool_calls == 1
-    assert tool_metrics([episode])["rollout/tool_error_frac"] == 1.0
+    assert tool_metrics([episode])["tools/error_frac"] == 1.0
 
 
 def test_a_calculator_reply_template_with_other_fields_is_refused_when_built():
@@ -221,10 +221,10 @@ def test_a_megabyte_reply_trains_as_its_first_tokens_and_is_counted(tmp_path, mo
         code, err = fit_here(tmp_path, monkeypatch, capsys, ["--data.environment", tool], name=name)
         assert code == 0, err[-2000:]
     big, page = read_scalars(tmp_path / "runs" / "megabyte"), read_scalars(tmp_path / "runs" / "page")
-    assert big["rollout/tool_reply_truncated_frac"] == [1.0, 1.0]
-    assert page["rollout/tool_reply_truncated_frac"] == [0.0, 0.0]
-    assert big["rollout/tool_calls"] == page["rollout/tool_calls"] and min(big["rollout/tool_calls"]) > 0
-    assert big["rollout/tool_cut_frac"] == page["rollout/tool_cut_frac"] and max(big["rollout/tool_cut_frac"]) > 0
+    assert big["tools/reply_truncated_frac"] == [1.0, 1.0]
+    assert page["tools/reply_truncated_frac"] == [0.0, 0.0]
+    assert big["tools/calls"] == page["tools/calls"] and min(big["tools/calls"]) > 0
+    assert big["tools/cut_frac"] == page["tools/cut_frac"] and max(big["tools/cut_frac"]) > 0
     weights, same = policy(tmp_path, "megabyte"), policy(tmp_path, "page")
     for key in weights:
         assert torch.equal(weights[key], same[key]), key

@@ -29,11 +29,13 @@ class ChatFormat:
         template: A Jinja chat template (text) used instead of the tokenizer's own; ``None``: the tokenizer's.
         template_kwargs: Variables the template reads, passed to ``apply_chat_template`` (Qwen3's
             ``enable_thinking: false``, for example).
+        tools: The JSON schemas of the tools the policy may call (``rollout/tools.py``), which the template shows it.
     """
 
     system_prompt: str | None = None
     template: str | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
 
     @classmethod
     def of(cls, chat: ChatFormat | str | None) -> ChatFormat:
@@ -98,12 +100,27 @@ class ChatFormat:
         messages = self.messages(prompt)
         if self.template or getattr(tokenizer, "chat_template", None):
             encoded = tokenizer.apply_chat_template(
-                messages, chat_template=self.template, add_generation_prompt=True, tokenize=True, **self.template_kwargs
+                messages, add_generation_prompt=True, tokenize=True, **self._template_args()
             )
             ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
             return list(ids)
         text = "".join(m["content"] + "\n" for m in messages)
         return tokenizer(text, add_special_tokens=True)["input_ids"]
+
+    def text(self, tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        """``messages`` rendered by the chat template, as text (a tool's results between two turns)."""
+        if not (self.template or getattr(tokenizer, "chat_template", None)):
+            raise ValueError(
+                f"tools need a chat template: the tokenizer of {getattr(tokenizer, 'name_or_path', 'the policy')} "
+                "has none (give one with data.chat_template, e.g. configs/templates/chatml_tools.jinja)"
+            )
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **self._template_args()
+        )
+
+    def _template_args(self) -> dict[str, Any]:
+        tools = {"tools": self.tools} if self.tools else {}
+        return {"chat_template": self.template, **tools, **self.template_kwargs}
 
 
 def read_template(template: str | None) -> str | None:

@@ -23,12 +23,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from typing_extensions import override
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.helpers import stops
 from amir_lightning.helpers.http import ServerError
+from amir_lightning.helpers.process_state import process_state, put_back
 from amir_lightning.helpers.validation import check_number, raise_errors
 
 log = logging.getLogger(__name__)
@@ -46,12 +46,18 @@ class RewardInputs:
         prompts: The ``Prompt`` of each completion.
         completion_ids: Generated token ids.
         finish_reasons: ``stop`` or ``length``.
+        conversations: Per completion, the episode as chat messages with its tool calls and ``tool`` turns
+            (``ToolEnvironment``), else ``None``.
+        tool_calls: Per completion, the calls it made (``name``, ``arguments``, ``result``, ``error``, ``seconds``),
+            else ``None``.
     """
 
     completions: list[str]
     prompts: list[Prompt]
     completion_ids: list[list[int]]
     finish_reasons: list[str]
+    conversations: list[list[dict[str, Any]] | None] | None = None
+    tool_calls: list[list[dict[str, Any]] | None] | None = None
 
     @property
     def answers(self) -> list[str]:
@@ -61,11 +67,15 @@ class RewardInputs:
     def trl_completions(self) -> list:
         """Completions as TRL passes them.
 
-        Text, or ``[{"role": "assistant", "content": text}]`` where the prompt is conversational.
+        Text, or ``[{"role": "assistant", "content": text}]`` where the prompt is conversational; an episode of
+        tool calls is its messages, the assistant's ``tool_calls`` and the ``tool`` turns included.
         """
+        conversations = self.conversations or [None] * len(self.completions)
         return [
-            [{"role": "assistant", "content": text}] if p.messages is not None else text
-            for text, p in zip(self.completions, self.prompts)
+            conversation
+            if conversation is not None
+            else ([{"role": "assistant", "content": text}] if p.messages is not None else text)
+            for text, p, conversation in zip(self.completions, self.prompts, conversations)
         ]
 
     def copy(self) -> RewardInputs:
@@ -75,13 +85,16 @@ class RewardInputs:
             copy.deepcopy(self.prompts),
             [list(ids) for ids in self.completion_ids],
             list(self.finish_reasons),
+            copy.deepcopy(self.conversations),
+            copy.deepcopy(self.tool_calls),
         )
 
     def kwargs(self) -> dict[str, list]:
         """TRL's keyword arguments of a reward function.
 
         Every dataset column by name (TRL's ``prompt`` and ``completion`` excepted), ``prompts``,
-        ``completion_ids``, ``finish_reasons``, and the reference ``answer`` when no column has that name.
+        ``completion_ids``, ``finish_reasons``, the reference ``answer`` when no column has that name, and
+        ``tool_calls`` in episodes of tool calls.
         """
         keys = list(dict.fromkeys(key for p in self.prompts for key in p.row))
         out: dict[str, list[Any]] = {k: [p.row.get(k) for p in self.prompts] for k in keys if k not in NOT_PASSED}
@@ -89,6 +102,8 @@ class RewardInputs:
         out["prompts"] = [list(p.messages) if p.messages is not None else p.question for p in self.prompts]
         out["completion_ids"] = self.completion_ids
         out["finish_reasons"] = self.finish_reasons
+        if self.tool_calls is not None:
+            out["tool_calls"] = self.tool_calls
         return out
 
 
@@ -208,7 +223,7 @@ def call_reward(reward: Reward, inputs: RewardInputs, warn_s: float = 60.0) -> l
     ``RewardError`` naming the reward and its file and line; a call is reported every ``warn_s`` seconds while it
     runs (``data.rollout.reward_warn_s``).
     """
-    state = None if reward.concurrent else _process_state()
+    state = None if reward.concurrent else process_state()
     try:
         with _heartbeat(reward.name, warn_s):
             return reward(inputs.copy())
@@ -220,43 +235,7 @@ def call_reward(reward: Reward, inputs: RewardInputs, warn_s: float = 60.0) -> l
         raise RewardError(f"reward {reward.name} ({_raised_at(err)}) raised {type(err).__name__}: {err}") from err
     finally:
         if state is not None:
-            _restore(state, reward.name)
-
-
-_REPORTED: set[tuple[str, str]] = set()
-
-
-def _process_state() -> dict[str, Any]:
-    return {
-        "working directory": os.getcwd(),
-        "grad mode": torch.is_grad_enabled(),
-        "default dtype": torch.get_default_dtype(),
-        "thread count": torch.get_num_threads(),
-    }
-
-
-def _restore(before: dict[str, Any], name: str) -> None:
-    """Put back what a reward changed of ``_process_state``, and say so once per reward and kind of change."""
-    after = _process_state()
-    for what, value in before.items():
-        if after[what] == value:
-            continue
-        {
-            "working directory": os.chdir,
-            "grad mode": torch.set_grad_enabled,
-            "default dtype": torch.set_default_dtype,
-            "thread count": torch.set_num_threads,
-        }[what](value)
-        if (name, what) not in _REPORTED:
-            _REPORTED.add((name, what))
-            log.warning(
-                "reward %s changed the %s (%r -> %r) and it was put back: a reward must leave the process as it "
-                "found it",
-                name,
-                what,
-                value,
-                after[what],
-            )
+            put_back(state, f"reward {reward.name}")
 
 
 @contextmanager

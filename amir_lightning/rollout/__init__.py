@@ -9,6 +9,7 @@ from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingCon
 from amir_lightning.rollout.episodes import Environment
 from amir_lightning.rollout.hf_engine import HFEngine
 from amir_lightning.rollout.replies import ToolError
+from amir_lightning.rollout.tools import ToolEnvironment
 from amir_lightning.rollout.vllm_engine import VLLMEngine
 from amir_lightning.rollout.vllm_server import VLLMServerEngine
 
@@ -19,6 +20,7 @@ __all__ = [
     "HFEngine",
     "RolloutEngine",
     "SamplingConfig",
+    "ToolEnvironment",
     "ToolError",
     "VLLMEngine",
     "VLLMServerEngine",

@@ -5,7 +5,7 @@ An expression is at most ``max_chars`` characters and ``max_depth`` operations d
 ``max_digits`` digits: a power or product is refused from its operands' sizes, before Python would build it. Without
 the size bound ``((((10**64)**64)**64)**64)`` ran 26 s and then failed to print (Python's 4300-digit limit), ending
 the run; ``-`` written 10,000 times made the parser raise ``MemoryError``. Each is now an error the policy reads
-(``ToolError``), counted in ``rollout/tool_error_frac``, within a millisecond.
+(``ToolError``), counted in ``tools/error_frac``, within a millisecond.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class CalculatorEnvironment(Environment):
     followed by a question and an answer that calls it.
 
     An expression it cannot compute (not arithmetic, a division by zero, over ``max_digits``) is answered with
-    ``error_reply``: an outcome of the episode, counted in ``rollout/tool_error_frac``, not an error of the run.
+    ``error_reply``: an outcome of the episode, counted in ``tools/error_frac``, not an error of the run.
 
     Args:
         open: The text that starts a call.

@@ -169,6 +169,12 @@ class Completion:
         tool_cut: Whether the episode was cut while calling the tool (at ``max_turns``, or out of context).
         versions: Per token, the weight version (optimisation step) that sampled it, where a completion can span
             pushes (``data.rollout.partial_rollouts``); ``None``: its rollout's version sampled every token.
+        turns: The policy's turns in the episode (1 for a single-turn completion).
+        tool_malformed: Turns whose tool call did not parse (``ToolEnvironment``).
+        tool_seconds: Seconds the episode's tool calls took.
+        messages: The episode as chat messages, with its ``tool_calls`` and ``tool`` turns (``ToolEnvironment``;
+            rewards get these as ``completions``); ``None`` otherwise.
+        calls: The calls it made: ``name``, ``arguments``, ``result``, ``error``, ``seconds`` (rewards' ``tool_calls``).
     """
 
     token_ids: list[int]
@@ -181,6 +187,11 @@ class Completion:
     tool_truncated: int = 0
     tool_cut: bool = False
     versions: list[int] | None = None
+    turns: int = 1
+    tool_malformed: int = 0
+    tool_seconds: float = 0.0
+    messages: list[dict[str, Any]] | None = None
+    calls: list[dict[str, Any]] | None = None
 
     @property
     def truncated(self) -> bool:

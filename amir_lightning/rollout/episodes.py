@@ -16,11 +16,12 @@ from every unfinished episode's text so far with ``n = 1``, each call with a see
 
 A tool's faults are outcomes of episodes, counted per rollout, or bugs that stop the run (``rollout/replies.py``);
 an episode still calling the tool at ``max_turns``, or out of context room, is cut, counted in
-``rollout/tool_cut_frac``.
+``tools/cut_frac``.
 """
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -45,7 +46,9 @@ class Environment(ABC):
     """What the policy talks to in a multi-turn rollout (``data.environment``): a tool, a game, a checker.
 
     Subclasses implement ``reset`` (an episode's state from its prompt) and ``step`` (the reply to one policy turn,
-    or ``None`` to end the episode; ``raise ToolError(reply)`` for a call the tool cannot serve).
+    or ``None`` to end the episode; ``raise ToolError(reply)`` for a call the tool cannot serve): a text protocol of
+    the environment's own, its turn ending at a ``stop`` string. ``ToolEnvironment`` (``rollout/tools.py``) instead
+    reads whole turns as the chat template writes tool calls, and replies with ``tool`` messages.
 
     Args:
         max_turns: Policy turns per episode; the episode ends after the last whatever it asks.
@@ -54,6 +57,10 @@ class Environment(ABC):
         on_step_error: What any other exception raised in ``step`` does: ``stop`` the run (it is a bug), or become
             the ``reply`` ``error: <type>: <message>`` (counted as a tool error, reported once).
     """
+
+    #: Whether a turn runs to the policy's end-of-turn token and is read as chat-template tool calls
+    #: (``read`` and ``answer``), instead of ending at a ``stop`` string and going to ``step``.
+    whole_turns: bool = False
 
     def __init__(
         self, max_turns: int = 4, stop: list[str] | None = None, max_reply_tokens: int = 64, on_step_error: str = "stop"
@@ -71,16 +78,23 @@ class Environment(ABC):
     def reset(self, prompt: Prompt) -> Any:
         """A new episode's state for ``prompt``."""
 
-    @abstractmethod
     def step(self, state: Any, message: str) -> str | None:
         """The reply to the policy's turn ``message`` (appended to the completion), or ``None``: the episode ends.
 
         ``message`` is the turn's text up to the end of the stop string that ended it, even when the turn's last
-        token wrote past it.
+        token wrote past it. Every text-protocol environment implements it.
 
         Raises:
             ToolError: The tool cannot serve the call; the error's message is the reply.
         """
+        raise NotImplementedError(f"{type(self).__name__} replies to whole turns (whole_turns), not to step")
+
+    def tool_schemas(self) -> list[dict[str, Any]] | None:
+        """The tools' JSON schemas the chat template shows the policy (``apply_chat_template(tools=...)``)."""
+        return None
+
+    def prepare(self, tokenizer, chat) -> None:  # noqa: B027 (optional hook: text protocols need nothing)
+        """Learn the policy's tokenizer and chat format (``data/templates.py``) before the first episode."""
 
 
 @dataclass
@@ -91,17 +105,42 @@ class _Episode:
     sampling_logps: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     finish_reason: str = "stop"
+    turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
     tool_truncated: int = 0
+    tool_malformed: int = 0
+    tool_seconds: float = 0.0
     tool_cut: bool = False
+    messages: list[dict[str, Any]] | None = None  # whole-turn environments: the episode as chat messages
+    calls: list[dict[str, Any]] | None = None  # and the calls it made
     done: bool = False
 
     def completion(self, tokenizer) -> Completion:
         """The episode as one completion (its text decoded from every token, replies included)."""
         text = tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        return Completion(self.token_ids, text, self.sampling_logps, self.finish_reason, self.loss_mask,
-                          self.tool_calls, self.tool_errors, self.tool_truncated, self.tool_cut)  # fmt: skip
+        return Completion(
+            self.token_ids,
+            text,
+            self.sampling_logps,
+            self.finish_reason,
+            self.loss_mask,
+            tool_calls=self.tool_calls,
+            tool_errors=self.tool_errors,
+            tool_truncated=self.tool_truncated,
+            tool_cut=self.tool_cut,
+            turns=self.turns,
+            tool_malformed=self.tool_malformed,
+            tool_seconds=self.tool_seconds,
+            messages=self.messages,
+            calls=self.calls,
+        )
+
+    def add(self, token_ids: list[int], sampling_logps: list[float] | None = None) -> None:
+        """Append the policy's tokens (with their log-probs), or, without log-probs, a reply's: masked out."""
+        self.token_ids += token_ids
+        self.sampling_logps += sampling_logps if sampling_logps is not None else [0.0] * len(token_ids)
+        self.loss_mask += [int(sampling_logps is not None)] * len(token_ids)  # a reply is context, never trained on
 
 
 def run_episodes(
@@ -138,6 +177,10 @@ def run_episodes(
     turn_sampling = replace(sampling, stop=[*(sampling.stop or []), *environment.stop] or None)
     states = [call_environment(environment, "reset", prompt) for prompt in prompts]
     episodes = [_Episode(i, states[i]) for i in range(len(prompts)) for _ in range(n)]
+    if environment.whole_turns:
+        for e in episodes:
+            e.state = copy.deepcopy(states[e.prompt_index])  # each episode counts its own calls
+            e.messages, e.calls = [], []
     for turn in range(environment.max_turns):
         active = [e for e in episodes if not e.done]
         if not active:
@@ -147,33 +190,28 @@ def run_episodes(
         else:
             inputs = [list(prompt_ids[e.prompt_index]) + e.token_ids for e in active]
             sampled = [group[0] for group in generate(inputs, 1, turn_sampling, turn)]
+        take = _take_whole_turn if environment.whole_turns else _take_turn
         for episode, completion in zip(active, sampled):
-            _take_turn(environment, episode, completion, tokenizer, turn, prompt_ids, turn_sampling, room)
+            episode.turns += 1
+            episode.finish_reason = completion.finish_reason
+            take(environment, episode, completion, tokenizer, turn == environment.max_turns - 1)
+            used = len(prompt_ids[episode.prompt_index]) + len(episode.token_ids)
+            if not episode.done and room is not None and used + turn_sampling.max_new_tokens > room:
+                # No room for another turn: cut, as a long completion is.
+                episode.done, episode.finish_reason, episode.tool_cut = True, "length", True
     out: list[list[Completion]] = [[] for _ in prompts]
     for e in episodes:
         out[e.prompt_index].append(e.completion(tokenizer))
     return out
 
 
-def _take_turn(
-    environment: Environment,
-    episode: _Episode,
-    completion: Completion,
-    tokenizer,
-    turn: int,
-    prompt_ids: Sequence[list[int]],
-    sampling: SamplingConfig,
-    room: int | None,
-) -> None:
-    """Add the policy's turn to ``episode``, then the environment's reply, or end it."""
-    episode.token_ids += completion.token_ids
-    episode.sampling_logps += completion.sampling_logps
-    episode.loss_mask += [1] * len(completion.token_ids)
-    episode.finish_reason = completion.finish_reason
+def _take_turn(environment: Environment, episode: _Episode, completion: Completion, tokenizer, last: bool) -> None:
+    """Add the policy's turn to ``episode``, then the environment's reply, or end it (a text protocol)."""
+    episode.add(completion.token_ids, completion.sampling_logps)
     message, overshoot = _turn_text(completion, environment.stop, tokenizer)
     # A turn that stopped on anything but the environment's own stop strings (an EOS token, data.sampling.stop) is
     # the policy's last word; so is one cut by the length limit, and the last turn allowed.
-    if overshoot is None or turn == environment.max_turns - 1:
+    if overshoot is None or last:
         episode.done = True
         episode.tool_cut = overshoot is not None  # the last turn allowed asked the tool: the episode is cut
         return
@@ -188,15 +226,39 @@ def _take_turn(
     if cut:
         episode.tool_truncated += 1
         said = f"a reply of {len(reply)} characters was cut to {environment.max_reply_tokens} tokens (max_reply_tokens)"
-        say_once(environment, "truncated", said + "; counted in rollout/tool_reply_truncated_frac")
-    episode.token_ids += reply_ids
-    episode.sampling_logps += [0.0] * len(reply_ids)  # not sampled: masked out of every ratio
-    episode.loss_mask += [0] * len(reply_ids)
+        say_once(environment, "truncated", said + "; counted in tools/reply_truncated_frac")
+    episode.add(reply_ids)  # not sampled: masked out of every ratio
     episode.tool_calls += 1
-    used = len(prompt_ids[episode.prompt_index]) + len(episode.token_ids)
-    if room is not None and used + sampling.max_new_tokens > room:
-        episode.done, episode.finish_reason = True, "length"  # no room for another turn: cut, as a long completion is
-        episode.tool_cut = True
+
+
+def _take_whole_turn(environment, episode: _Episode, completion: Completion, tokenizer, last: bool) -> None:
+    """Add the policy's turn to ``episode``; run the tool calls it wrote and add their results, or end it."""
+    episode.add(completion.token_ids, completion.sampling_logps)
+    turn = environment.read(completion.token_ids)
+    message: dict[str, Any] = {"role": "assistant", "content": turn.content}
+    if turn.calls:  # the text before the calls, without the line break the template writes between them
+        message["content"] = turn.content.strip()
+        message["tool_calls"] = [call.message() for call in turn.calls]
+    episode.messages.append(message)
+    if not turn.calls and not turn.malformed:  # the policy's answer
+        episode.done = True
+        return
+    # A call cut by the length limit never runs, nor one at the last turn allowed: the episode is cut.
+    if completion.finish_reason != "stop" or last:
+        episode.done, episode.tool_cut = True, True
+        return
+    reply = environment.answer(episode.state, turn, completion.token_ids)
+    episode.add(reply.token_ids)
+    episode.messages += reply.messages
+    episode.calls += [record.as_dict() for record in reply.calls]
+    episode.tool_calls += len(reply.calls)
+    episode.tool_errors += sum(record.error for record in reply.calls)
+    episode.tool_malformed += reply.malformed
+    episode.tool_truncated += reply.truncated
+    episode.tool_seconds += sum(record.seconds for record in reply.calls)
+    if reply.truncated:
+        said = f"a result was cut to {environment.max_reply_tokens} tokens (max_reply_tokens)"
+        say_once(environment, "truncated", said + "; counted in tools/reply_truncated_frac")
 
 
 def _turn_text(completion: Completion, stop: Sequence[str], tokenizer) -> tuple[str, str | None]:

@@ -3,11 +3,11 @@
 A tool's faults are outcomes of episodes, counted per rollout (``tool_metrics``), or bugs that stop the run:
 
 - a ``ToolError`` raised in ``step`` (the tool failed on the policy's input, as the calculator on ``9**9**9``) is the
-  reply, counted in ``rollout/tool_error_frac``;
+  reply, counted in ``tools/error_frac``;
 - any other exception in ``reset`` or ``step`` is a bug: the run stops with its traceback and one line naming the
   class and ``data.environment`` (exit 1), unless the environment has ``on_step_error="reply"``;
 - a reply that is not a string (or ``None``) stops the run naming what it was (exit 2);
-- a reply is tokenised as text, cut at ``max_reply_tokens`` and counted in ``rollout/tool_reply_truncated_frac``.
+- a reply is tokenised as text, cut at ``max_reply_tokens`` and counted in ``tools/reply_truncated_frac``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ _CHARS_PER_TOKEN = 16
 class ToolError(Exception):
     """Raised in ``Environment.step`` when the tool fails on the policy's call; the message is the reply it reads.
 
-    An outcome of the episode, not an error of the run: counted in ``rollout/tool_error_frac``.
+    An outcome of the episode, not an error of the run: counted in ``tools/error_frac``.
     """
 
 
@@ -51,7 +51,7 @@ def step_reply(environment: Any, state: Any, message: str) -> tuple[str | None, 
         if getattr(environment, "on_step_error", "stop") != "reply":
             raise _step_error(environment, "step", err) from err
         said = f"step raised {type(err).__name__}: {err}; the reply is the error (on_step_error: reply)"
-        say_once(environment, type(err).__name__, said + "; counted in rollout/tool_error_frac")
+        say_once(environment, type(err).__name__, said + "; counted in tools/error_frac")
         return f"error: {type(err).__name__}: {err}", True
     if reply is not None and not isinstance(reply, str):
         raise ValueError(
@@ -105,20 +105,26 @@ def say_once(environment: Any, kind: str, message: str) -> None:
 
 
 def tool_metrics(completions: Sequence[Completion]) -> dict[str, float]:
-    """A rollout's tool use (empty without episodes): replies, reply tokens, error and cut shares.
+    """A rollout's tool use (empty without episodes), per episode and as shares.
 
-    Replies per episode and the share of episodes with one, reply tokens per episode, the shares of replies that
-    were errors or cut at ``max_reply_tokens``, and of episodes cut while calling the tool.
+    Turns, calls, tool seconds and reply tokens per episode; the shares of episodes with a call and of episodes cut
+    while calling; of calls that were errors or whose reply was cut at ``max_reply_tokens``; of policy turns whose
+    call did not parse; and of the episodes' tokens that are tool output (context, not trained on).
     """
     episodes = [c for c in completions if c.loss_mask is not None]
     if not episodes:
         return {}
-    replies = max(sum(c.tool_calls for c in episodes), 1)
+    count, calls = len(episodes), max(sum(c.tool_calls for c in episodes), 1)
+    reply_tokens = sum(len(c.token_ids) - c.policy_tokens for c in episodes)
     return {
-        "rollout/tool_calls": sum(c.tool_calls for c in episodes) / len(episodes),
-        "rollout/tool_call_frac": sum(c.tool_calls > 0 for c in episodes) / len(episodes),
-        "length/tool_tokens": sum(len(c.token_ids) - c.policy_tokens for c in episodes) / len(episodes),
-        "rollout/tool_error_frac": sum(c.tool_errors for c in episodes) / replies,
-        "rollout/tool_reply_truncated_frac": sum(c.tool_truncated for c in episodes) / replies,
-        "rollout/tool_cut_frac": sum(c.tool_cut for c in episodes) / len(episodes),
+        "tools/turns": sum(c.turns for c in episodes) / count,
+        "tools/calls": sum(c.tool_calls for c in episodes) / count,
+        "tools/call_frac": sum(c.tool_calls > 0 for c in episodes) / count,
+        "tools/seconds": sum(c.tool_seconds for c in episodes) / count,
+        "tools/reply_tokens": reply_tokens / count,
+        "tools/token_frac": reply_tokens / max(sum(len(c.token_ids) for c in episodes), 1),
+        "tools/error_frac": sum(c.tool_errors for c in episodes) / calls,
+        "tools/reply_truncated_frac": sum(c.tool_truncated for c in episodes) / calls,
+        "tools/malformed_frac": sum(c.tool_malformed for c in episodes) / max(sum(c.turns for c in episodes), 1),
+        "tools/cut_frac": sum(c.tool_cut for c in episodes) / count,
     }

@@ -98,7 +98,7 @@ def score_completions(
     there is none, and the monitors then skip their correct/incorrect split.
 
     ``length/mean`` and ``length/max`` count the policy's own tokens (``Completion.policy_tokens``, what the loss
-    trains on and the length-bias monitor measures); a tool's replies inside an episode are ``length/tool_tokens``.
+    trains on and the length-bias monitor measures); a tool's replies inside an episode are ``tools/reply_tokens``.
 
     A NaN or inf score (a bug in a reward function) makes that completion's total NaN: its group gets zero
     advantage and no pairs, so it is never trained on, and ``rollout/nonfinite_rewards`` counts it (``RewardGuard``
@@ -107,11 +107,14 @@ def score_completions(
     What a reward says of its call (``Reward.metrics``) is logged as ``<name>/<key>`` (``judge/unparsed_frac``).
     """
     rows = [(p, c) for p, group in zip(prompts, completions) for c in group]
+    with_tools = any(c.messages is not None for _, c in rows)  # episodes of tool calls: their messages and calls
     inputs = RewardInputs(
         [c.text for _, c in rows],
         [p for p, _ in rows],
         [c.token_ids for _, c in rows],
         [c.finish_reason for _, c in rows],
+        [c.messages for _, c in rows] if with_tools else None,
+        [c.calls for _, c in rows] if with_tools else None,
     )
     count = len(rows)
     total = torch.zeros(count, dtype=torch.float32)

@@ -38,6 +38,7 @@ from amir_lightning.rollout.rewarding import RewardGuard
 from amir_lightning.rollout.sampler import Sampler, generation_seed
 from amir_lightning.rollout.schedule import Ahead, At, InTurn, Schedule
 from amir_lightning.rollout.sync import SyncCheck, SyncSettings
+from amir_lightning.rollout.tools import ToolEnvironment
 from amir_lightning.systems.progress import rollout_line, where_it_stopped
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,11 @@ class RolloutDataModule(LightningDataModule):
             (counted, the first few named, ``data/skipped_prompts``) or stop with an ``error`` naming the first
             (file and line, or dataset index).
         environment: Multi-turn rollouts (``rollout/episodes.py``): what the policy's tool calls go to, e.g.
-            ``CalculatorEnvironment``; its replies are written into the completion and masked out of the loss.
-            ``None``: single-turn completions.
+            ``ToolEnvironment`` or ``CalculatorEnvironment``; its replies are written into the completion and masked
+            out of the loss. ``None``: single-turn completions.
+        tools: Shorthand for ``environment: ToolEnvironment`` with these tools (``module.function`` paths of typed,
+            documented functions), called as the chat template writes calls and read by vLLM's ``hermes`` parser
+            (``rollout/tools.py``).
         sync: How the weight sync is verified (``rollout/sync.py``): the engine's weights against the pushed ones,
             exactly, and the probe log-probs.
         val_prompts: Held-out prompts for ``validate`` and validation during ``fit``.
@@ -95,6 +99,7 @@ class RolloutDataModule(LightningDataModule):
         max_prompt_tokens: int = 512,
         bad_prompts: Literal["skip", "error"] = "skip",
         environment: Environment | None = None,
+        tools: list[str] | None = None,
         sync: SyncSettings = SyncSettings(),  # noqa: B008
         val_prompts: PromptSource | None = None,
         benchmarks: list[PromptSource] | None = None,
@@ -121,6 +126,11 @@ class RolloutDataModule(LightningDataModule):
         elif rollout.partial_rollouts and not engine.takes_updates_in_flight:
             errors.append(f"data.rollout.partial_rollouts needs an engine that takes pushes with requests in flight "
                           f"(amir_lightning.rollout.VLLMServerEngine), not {type(engine).__name__}")  # fmt: skip
+        if tools and environment is not None:
+            errors.append("data.tools and data.environment are both given: tools are a ToolEnvironment; give its "
+                          "tools in data.environment.init_args.tools")  # fmt: skip
+        elif tools:
+            environment = ToolEnvironment(tools)
         if rollout.partial_rollouts and environment is not None:
             errors.append("data.rollout.partial_rollouts with data.environment: a multi-turn episode's turns are "
                           "not tagged with the weights that sampled them yet; sample episodes with partial_rollouts "
@@ -131,7 +141,10 @@ class RolloutDataModule(LightningDataModule):
         self.prompts, self.engine = prompts, engine
         self.rewards = [r if isinstance(r, Reward) else FunctionReward(r) for r in rewards or [MathAnswerReward()]]
         self.settings, self.sampling = rollout, sampling
-        self.chat = ChatFormat(system_prompt, read_template(chat_template), dict(chat_template_kwargs or {}))
+        tool_schemas = environment.tool_schemas() if environment is not None else None
+        self.chat = ChatFormat(
+            system_prompt, read_template(chat_template), dict(chat_template_kwargs or {}), tool_schemas
+        )
         self.max_prompt_tokens = max_prompt_tokens
         # a prompt and its completion must fit the engine's context
         self.prompt_limit = min(max_prompt_tokens, room - sampling.max_new_tokens) if room else max_prompt_tokens
@@ -177,6 +190,8 @@ class RolloutDataModule(LightningDataModule):
                 "RolloutDataModule has no policy: call data.attach(module.policy) before the trainer runs (amir does)"
             )
         self.chat.check(self.tokenizer)
+        if self.sampler.environment is not None:  # the template's tool messages and the turns' parser, read once
+            self.sampler.environment.prepare(self.tokenizer, self.chat)
         if self.schedule is None:
             self.engine.updates_in_flight = self.settings.partial_rollouts  # pushes keep requests in flight
             kind = Ahead if self.settings.max_staleness else InTurn  # sampled while the epoch before trains, or after

@@ -1,0 +1,322 @@
+r"""Tools as Python functions, called as the policy's chat template writes calls (``data.tools``, ``ToolEnvironment``).
+
+A tool is a typed function with a Google-style docstring; ``transformers.utils.get_json_schema`` makes its schema and
+the policy's chat template shows the schemas (``apply_chat_template(..., tools=...)``), as at inference. A policy turn
+runs to its end-of-turn token; the model's own parser reads its calls (``tools/calls.py``: a vLLM tool parser
+by name, or the tokenizer's response template), several at once if it wrote several. Each call runs, and the results
+come back as ``tool`` messages rendered by the same template::
+
+    prompt (tools in the system turn) | policy: "... <tool_call>{...}</tool_call><|im_end|>"
+      | template: "\n<|im_start|>user\n<tool_response>\n296\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+      | policy: "37 * 8 = 296<|im_end|>"
+
+The template's tokens between two policy turns, and the results, are context, not the policy's: masked out of the
+loss, as every environment's replies are (``rollout/episodes.py``). A result is tokenised as text (special-token text
+in it cannot write the template's control tokens).
+
+What the policy reads when a call goes wrong (each an ``error: ...`` result; the episode goes on):
+
+========================================  ==========================================================================
+malformed call (opened, does not parse)   one result naming what was wrong; the turn counts in ``tools/malformed_frac``
+unknown tool, bad arguments               the tool's name and what was wrong with the arguments
+a tool that raises                        the exception's type and message
+a tool over ``timeout_s``                 that it did not answer in time (its thread is left to finish: Python cannot
+                                          stop one; a tool that must be stopped should run its work in a process)
+calls past ``max_tool_calls``             that the episode's calls are spent
+========================================  ==========================================================================
+
+Errors count in ``tools/error_frac`` (of calls). A turn cut at ``max_new_tokens`` in the middle of a call, and an
+episode still calling at ``max_turns``, end the episode (``tools/cut_frac``). A tool's changes to the process's state
+(working directory, grad mode, default dtype, threads) are put back after each call, as a reward's are.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from typing_extensions import override
+
+from amir_lightning.data.base import Prompt
+from amir_lightning.helpers.process_state import process_state, put_back
+from amir_lightning.helpers.validation import check_number, raise_errors
+from amir_lightning.rollout.episodes import Environment
+from amir_lightning.rollout.replies import encode_reply
+from amir_lightning.rollout.tool_calls import ParsedTurn, ToolCall, ToolCallParser
+
+#: Stand-ins rendered by the chat template where the assistant's text and each result go, then cut out.
+_ANSWER = "\u2063amir-answer\u2063"
+_RESULT = "\u2063amir-result-{}\u2063"
+_JSON_TYPES = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "array": (list,),
+    "object": (dict,),
+    "null": (type(None),),
+}
+
+
+def load_tool(tool: str | Callable) -> Callable:
+    """A tool given as ``module.function`` (or ``module:function``), or the function itself."""
+    if callable(tool):
+        return tool
+    module, _, name = tool.replace(":", ".").rpartition(".")
+    try:
+        function = getattr(importlib.import_module(module), name) if module else None
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"data.tools: {tool!r} cannot be imported ({type(err).__name__}: {err})") from None
+    if not callable(function):
+        raise ValueError(f"data.tools: {tool!r} is not a module.function path of a callable")
+    return function
+
+
+def tool_schema(function: Callable) -> dict[str, Any]:
+    """The tool's JSON schema (``get_json_schema``: from its type hints and its docstring's ``Args:``)."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(function)
+    except Exception as err:  # noqa: BLE001 - transformers says what is missing; say which tool
+        raise ValueError(
+            f"data.tools: {getattr(function, '__qualname__', function)} needs type hints on every argument and a "
+            f"docstring with a description and an Args: line per argument ({type(err).__name__}: {err})"
+        ) from None
+
+
+def argument_problem(schema: dict[str, Any], arguments: dict[str, Any]) -> str | None:
+    """What is wrong with ``arguments`` for the tool of ``schema`` (JSON types, required, unknown); ``None``: fine."""
+    parameters = schema["function"].get("parameters") or {}
+    properties = parameters.get("properties") or {}
+    missing = [name for name in parameters.get("required", []) if name not in arguments]
+    if missing:
+        return f"missing argument{'s' if len(missing) > 1 else ''} {', '.join(missing)}"
+    unknown = [name for name in arguments if name not in properties]
+    if unknown:
+        takes = ", ".join(properties) or "none"
+        return f"unknown argument{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} (it takes {takes})"
+    for name, value in arguments.items():
+        spec = properties[name]
+        types = spec.get("type")
+        types = [types] if isinstance(types, str) else list(types or [])
+        if spec.get("nullable"):
+            types.append("null")
+        allowed = tuple(t for kind in types for t in _JSON_TYPES.get(kind, (object,)))
+        wrong_bool = isinstance(value, bool) and "boolean" not in types  # True is an int to Python, not to JSON
+        if allowed and (not isinstance(value, allowed) or wrong_bool):
+            return f"argument {name} must be {' or '.join(types)}, got {json.dumps(value)[:80]}"
+        if "enum" in spec and value not in spec["enum"]:
+            return f"argument {name} must be one of {', '.join(map(str, spec['enum']))}, got {json.dumps(value)[:80]}"
+    return None
+
+
+@dataclass
+class CallRecord:
+    """A call as rewards see it (``tool_calls``): the tool, its arguments, what came back and whether an error."""
+
+    name: str
+    arguments: dict[str, Any] | str
+    result: str
+    error: bool
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record as a plain dict (rewards get these; checkpoints keep them)."""
+        return {"name": self.name, "arguments": self.arguments, "result": self.result, "error": self.error,
+                "seconds": self.seconds}  # fmt: skip
+
+
+@dataclass
+class TurnReply:
+    """What follows a policy turn that called tools: the tokens, and what they say.
+
+    Attributes:
+        token_ids: The template's tokens closing the turn, the results as tool messages, the next turn's header.
+        calls: The calls made (errors included), in order.
+        messages: The turn's tool messages (``role: tool``).
+        malformed: Whether the turn's attempt at a call did not parse.
+        truncated: Results cut at ``max_reply_tokens``.
+    """
+
+    token_ids: list[int]
+    calls: list[CallRecord] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    malformed: bool = False
+    truncated: int = 0
+
+
+class ToolEnvironment(Environment):
+    """Tools as Python functions, the calls written as the policy's chat template says (``rollout/tools.py``).
+
+    Args:
+        tools: The tools: ``module.function`` paths, or the functions. Each needs type hints and a docstring with an
+            ``Args:`` line per argument (its schema, which the chat template shows, is made from them).
+        tool_parser: How a turn's calls are read: one of vLLM's tool parsers by name (``hermes`` for Qwen2.5 and
+            Hermes-format templates such as ``configs/templates/chatml_tools.jinja``, ``llama3_json``, ...), or
+            ``response_template`` (the tokenizer's own).
+        max_turns: Policy turns per episode; an episode still calling tools at the last is cut.
+        max_tool_calls: Calls per episode; those past it are answered with an error saying so.
+        timeout_s: Longest a call may take; a slower one is answered with an error.
+        max_reply_tokens: Longest result in tokens (a longer one is cut, and counted).
+    """
+
+    whole_turns = True
+
+    def __init__(
+        self,
+        tools: Sequence[str | Callable],
+        tool_parser: str = "hermes",
+        max_turns: int = 4,
+        max_tool_calls: int = 8,
+        timeout_s: float = 10.0,
+        max_reply_tokens: int = 256,
+    ) -> None:
+        super().__init__(max_turns=max_turns, max_reply_tokens=max_reply_tokens)
+        errors: list[str] = []
+        check_number(errors, "data.environment.init_args.max_tool_calls", max_tool_calls, ge=1)
+        check_number(errors, "data.environment.init_args.timeout_s", timeout_s, gt=0)
+        if not tools:
+            errors.append("data.tools: give at least one tool (module.function)")
+        raise_errors(errors)
+        functions = [load_tool(tool) for tool in tools]
+        self.schemas = [tool_schema(function) for function in functions]
+        self.functions = {schema["function"]["name"]: f for schema, f in zip(self.schemas, functions)}
+        if len(self.functions) < len(functions):
+            raise ValueError("data.tools: two tools have the same name")
+        self.tool_parser, self.max_tool_calls, self.timeout_s = tool_parser, max_tool_calls, timeout_s
+        self._parser: ToolCallParser | None = None
+        self._tokenizer = None
+        self._closing = ""  # the template's text after the assistant's answer, up to the next message
+        self._pieces: dict[int, list[str | int]] = {}  # per result count: template text, or a result's index
+
+    @override
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return list(self.schemas)
+
+    @override
+    def prepare(self, tokenizer, chat) -> None:
+        """Read the chat template once: where the results go between two turns; the parser for the turns."""
+        self._parser = ToolCallParser(self.tool_parser, tokenizer, self.schemas)
+        self._tokenizer, self._chat = tokenizer, chat
+        self._pieces = {}
+        before = self._render(0)
+        end = before.find(_ANSWER)
+        if end < 0:
+            raise ValueError("data.chat_template does not show the assistant's message as given: tool calls need a "
+                             "template that renders each message's content")  # fmt: skip
+        self._before, self._closing = before, before[end + len(_ANSWER) :]
+        self.pieces(1)  # a template that cannot show a tool message is refused now, not at the first call
+
+    def _render(self, results: int) -> str:
+        messages = self._chat.messages(Prompt(question="1 + 1", answer=""))
+        messages.append({"role": "assistant", "content": _ANSWER})
+        names = list(self.functions)
+        messages += [{"role": "tool", "name": names[0], "content": _RESULT.format(i)} for i in range(results)]
+        return self._chat.text(self._tokenizer, messages, add_generation_prompt=results > 0)
+
+    def pieces(self, results: int) -> list[str | int]:
+        """The template's text after a turn with ``results`` results, as text pieces and the results' places.
+
+        The text that closes the assistant's turn (``self._closing``) comes before the first piece.
+        """
+        if results not in self._pieces:
+            after = self._render(results)
+            if not after.startswith(self._before):
+                raise ValueError("data.chat_template renders the turns before a tool message otherwise once one "
+                                 "follows: the episode's tokens could not be the conversation's")  # fmt: skip
+            text, pieces = after[len(self._before) :], []
+            for index in range(results):
+                marker = _RESULT.format(index)
+                if marker not in text:
+                    raise ValueError("data.chat_template does not show a tool message's content as given (role "
+                                     "tool): the policy would not read its tools' results")  # fmt: skip
+                head, text = text.split(marker, 1)
+                pieces += [head, index]
+            self._pieces[results] = [*pieces, text]
+        return self._pieces[results]
+
+    @override
+    def reset(self, prompt: Prompt) -> dict[str, int]:
+        return {"calls": 0}
+
+    def read(self, token_ids: list[int]) -> ParsedTurn:
+        """A policy turn's calls (its end-of-turn token left out of the text the parser reads)."""
+        text = self._tokenizer.decode(token_ids, skip_special_tokens=False)
+        eos = self._tokenizer.eos_token
+        if eos and text.endswith(eos):
+            text = text[: -len(eos)]
+        return self._parser.parse(text)
+
+    def answer(self, state: dict[str, int], turn: ParsedTurn, token_ids: list[int]) -> TurnReply:
+        """Run the turn's calls (or say why its call did not parse) and render the results for the next turn."""
+        records: list[CallRecord] = []
+        if turn.malformed:
+            records.append(CallRecord("", "", f"error: malformed tool call: {turn.malformed}", True, 0.0))
+        for call in turn.calls:
+            state["calls"] += 1
+            records.append(self._run(call, state["calls"]))
+        closing = self._closing
+        last = self._tokenizer.decode(token_ids[-1:], skip_special_tokens=False) if token_ids else ""
+        if last and closing.startswith(last):  # the policy wrote the end-of-turn token itself
+            closing = closing[len(last) :]
+        ids: list[int] = []
+        truncated = 0
+        head, *rest = self.pieces(len(records))
+        for piece in [closing + head, *rest]:
+            if isinstance(piece, int):  # a result: text, cut at max_reply_tokens
+                result_ids, cut = encode_reply(self._tokenizer, records[piece].result, self.max_reply_tokens)
+                ids += result_ids
+                truncated += cut
+            elif piece:  # the template's own text: its control tokens are control tokens
+                ids += self._tokenizer(piece, add_special_tokens=False)["input_ids"]
+        messages = [{"role": "tool", "name": r.name, "content": r.result} for r in records]
+        return TurnReply(ids, records, messages, turn.malformed is not None, truncated)
+
+    def _run(self, call: ToolCall, number: int) -> CallRecord:
+        """One call, checked, run under the deadline with the process state put back; never raises."""
+        arguments = call.arguments if call.arguments is not None else call.raw_arguments
+        function = self.functions.get(call.name)
+        if number > self.max_tool_calls:
+            why = f"error: this episode's {self.max_tool_calls} tool calls are spent (max_tool_calls); answer now"
+            return CallRecord(call.name, arguments, why, True, 0.0)
+        if function is None:
+            why = f"error: there is no tool {call.name!r}; the tools are {', '.join(self.functions)}"
+            return CallRecord(call.name, arguments, why, True, 0.0)
+        if call.arguments is None:
+            why = f"error: the arguments of {call.name} must be a JSON object, got {call.raw_arguments[:80]}"
+            return CallRecord(call.name, arguments, why, True, 0.0)
+        schema = next(s for s in self.schemas if s["function"]["name"] == call.name)
+        problem = argument_problem(schema, call.arguments)
+        if problem:
+            return CallRecord(call.name, arguments, f"error: {call.name}: {problem}", True, 0.0)
+        result, error, seconds = _call_with_deadline(function, call.arguments, self.timeout_s, call.name)
+        return CallRecord(call.name, arguments, result, error, seconds)
+
+
+def _call_with_deadline(function: Callable, arguments: dict[str, Any], timeout_s: float, name: str):
+    """``function(**arguments)`` as text, on a thread of its own: (result, whether an error, seconds)."""
+    outcome: list[tuple[str, bool]] = []
+    before = process_state()
+
+    def run() -> None:
+        try:
+            value = function(**arguments)
+            outcome.append((value if isinstance(value, str) else json.dumps(value, default=str), False))
+        except BaseException as err:  # noqa: BLE001 - sys.exit() in a tool is the tool's error, not the run's end
+            outcome.append((f"error: {type(err).__name__}: {err}", True))
+
+    start = time.perf_counter()
+    worker = threading.Thread(target=run, name=f"tool-{name}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    seconds = time.perf_counter() - start
+    put_back(before, f"tool {name}")
+    if not outcome:
+        return f"error: {name} did not answer within {timeout_s:g} s", True, seconds
+    return (*outcome[0], seconds)

@@ -1,0 +1,65 @@
+"""Tools as Python functions for ``tests/test_tools.py`` and the tiny tool runs (``data.tools: [tool_functions.add]``).
+
+Each is typed and documented, as ``transformers.utils.get_json_schema`` needs.
+"""
+
+import os
+import time
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first addend.
+        b: The second addend.
+    """
+    return a + b
+
+
+def divide(a: float, b: float) -> float:
+    """Divide a by b.
+
+    Args:
+        a: The dividend.
+        b: The divisor.
+    """
+    return a / b
+
+
+def slow(seconds: float) -> str:
+    """Wait, then say so (a tool that hangs).
+
+    Args:
+        seconds: How long to wait.
+    """
+    time.sleep(seconds)
+    return "done"
+
+
+def shout(text: str) -> str:
+    """The text, repeated (a result as long as asked, or holding whatever text it is given).
+
+    Args:
+        text: What to repeat.
+    """
+    return text
+
+
+def wander(path: str) -> str:
+    """Change the working directory (a tool that changes the process's state).
+
+    Args:
+        path: Where to go.
+    """
+    os.chdir(path)
+    return "moved"
+
+
+def lookup(key: str) -> dict:
+    """A record as JSON.
+
+    Args:
+        key: The record's key.
+    """
+    return {"key": key, "value": len(key)}
