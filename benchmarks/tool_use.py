@@ -1,13 +1,16 @@
 """How often a model calls the calculator before any training, and how often it is then right (a tool-use task screen).
 
     python benchmarks/tool_use.py                      # the bundled SmolLM2, two-digit products, 32 prompts x 4
-    python benchmarks/tool_use.py --model path/to/hf_dir --prompts 64
+    python benchmarks/tool_use.py --model path/to/hf_dir --prompts 64 --protocol tools
 
-Episodes run as in training (``rollout/episodes.py``, ``CalculatorEnvironment``, real vLLM); per way of telling the
-model about the calculator (a description, a worked example in the system prompt, the example as an earlier chat
-turn) the table gives the share of episodes with a calculator call, the share graded correct, and the mean episode
-length. RL needs some episodes of each kind in a group: a model that never calls the tool gives no signal to learn
-it, and one that always does has nothing left to learn about calling.
+Episodes run as in training (``rollout/episodes.py``, real vLLM), in two protocols. ``text``: ``CalculatorEnvironment``
+(``<calc>37*8</calc>``), the calculator described in the system prompt, with a worked example or without.
+``tools``: the calculator as a Python function (``ToolEnvironment``), its schema shown by the chat template
+(``configs/templates/chatml_tools.jinja``) and calls read by vLLM's ``hermes`` parser, with a worked call as an
+earlier turn or without (``configs/demo_tools.yaml``). Per variant the table gives the share of episodes with a
+calculator call, the share graded correct, and the mean episode length. RL needs some episodes of each kind in a
+group: a model that never calls the tool gives no signal to learn it, and one that always does has nothing left to
+learn about calling.
 """
 
 from __future__ import annotations
@@ -28,6 +31,19 @@ DESCRIBED = (
 )
 SHORT = "You can use a calculator: write <calc>expression</calc> and the result follows as <result>value</result>."
 EXAMPLE = ("What is 23 * 7?", "<calc>23*7</calc><result>161</result> The answer is 161.")
+TEMPLATE = Path(__file__).resolve().parents[1] / "configs" / "templates" / "chatml_tools.jinja"
+#: A worked call as earlier turns of the conversation: the question, the call, its result, the answer.
+TOOL_EXAMPLE = (
+    {"role": "user", "content": "What is 23 * 7?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "23*7"}}}]},
+    {"role": "tool", "name": "calculator", "content": "161"},
+    {"role": "assistant", "content": "The answer is 161."},
+)  # fmt: skip
+TOOL_VARIANTS = {
+    "tools: the schema in the system turn": None,
+    "tools: the schema and a worked call as earlier turns (configs/demo_tools.yaml)": TOOL_EXAMPLE,
+}
 # name -> (system prompt, a worked example given as an earlier user/assistant exchange or None)
 VARIANTS = {
     "described": (DESCRIBED, None),
@@ -48,7 +64,7 @@ def main() -> None:
     from amir_lightning.data.templates import ChatFormat
     from amir_lightning.models import BundledSmolLM2
     from amir_lightning.rewards import MathAnswerReward
-    from amir_lightning.rollout import CalculatorEnvironment, SamplingConfig, VLLMEngine
+    from amir_lightning.rollout import CalculatorEnvironment, SamplingConfig, ToolEnvironment, VLLMEngine
     from amir_lightning.rollout.episodes import run_episodes
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -56,6 +72,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--max_new_tokens", type=int, default=48)
+    parser.add_argument("--protocol", choices=["text", "tools", "both"], default="both")
     args = parser.parse_args()
     path = Path(args.model) if args.model else BundledSmolLM2().resolve()
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -68,11 +85,22 @@ def main() -> None:
     print(f"{path.name}; {args.prompts} two-digit products x {args.samples} episodes, T 0.7; {machine()}\n")
     print("| how the calculator is shown | episodes with a call | correct | mean tokens | seconds |")
     print("|---|---|---|---|---|")
-    for name, (system, example) in VARIANTS.items():
-        chat = ChatFormat(system_prompt=system)
+    runs = []  # (name, environment, chat, earlier turns)
+    if args.protocol in ("text", "both"):
+        for name, (system, example) in VARIANTS.items():
+            turns = None
+            if example is not None:
+                turns = ({"role": "user", "content": example[0]}, {"role": "assistant", "content": example[1]})
+            runs.append((name, CalculatorEnvironment(max_turns=3), ChatFormat(system_prompt=system), turns))
+    if args.protocol in ("tools", "both"):
+        for name, turns in TOOL_VARIANTS.items():
+            environment = ToolEnvironment(["amir_lightning.rollout.calculator.calculator"], max_turns=3)
+            chat = ChatFormat(template=TEMPLATE.read_text(), tools=environment.tool_schemas())
+            environment.prepare(tokenizer, chat)
+            runs.append((name, environment, chat, turns))
+    for name, environment, chat, turns in runs:
         shown = prompts
-        if example is not None:
-            turns = ({"role": "user", "content": example[0]}, {"role": "assistant", "content": example[1]})
+        if turns is not None:
             shown = [replace(p, messages=(*turns, {"role": "user", "content": p.question})) for p in prompts]
         prompt_ids = [chat.render(tokenizer, p) for p in shown]
 
@@ -81,8 +109,7 @@ def main() -> None:
             return engine.generate(ids, n, turn_sampling)
 
         start = time.perf_counter()
-        groups = run_episodes(CalculatorEnvironment(max_turns=3), prompts, prompt_ids, args.samples, sampling, generate,
-                              tokenizer, 512)  # fmt: skip
+        groups = run_episodes(environment, prompts, prompt_ids, args.samples, sampling, generate, tokenizer, 512)
         seconds = time.perf_counter() - start
         episodes = [c for group in groups for c in group]
         answers = [p.answer for p in prompts for _ in range(args.samples)]

@@ -212,3 +212,69 @@ def test_a_template_that_cannot_show_tool_results_is_refused_at_start():
 def test_an_unknown_parser_is_refused_listing_vllms():
     with pytest.raises(ValueError, match=r"tool_parser 'hermez' is not one of vLLM's: .*hermes"):
         environment(tool_parser="hermez")
+
+
+def test_a_run_with_tools_shows_their_schemas_and_gives_rewards_the_conversation(tmp_path, monkeypatch, capsys):
+    """``data.tools`` in a real run (a random tiny ChatML model, the HF engine, in this process): the run starts with
+    the template's tool messages read, rewards get each episode as messages with its calls, the tool metrics are
+    logged."""
+    import json
+
+    from conftest import amir_here, read_scalars
+    from transformers import AutoTokenizer
+
+    from amir_lightning.models import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "model", alphabet=PRINTABLE_ALPHABET, vocab_size=112,
+                                 max_position_embeddings=1024, seed=3)  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.eos_token = "<|im_end|>"
+    tokenizer.save_pretrained(model_dir)
+    generation = json.loads((model_dir / "generation_config.json").read_text())
+    generation["eos_token_id"] = tokenizer.eos_token_id
+    (model_dir / "generation_config.json").write_text(json.dumps(generation))
+    root = Path(__file__).parents[1]
+    args = ["fit", "--config", str(root / "configs" / "tiny.yaml"), "--trainer.max_epochs", "1"]
+    args += ["--model.policy", "amir_lightning.models.HFModel", "--model.policy.init_args.name_or_path", str(model_dir)]
+    args += ["--data.engine", "amir_lightning.rollout.HFEngine", "--data.engine.init_args.progress", "false"]
+    template = root / "configs" / "templates" / "chatml_tools.jinja"
+    args += ["--data.tools", '["tool_functions.add"]', "--data.chat_template", str(template)]
+    args += ["--data.rewards", '["tool_functions.sees_conversations"]', "--data.max_prompt_tokens", "1000"]
+    args += ["--data.sampling.max_new_tokens", "4", "--trainer.check_val_every_n_epoch", "50"]
+    args += ["--data.rollout.prompts_per_process", "4", "--data.rollout.micro_batch_groups", "4"]
+    code, _, err = amir_here(args, tmp_path, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    scalars = read_scalars(tmp_path / "runs")
+    assert scalars["tools/turns"] == [1.0]  # a random model calls nothing: each episode is its first turn
+    assert scalars["rollout/reward/sees_conversations"] == [1.0]
+
+
+def test_example_turns_come_after_the_system_prompt_and_before_the_question():
+    example = [{"role": "user", "content": "What is 1+1?"}, {"role": "assistant", "content": "2"}]
+    chat = ChatFormat(system_prompt="Be brief.", example_turns=example)
+    assert chat.messages(PROMPT) == [{"role": "system", "content": "Be brief."}, *example,
+                                     {"role": "user", "content": PROMPT.question}]  # fmt: skip
+    system, user = {"role": "system", "content": "Own."}, {"role": "user", "content": "Q"}
+    own = Prompt(question="", answer="", messages=(system, user))
+    assert chat.messages(own) == [system, *example, user]
+
+
+def test_the_tool_use_reward_scores_episodes_whose_call_returned_a_result():
+    from amir_lightning.rewards import ToolUseReward
+
+    ok = {"name": "add", "error": False}
+    failed = {"name": "add", "error": True}
+    reward = ToolUseReward(score=0.2)
+    assert reward.score(["a"] * 4, [""] * 4, tool_calls=[[ok], [failed], [], [failed, ok]]) == [0.2, 0.0, 0.0, 0.2]
+    assert reward.score(["a"], [""]) == [None]  # not an episode of tool calls: does not apply
+    assert ToolUseReward(tool="divide").score(["a"], [""], tool_calls=[[ok]]) == [0.0]
+
+
+def test_the_calculator_as_a_tool_computes_and_its_errors_are_results():
+    from amir_lightning.rollout.calculator import calculator
+
+    assert calculator("37*8") == "296" and calculator("1/4") == "0.25"
+    assert tool_schema(calculator)["function"]["parameters"]["required"] == ["expression"]
+    with pytest.raises(ValueError, match="exponent 1000 is over 64"):
+        calculator("2**1000")

@@ -30,12 +30,15 @@ class ChatFormat:
         template_kwargs: Variables the template reads, passed to ``apply_chat_template`` (Qwen3's
             ``enable_thinking: false``, for example).
         tools: The JSON schemas of the tools the policy may call (``rollout/tools.py``), which the template shows it.
+        example_turns: Chat messages shown before every prompt's own, after the system prompt: a worked example (a
+            question, a tool call, its result, the answer) that a small model follows more often than a description.
     """
 
     system_prompt: str | None = None
     template: str | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: list[dict[str, Any]] | None = None
+    example_turns: list[dict[str, Any]] | None = None
 
     @classmethod
     def of(cls, chat: ChatFormat | str | None) -> ChatFormat:
@@ -82,15 +85,18 @@ class ChatFormat:
         """The chat messages of ``prompt``.
 
         A conversational prompt keeps its own messages (a system turn among them replaces ``system_prompt``);
-        otherwise the system prompt, then the question as the user message.
+        otherwise the system prompt, then the question as the user message. ``example_turns`` go after the system
+        turn.
         """
-        system = self.system_prompt
+        system, examples = self.system_prompt, [dict(m) for m in self.example_turns or []]
         if prompt.messages is not None:
             own = [dict(m) for m in prompt.messages]
-            has_system = any(m["role"] == "system" for m in own)
-            return own if has_system or not system else [{"role": "system", "content": system}, *own]
+            if system and not any(m["role"] == "system" for m in own):
+                own = [{"role": "system", "content": system}, *own]
+            at = 1 if own and own[0]["role"] == "system" else 0  # the examples go after a leading system turn
+            return [*own[:at], *examples, *own[at:]]
         messages = [{"role": "system", "content": system}] if system else []
-        return [*messages, {"role": "user", "content": prompt.question}]
+        return [*messages, *examples, {"role": "user", "content": prompt.question}]
 
     def render(self, tokenizer, prompt: Prompt) -> list[int]:
         """Token ids of ``prompt`` in the chat template, ending with the assistant's turn header.

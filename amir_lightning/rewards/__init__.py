@@ -1,7 +1,12 @@
 """Rewards: math grading, format rewards, reward models, LLM judges and plain functions (TRL's signature)."""
 
 from amir_lightning.rewards.base import FunctionReward, Reward, RewardInputs
-from amir_lightning.rewards.format import AnswerNumberReward, TagCountReward, ThinkAnswerFormatReward
+from amir_lightning.rewards.format import (
+    AnswerNumberReward,
+    TagCountReward,
+    ThinkAnswerFormatReward,
+    ToolUseReward,
+)
 from amir_lightning.rewards.judge import JudgeReward, JudgeServer
 from amir_lightning.rewards.length import LengthControlledAnswerReward
 from amir_lightning.rewards.math import MathAnswerReward
@@ -23,4 +28,5 @@ __all__ = [
     "SandboxedGrader",
     "TagCountReward",
     "ThinkAnswerFormatReward",
+    "ToolUseReward",
 ]

@@ -79,3 +79,32 @@ class AnswerNumberReward(Reward):
             match = _ANSWER.search(c)
             out.append(self.value if match and _DIGIT.search(match.group(1)) else 0.0)
         return out
+
+
+class ToolUseReward(Reward):
+    """``score`` for an episode that called a tool and got a result, not an error (``data.tools``).
+
+    A shaping reward for a policy that rarely calls its tools at first: RL learns to call them only from groups in
+    which some episodes did. It reads the calls each episode made (the ``tool_calls`` rewards get with
+    ``ToolEnvironment``); outside such episodes it does not apply (``None``).
+
+    Args:
+        weight: Multiplier in the total reward.
+        score: Value for an episode with a call that returned a result.
+        tool: Only calls of this tool count (default: any).
+        name: Metric name (default ``tool_use``).
+    """
+
+    def __init__(self, weight: float = 1.0, score: float = 0.2, tool: str | None = None, name: str | None = None):
+        super().__init__(weight, name)
+        self.value, self.tool = score, tool
+
+    @override
+    def score(self, completions: Sequence, answers: Sequence[str], **kwargs) -> list[float | None]:
+        calls = kwargs.get("tool_calls") or [None] * len(completions)
+        return [
+            None
+            if made is None
+            else (self.value if any(not c["error"] and self.tool in (None, c["name"]) for c in made) else 0.0)
+            for made in calls
+        ]

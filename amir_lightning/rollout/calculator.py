@@ -175,3 +175,18 @@ class CalculatorEnvironment(Environment):
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         return self.reply.format(value=f"{value:.6g}" if isinstance(value, float) else value)
+
+
+# The calculator as a tool the chat template shows (data.tools: [amir_lightning.rollout.calculator.calculator],
+# rollout/tools.py), bounded as evaluate_arithmetic is: an expression it cannot compute raises ValueError, which the
+# policy reads as an error result. Its docstring is what the policy is shown (the tool's schema).
+def calculator(expression: str) -> str:
+    """Compute an arithmetic expression: numbers, + - * / // % **, and parentheses.
+
+    Args:
+        expression: The expression to compute, for example 37*8.
+    """
+    value = evaluate_arithmetic(expression)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return f"{value:.6g}" if isinstance(value, float) else str(value)

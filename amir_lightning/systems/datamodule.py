@@ -62,6 +62,9 @@ class RolloutDataModule(LightningDataModule):
         chat_template: A Jinja chat template, or the path of a file holding one, used instead of the tokenizer's
             (training, evaluation and the sync probe). The exported policy keeps its own.
         chat_template_kwargs: Variables the chat template reads, e.g. ``{enable_thinking: false}`` for Qwen3.
+        example_turns: Chat messages shown before every prompt's own, after the system prompt: a worked example, such
+            as a question, an assistant turn with ``tool_calls``, a ``tool`` result and the answer
+            (``configs/demo_tools.yaml``).
         shuffle: Shuffle a finite prompt source once per pass over it; start a random one (``is_random``, e.g.
             ``ArithmeticPrompts``) at a seed-dependent index. Off: every seed trains on the same prompt sequence.
         max_prompt_tokens: Longest allowed prompt after the chat template (and at most the engine's
@@ -95,6 +98,7 @@ class RolloutDataModule(LightningDataModule):
         system_prompt: str | None = None,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        example_turns: list[dict[str, Any]] | None = None,
         shuffle: bool = True,
         max_prompt_tokens: int = 512,
         bad_prompts: Literal["skip", "error"] = "skip",
@@ -142,9 +146,8 @@ class RolloutDataModule(LightningDataModule):
         self.rewards = [r if isinstance(r, Reward) else FunctionReward(r) for r in rewards or [MathAnswerReward()]]
         self.settings, self.sampling = rollout, sampling
         tool_schemas = environment.tool_schemas() if environment is not None else None
-        self.chat = ChatFormat(
-            system_prompt, read_template(chat_template), dict(chat_template_kwargs or {}), tool_schemas
-        )
+        template, template_kwargs = read_template(chat_template), dict(chat_template_kwargs or {})
+        self.chat = ChatFormat(system_prompt, template, template_kwargs, tool_schemas, example_turns)
         self.max_prompt_tokens = max_prompt_tokens
         # a prompt and its completion must fit the engine's context
         self.prompt_limit = min(max_prompt_tokens, room - sampling.max_new_tokens) if room else max_prompt_tokens

@@ -63,3 +63,11 @@ def lookup(key: str) -> dict:
         key: The record's key.
     """
     return {"key": key, "value": len(key)}
+
+
+def sees_conversations(completions, tool_calls, **kwargs):
+    """A reward (TRL's signature) that checks what rewards get in episodes of tool calls: each completion as its
+    messages, and the calls it made; it scores the number of its policy turns."""
+    assert all(isinstance(c, list) and c and c[0]["role"] == "assistant" for c in completions), completions[:1]
+    assert len(tool_calls) == len(completions) and all(isinstance(calls, list) for calls in tool_calls)
+    return [float(sum(m["role"] == "assistant" for m in c)) for c in completions]
