@@ -21,7 +21,6 @@ an episode still calling the tool at ``max_turns``, or out of context room, is c
 
 from __future__ import annotations
 
-import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -179,7 +178,6 @@ def run_episodes(
     episodes = [_Episode(i, states[i]) for i in range(len(prompts)) for _ in range(n)]
     if environment.whole_turns:
         for e in episodes:
-            e.state = copy.deepcopy(states[e.prompt_index])  # each episode counts its own calls
             e.messages, e.calls = [], []
     for turn in range(environment.max_turns):
         active = [e for e in episodes if not e.done]
@@ -247,7 +245,8 @@ def _take_whole_turn(environment, episode: _Episode, completion: Completion, tok
     if completion.finish_reason != "stop" or last:
         episode.done, episode.tool_cut = True, True
         return
-    reply = environment.answer(episode.state, turn, completion.token_ids)
+    calls_made = len(episode.calls) - episode.tool_malformed  # the records of malformed turns are not calls
+    reply = environment.answer(turn, completion.token_ids, calls_made)
     episode.add(reply.token_ids)
     episode.messages += reply.messages
     episode.calls += [record.as_dict() for record in reply.calls]

@@ -187,6 +187,7 @@ class ToolEnvironment(Environment):
         functions = [load_tool(tool) for tool in tools]
         self.schemas = [tool_schema(function) for function in functions]
         self.functions = {schema["function"]["name"]: f for schema, f in zip(self.schemas, functions)}
+        self._schema_of = {schema["function"]["name"]: schema for schema in self.schemas}
         if len(self.functions) < len(functions):
             raise ValueError("data.tools: two tools have the same name")
         self.tool_parser, self.max_tool_calls, self.timeout_s = tool_parser, max_tool_calls, timeout_s
@@ -242,8 +243,8 @@ class ToolEnvironment(Environment):
         return self._pieces[results]
 
     @override
-    def reset(self, prompt: Prompt) -> dict[str, int]:
-        return {"calls": 0}
+    def reset(self, prompt: Prompt) -> None:
+        return None  # an episode's calls so far are the episode's own count (``answer``'s ``calls_made``)
 
     def read(self, token_ids: list[int]) -> ParsedTurn:
         """A policy turn's calls (its end-of-turn token left out of the text the parser reads)."""
@@ -253,14 +254,16 @@ class ToolEnvironment(Environment):
             text = text[: -len(eos)]
         return self._parser.parse(text)
 
-    def answer(self, state: dict[str, int], turn: ParsedTurn, token_ids: list[int]) -> TurnReply:
-        """Run the turn's calls (or say why its call did not parse) and render the results for the next turn."""
+    def answer(self, turn: ParsedTurn, token_ids: list[int], calls_made: int) -> TurnReply:
+        """Run the turn's calls (or say why its call did not parse) and render the results for the next turn.
+
+        ``calls_made``: the episode's calls before this turn (``max_tool_calls`` counts them).
+        """
         records: list[CallRecord] = []
         if turn.malformed:
             records.append(CallRecord("", "", f"error: malformed tool call: {turn.malformed}", True, 0.0))
-        for call in turn.calls:
-            state["calls"] += 1
-            records.append(self._run(call, state["calls"]))
+        for number, call in enumerate(turn.calls, start=calls_made + 1):
+            records.append(self._run(call, number))
         closing = self._closing
         last = self._tokenizer.decode(token_ids[-1:], skip_special_tokens=False) if token_ids else ""
         if last and closing.startswith(last):  # the policy wrote the end-of-turn token itself
@@ -291,8 +294,7 @@ class ToolEnvironment(Environment):
         if call.arguments is None:
             why = f"error: the arguments of {call.name} must be a JSON object, got {call.raw_arguments[:80]}"
             return CallRecord(call.name, arguments, why, True, 0.0)
-        schema = next(s for s in self.schemas if s["function"]["name"] == call.name)
-        problem = argument_problem(schema, call.arguments)
+        problem = argument_problem(self._schema_of[call.name], call.arguments)
         if problem:
             return CallRecord(call.name, arguments, f"error: {call.name}: {problem}", True, 0.0)
         result, error, seconds = _call_with_deadline(function, call.arguments, self.timeout_s, call.name)
