@@ -1,4 +1,8 @@
-"""RolloutSampleLogger: a few prompts with their completions and rewards (TensorBoard text, a W&B table)."""
+"""RolloutSampleLogger: a few prompts with their completions and rewards (TensorBoard text, a W&B table).
+
+Columns that reward functions log (``log_extra``, TRL's signature: a parsed answer, a judge's verdict) follow the
+fixed ones.
+"""
 
 from __future__ import annotations
 
@@ -32,17 +36,19 @@ class RolloutSampleLogger(Callback):
         if batch_idx or rollout is None or not rollout.groups or trainer.current_epoch % self.every_n_epochs:
             return
         groups = rollout.groups[: self.num_prompts]
-        log_table(trainer, "rollout/samples", COLUMNS, self.rows(groups), self.render(groups))
+        columns = COLUMNS + extra_columns(groups)
+        log_table(trainer, "rollout/samples", columns, self.rows(groups), self.render(groups))
 
     def rows(self, groups) -> list[list]:
-        """One row per completion (``COLUMNS``), for loggers that take tables."""
-        out = []
+        """One row per completion (``COLUMNS``, then the rewards' ``extra_columns``), for loggers that take tables."""
+        out, extra = [], extra_columns(groups)
         for g in groups:
             for k, c in enumerate(g.completions):
                 correct = None if g.correct is None or g.correct[k].isnan() else bool(g.correct[k] == 1)
                 out.append(
                     [g.question, g.answer, c.text[: self.max_chars], float(g.rewards[k]), float(g.advantages[k]),
                      len(c.token_ids), c.truncated, correct]
+                    + [g.extra[name][k] if name in g.extra else None for name in extra]
                 )  # fmt: skip
         return out
 
@@ -54,12 +60,18 @@ class RolloutSampleLogger(Callback):
             for k, c in enumerate(g.completions):
                 flag = "" if g.correct is None or g.correct[k].isnan() else (" ✓" if g.correct[k] == 1 else " ✗")
                 body = _escape(c.text[: self.max_chars]) + (" …" if len(c.text) > self.max_chars else "")
+                logged = "".join(f", {name} {_escape(str(values[k]))[:80]}" for name, values in g.extra.items())
                 parts.append(
                     f"- reward {float(g.rewards[k]):.3f}, advantage {float(g.advantages[k]):+.2f}, "
-                    f"{len(c.token_ids)} tokens{' (truncated)' if c.truncated else ''}{flag}: `{body}`"
+                    f"{len(c.token_ids)} tokens{' (truncated)' if c.truncated else ''}{flag}{logged}: `{body}`"
                 )
             parts.append("")
         return "\n".join(parts)
+
+
+def extra_columns(groups) -> list[str]:
+    """The columns the rewards logged for these groups (``log_extra``), in the order they were first logged."""
+    return list(dict.fromkeys(name for g in groups for name in g.extra))
 
 
 def _escape(s: str) -> str:

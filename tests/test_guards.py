@@ -56,7 +56,7 @@ class NaNReward(Reward):
 def test_nan_rewards_are_counted_and_their_groups_carry_no_signal():
     completions = [[Completion([1], "1", [0.0], "stop") for _ in range(4)] for _ in range(2)]
     prompts = [Prompt("q", "1"), Prompt("q", "1")]
-    total, metrics, _ = score_completions([NaNReward()], prompts, completions)
+    total, metrics, _, _ = score_completions([NaNReward()], prompts, completions)
     assert metrics["rollout/nonfinite_rewards"] == 4 and metrics["rollout/nonfinite/na_n"] == 4
     assert math.isfinite(metrics["rollout/reward_mean"])
     advantages = group_advantages(total, 4).nan_to_num(nan=0.0)

@@ -61,7 +61,8 @@ def test_a_reply_without_a_score_is_asked_again_then_gets_its_groups_mean_and_th
 
     with ChatServer(reply) as server:
         judge = JudgeReward(url=server.url, template="{completion}", unparsed_retries=1)
-        total, metrics, _ = score_completions([judge], _prompts(3), _completions([list("abc"), ["c"] * 3, list("dd")]))
+        completions = _completions([list("abc"), ["c"] * 3, list("dd")])
+        total, metrics, _, _ = score_completions([judge], _prompts(3), completions)
         assert total.tolist() == pytest.approx([0.8, 0.4, 0.6, 0.5, 0.5, 0.5, 0.7, 0.7])
         assert metrics["judge/unparsed_frac"] == pytest.approx(4 / 8)
         assert metrics["judge/retried_frac"] == pytest.approx(6 / 8)  # c four times, d twice

@@ -56,5 +56,5 @@ def test_a_run_sets_the_cap_from_its_sampling_and_logs_the_penalty(tmp_path):
 def test_the_penalty_adds_to_the_total_with_its_weight():
     reward = OverlongPenalty(buffer_tokens=2, max_tokens=4, weight=0.5)
     completions = [[Completion([1, 2], "a", [0.0] * 2, "stop"), Completion([1, 2, 3, 4], "b", [0.0] * 4, "length")]]
-    total, metrics, _ = score_completions([reward], [Prompt("q", "")], completions)
+    total, metrics, _, _ = score_completions([reward], [Prompt("q", "")], completions)
     assert total.tolist() == [0.0, -0.5] and metrics["rollout/reward/overlong"] == -0.5

@@ -64,7 +64,7 @@ def test_none_means_does_not_apply(tmp_path, monkeypatch):
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     prompts, completions = rollout()
-    total, metrics, _ = score_completions(
+    total, metrics, _, _ = score_completions(
         [FunctionReward("none_rewards.only_stopped", weight=2.0), FunctionReward("none_rewards.never")],
         prompts,
         completions,
@@ -79,7 +79,7 @@ def test_the_math_reward_does_not_apply_without_a_reference():
     prompt = Prompt("3=", "", {}, None, {"prompt": "3="})
     grader = MathAnswerReward()
     try:
-        total, metrics, correct = score_completions([grader], [prompt], [[Completion([3], "3", [-0.1], "stop")]])
+        total, metrics, correct, _ = score_completions([grader], [prompt], [[Completion([3], "3", [-0.1], "stop")]])
     finally:
         grader.close()
     assert total.tolist() == [0.0] and correct.isnan().all() and metrics["rollout/unscored"] == 1.0
@@ -197,7 +197,7 @@ def test_async_reward_functions_run_concurrently_with_each_other_and_the_rest(tm
     prompts, completions = rollout()
     rewards = [FunctionReward("async_rewards.remote_a"), Sleeps(), FunctionReward("async_rewards.remote_b", weight=2)]
     assert [r.concurrent for r in rewards] == [True, False, True]
-    total, metrics, _ = score_completions(rewards, prompts, completions)
+    total, metrics, _, _ = score_completions(rewards, prompts, completions)
     assert total.tolist() == [1.0 + 0.5 + 2 * 1, 1.0 + 0.5 + 2 * 2]
     assert metrics["rollout/reward/remote_b"] == 1.5 and metrics["rollout/reward/sleeps"] == 0.5
     spans = [async_rewards.RAN["a"], rewards[1].ran, async_rewards.RAN["b"]]

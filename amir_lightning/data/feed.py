@@ -63,6 +63,10 @@ class PromptFeed:
     def refill_position(self, value: int) -> None:
         self.refill_stream.position = value
 
+    def passes(self, position: int) -> float:
+        """Passes over the (screened) prompt set that ``position`` prompts make (TRL's fractional epoch)."""
+        return position / max(len(self.stream), 1)
+
     def draw(self, rank: int, ranks: int, per_rank: int) -> list[Prompt]:
         """This process's ``per_rank`` prompts of the next ``per_rank * ranks`` (every process draws the slice)."""
         return _share(self.stream.take(per_rank * ranks), rank, per_rank)

@@ -32,6 +32,22 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", device: torch.device | Non
     return out.cpu()
 
 
+def mean_over_processes(values: dict[str, float], device: torch.device | None = None) -> dict[str, float]:
+    """Each key's mean over the processes that have it; every process gets every key any process has.
+
+    Every process must call it (two collectives). A key some processes lack (a reward function that logged a
+    metric only on some) is averaged over those that have it, rather than mismatching the others' values.
+    """
+    if world_size() == 1:
+        return dict(values)
+    gathered: list[list[str] | None] = [None] * world_size()
+    dist.all_gather_object(gathered, sorted(values))
+    keys = sorted({k for ks in gathered for k in ks})
+    sums = torch.tensor([[float(values[k]), 1.0] if k in values else [0.0, 0.0] for k in keys], dtype=torch.float64)
+    totals = all_reduce(sums.reshape(-1, 2), "sum", device)
+    return {k: (total / count).item() for k, (total, count) in zip(keys, totals)}
+
+
 def sum_shares(stats: dict[str, torch.Tensor], device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """Sum scalar ``stats`` over processes (one collective)."""
     keys = sorted(stats)

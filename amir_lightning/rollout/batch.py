@@ -77,9 +77,11 @@ def make_groups(
     rewards: torch.Tensor,
     advantages: torch.Tensor,
     correct: torch.Tensor,
+    extra: dict[str, list] | None = None,
 ) -> list[Group]:
-    """One ``Group`` per prompt from the rollout's flat ``[B * G]`` tensors."""
+    """One ``Group`` per prompt from the rollout's flat ``[B * G]`` tensors and ``extra`` columns."""
     G = len(completions[0]) if completions else 0
+    columns = extra or {}
     return [
         Group(
             ids,
@@ -89,6 +91,7 @@ def make_groups(
             correct[i * G : (i + 1) * G],
             p.answer,
             p.question,
+            {name: values[i * G : (i + 1) * G] for name, values in columns.items()},
         )
         for i, (p, ids, comps) in enumerate(zip(prompts, prompt_ids, completions))
     ]

@@ -195,7 +195,7 @@ def make_rollout(
     std = batch_std(total, sum_over_processes) if settings.advantage_scale == "batch" else None
     # A group with a non-finite reward carries no signal (zero advantage, no pairs): see rollout/rewarding.py.
     advantages = group_advantages(total, settings.group_size, settings.advantage_scale, std=std).nan_to_num(nan=0.0)
-    groups = make_groups(prompts, prompt_ids, completions, total, advantages, correct)
+    groups = make_groups(prompts, prompt_ids, completions, total, advantages, correct, scores.extra)
     tokens = sum(c.policy_tokens for group in completions for c in group)  # sampled (a tool's replies are not)
     metrics |= tool_metrics([c for group in completions for c in group])  # multi-turn: how the tool was used
     rollout = Rollout(groups, metrics, {"generate_s": generate_s, "score_s": score_s}, tokens)

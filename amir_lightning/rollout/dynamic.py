@@ -139,11 +139,17 @@ def _select(rounds: list[Round], places: list[tuple[int, int]], group_size: int)
     def rows(tensor_of, r: int, g: int) -> torch.Tensor:
         return tensor_of(rounds[r].scores)[g * group_size : (g + 1) * group_size]
 
+    def cells(column: str, r: int, g: int) -> list:  # a column a round's rewards did not log: None
+        values = rounds[r].scores.extra.get(column)
+        return values[g * group_size : (g + 1) * group_size] if values is not None else [None] * group_size
+
+    columns = list(dict.fromkeys(name for r in rounds for name in r.scores.extra))
     scores = Scores(
         torch.cat([rows(lambda s: s.total, r, g) for r, g in places]),
         dict(rounds[0].scores.metrics),
         torch.cat([rows(lambda s: s.correct, r, g) for r, g in places]),
         sum(r.scores.seconds for r in rounds),
+        {name: [cell for r, g in places for cell in cells(name, r, g)] for name in columns},
     )
     return Round(
         [rounds[r].prompts[g] for r, g in places],

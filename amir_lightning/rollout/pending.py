@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from amir_lightning.data.base import Prompt
-from amir_lightning.rewards.base import Reward
+from amir_lightning.rewards.base import Reward, RunState
 from amir_lightning.rollout.engine import Completion
 from amir_lightning.rollout.rewarding import Scores
 
@@ -39,6 +39,7 @@ class PendingRollout:
         drawn_at: The prompt stream's position before they were drawn (a resume draws them again from there).
         version: The optimisation step whose weights sampled it (``trainer.global_step`` at the push).
         weights: Those weights, the trainable ones (``Policy.trainable_weights``; empty when they are not needed).
+        run_state: Where the run stood when its sampling started (the rewards' ``trainer_state``).
         started: ``time.perf_counter()`` when sampling started.
         generate_s: How long sampling took.
         finished_at: ``time.perf_counter()`` when sampling finished.
@@ -51,6 +52,7 @@ class PendingRollout:
     drawn_at: int
     version: int
     weights: dict[str, torch.Tensor]
+    run_state: RunState = field(default_factory=RunState)
     started: float = field(default_factory=time.perf_counter)
     generate_s: float = 0.0
     finished_at: float | None = None
@@ -91,14 +93,14 @@ class PendingRollout:
             The scores of its completions (waits for sampling to finish).
         """
         if self.scores is None:
-            self.scores = Scores.of(rewards, self.prompts, self.wait(), warn_s)
+            self.scores = Scores.of(rewards, self.prompts, self.wait(), warn_s, self.run_state)
         return self.scores
 
     def state(self) -> dict:
         """Plain data for a checkpoint (waits for sampling to finish); its scores when ``score`` has run."""
         completions, digest = self.wait(), prompt_digest(self.prompt_ids)
         return SavedRollout(
-            self.drawn_at, self.version, self.weights, self.generate_s, completions, digest, self.scores
+            self.drawn_at, self.version, self.weights, self.generate_s, completions, digest, self.scores, self.run_state
         ).state()
 
 
@@ -112,7 +114,8 @@ class SavedRollout:
     """A pending rollout as a checkpoint holds it: redrawn from ``drawn_at``, its completions as sampled.
 
     ``prompt_digest`` fingerprints the prompts it was sampled for (``None`` in checkpoints older than it), and
-    ``scores`` are its rewards when they were computed before the checkpoint.
+    ``scores`` are its rewards when they were computed before the checkpoint, and ``state`` the rewards'
+    ``trainer_state`` (older checkpoints: its step and nothing else).
     """
 
     drawn_at: int
@@ -122,6 +125,7 @@ class SavedRollout:
     completions: list[list[Completion]]
     prompt_digest: str | None = None
     scores: Scores | None = None
+    run_state: RunState | None = None
 
     def state(self) -> dict:
         """What ``from_state`` reads."""
@@ -134,6 +138,7 @@ class SavedRollout:
             "completions": completions,
             "prompt_digest": self.prompt_digest,
             "scores": None if self.scores is None else dict(vars(self.scores)),
+            "run_state": None if self.run_state is None else asdict(self.run_state),
         }
 
     @classmethod
@@ -141,7 +146,8 @@ class SavedRollout:
         groups = [[_completion(c) for c in group] for group in state["completions"]]
         scores = Scores(**state["scores"]) if state.get("scores") is not None else None
         when = int(state["drawn_at"]), int(state["version"])
-        return cls(*when, state["weights"], float(state["generate_s"]), groups, state.get("prompt_digest"), scores)
+        run = RunState(**state["run_state"]) if state.get("run_state") else RunState(global_step=when[1])
+        return cls(*when, state["weights"], float(state["generate_s"]), groups, state.get("prompt_digest"), scores, run)
 
     def fits(self, prompt_ids: list[list[int]]) -> bool:
         """Whether its completions were sampled for these prompts (their count only, in an older checkpoint)."""
@@ -151,7 +157,8 @@ class SavedRollout:
 
     def pending(self, prompts: list[Prompt], prompt_ids: list[list[int]]) -> PendingRollout:
         """The pending rollout again, with its prompts drawn anew (the same ones: the stream is deterministic)."""
-        rollout = PendingRollout(prompts, prompt_ids, self.drawn_at, self.version, self.weights)
+        run_state = self.run_state or RunState(self.version)
+        rollout = PendingRollout(prompts, prompt_ids, self.drawn_at, self.version, self.weights, run_state)
         rollout.generate_s, rollout.completions, rollout.scores = self.generate_s, self.completions, self.scores
         return rollout
 

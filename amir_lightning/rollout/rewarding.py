@@ -12,12 +12,12 @@ import logging
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from amir_lightning.data.base import Prompt
-from amir_lightning.rewards.base import Reward, RewardInputs, call_reward
+from amir_lightning.rewards.base import Reward, RewardInputs, RewardLog, RunState, call_reward
 from amir_lightning.rewards.math import MathAnswerReward
 from amir_lightning.rollout.engine import Completion
 
@@ -86,11 +86,16 @@ def _call_all(rewards: list[Reward], inputs: RewardInputs, warn_s: float) -> lis
 
 
 def score_completions(
-    rewards: list[Reward], prompts: list[Prompt], completions: list[list[Completion]], warn_s: float = 60.0
-) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
-    """Total rewards ``[B * G]`` (groups contiguous), the rollout metrics, and correctness ``[B * G]``.
+    rewards: list[Reward],
+    prompts: list[Prompt],
+    completions: list[list[Completion]],
+    warn_s: float = 60.0,
+    state: RunState | None = None,
+) -> tuple[torch.Tensor, dict[str, float], torch.Tensor, dict[str, list]]:
+    """Total rewards ``[B * G]`` (groups contiguous), the rollout metrics, correctness ``[B * G]``, logged columns.
 
-    Every reward sees the same ``RewardInputs`` (TRL's keyword arguments). A reward returning ``None`` for a
+    The logged columns are what reward functions gave ``log_extra``, ``[B * G]`` values each. Every reward sees the
+    same ``RewardInputs`` (TRL's keyword arguments, ``state`` as ``trainer_state``). A reward returning ``None`` for a
     completion does not apply to it: it adds nothing to its total and is left out of ``rollout/reward/<name>``
     (TRL's rule); a completion no reward applies to totals 0 and is counted in ``rollout/unscored``.
 
@@ -104,10 +109,12 @@ def score_completions(
     advantage and no pairs, so it is never trained on, and ``rollout/nonfinite_rewards`` counts it (``RewardGuard``
     warns and stops after ``data.rollout.max_bad_rollouts`` such rollouts in a row).
 
-    What a reward says of its call (``Reward.metrics``) is logged as ``<name>/<key>`` (``judge/unparsed_frac``).
+    What a reward says of its call (``Reward.metrics``) is logged as ``<name>/<key>`` (``judge/unparsed_frac``), and
+    what reward functions give ``log_metric`` as ``reward/<name>``.
     """
     rows = [(p, c) for p, group in zip(prompts, completions) for c in group]
     with_tools = any(c.messages is not None for _, c in rows)  # episodes of tool calls: their messages and calls
+    logged = RewardLog(len(rows))
     inputs = RewardInputs(
         [c.text for _, c in rows],
         [p for p, _ in rows],
@@ -115,6 +122,8 @@ def score_completions(
         [c.finish_reason for _, c in rows],
         [c.messages for _, c in rows] if with_tools else None,
         [c.calls for _, c in rows] if with_tools else None,
+        state or RunState(),
+        logged,
     )
     count = len(rows)
     total = torch.zeros(count, dtype=torch.float32)
@@ -140,6 +149,7 @@ def score_completions(
     lengths = torch.tensor([c.policy_tokens for _, c in rows], dtype=torch.float32)  # a tool's replies: not counted
     truncated = torch.tensor([c.truncated for _, c in rows], dtype=torch.float32)
     good = total[~total.isnan()]
+    metrics |= logged.metrics()
     metrics.update(
         {
             "rollout/reward_mean": good.mean().item() if good.numel() else float("nan"),
@@ -156,12 +166,12 @@ def score_completions(
                     int((applied == 0).sum()))  # fmt: skip
     if not correct.isnan().all():
         metrics["rollout/accuracy"] = correct[~correct.isnan()].mean().item()
-    return total, {k: (0.0 if math.isnan(v) else v) for k, v in metrics.items()}, correct
+    return total, {k: (0.0 if math.isnan(v) else v) for k, v in metrics.items()}, correct, logged.columns
 
 
 @dataclass
 class Scores:
-    """``score_completions``'s ``[B * G]`` totals, metrics and ``[B * G]`` correctness, and the seconds it took.
+    """``score_completions``'s ``[B * G]`` totals, metrics, correctness and logged columns, and the seconds it took.
 
     A rollout sampled ahead keeps them, and so does its checkpoint (``rollout/pending.py``): a resumed run trains on
     these rewards instead of asking a judge or a reward model again.
@@ -171,12 +181,18 @@ class Scores:
     metrics: dict[str, float]
     correct: torch.Tensor
     seconds: float
+    extra: dict[str, list] = field(default_factory=dict)
 
     @classmethod
     def of(
-        cls, rewards: list[Reward], prompts: list[Prompt], completions: list[list[Completion]], warn_s: float
+        cls,
+        rewards: list[Reward],
+        prompts: list[Prompt],
+        completions: list[list[Completion]],
+        warn_s: float,
+        state: RunState | None = None,
     ) -> Scores:
         """Score ``completions`` (``score_completions``, ``warn_s`` its ``reward_warn_s``) and time it."""
         start = time.perf_counter()
-        total, metrics, correct = score_completions(rewards, prompts, completions, warn_s)
-        return cls(total, metrics, correct, time.perf_counter() - start)
+        total, metrics, correct, extra = score_completions(rewards, prompts, completions, warn_s, state)
+        return cls(total, metrics, correct, time.perf_counter() - start, extra)

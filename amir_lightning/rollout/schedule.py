@@ -28,7 +28,7 @@ from typing_extensions import override
 from amir_lightning.data.base import Prompt
 from amir_lightning.data.feed import PromptFeed
 from amir_lightning.helpers.distributed import all_reduce
-from amir_lightning.rewards.base import Reward
+from amir_lightning.rewards.base import Reward, RunState
 from amir_lightning.rollout.collect import RolloutSettings, make_rollout
 from amir_lightning.rollout.dynamic import Round, needs_more, refill
 from amir_lightning.rollout.engine import Completion, SamplingConfig
@@ -53,6 +53,7 @@ class At:
         rank: Global rank of this process.
         ranks: Processes of the run.
         device: Where the collectives run (CUDA for NCCL).
+        max_steps: Optimisation steps the run is set to take (-1: unbounded), for the rewards' ``trainer_state``.
     """
 
     epoch: int
@@ -60,6 +61,7 @@ class At:
     rank: int = 0
     ranks: int = 1
     device: torch.device | None = None
+    max_steps: int = -1
 
     def sum_over_processes(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` summed over processes (every process must call it)."""
@@ -159,6 +161,10 @@ class Schedule(ABC):
         metrics = report.metrics() if report is not None else {}  # None: pushed at this step already
         return metrics | {"rollout/sync_s": time.perf_counter() - start}
 
+    def _run_state(self, at: At, drawn_at: int) -> RunState:
+        """The rewards' ``trainer_state`` of a rollout drawn at stream position ``drawn_at`` by epoch ``at``."""
+        return RunState(at.step, self.feed.passes(drawn_at), at.epoch, at.max_steps)
+
     def _seed(self, at: At, purpose: int) -> int:
         return generation_seed(self.seed, at.step, at.rank, purpose)
 
@@ -169,27 +175,28 @@ class Schedule(ABC):
         completions = self.sampler.generate(prompt_ids, n, self.sampling, seed, prompts, tokenizer)
         return Round(prompts, prompt_ids, completions, None, time.perf_counter() - start)
 
-    def _refill(self, at: At, first: Round, draw: Draw) -> tuple[Round, dict[str, float]]:
+    def _refill(self, at: At, first: Round, draw: Draw, state: RunState) -> tuple[Round, dict[str, float]]:
         """Dynamic sampling (``rollout/dynamic.py``): ``first``, scored, and more rounds until the groups vary.
 
-        The further rounds draw their prompts from ``draw`` and sample them from the weights in the engine.
+        The further rounds draw their prompts from ``draw``, sample them from the weights in the engine and score
+        them with the rollout's ``state``.
         """
         settings = self.settings
         wanted, size, rounds = settings.prompts_per_process, settings.group_size, settings.max_sampling_rounds
-        return refill(first, partial(self._more, at, draw), wanted, size, rounds, at.max_over_processes)
+        return refill(first, partial(self._more, at, draw, state), wanted, size, rounds, at.max_over_processes)
 
     def _needs_more(self, at: At, first: Round) -> bool:
         settings = self.settings
         wanted, size, rounds = settings.prompts_per_process, settings.group_size, settings.max_sampling_rounds
         return needs_more(first, wanted, size, rounds, at.max_over_processes)
 
-    def _more(self, at: At, draw: Draw, count: int, index: int, sample: bool) -> Round | None:
+    def _more(self, at: At, draw: Draw, state: RunState, count: int, index: int, sample: bool) -> Round | None:
         """Dynamic sampling's round ``index``: ``count`` more prompts drawn, sampled and scored when ``sample``."""
         prompts = draw(at.rank, at.ranks, count)
         if not sample:  # this process is full; its share of the stream is skipped, as every process draws alike
             return None
         extra = self._sample(at, prompts, self.feed.tokenize(self.policy.tokenizer, prompts), index)
-        extra.scores = Scores.of(self.rewards, prompts, extra.completions, self.settings.reward_warn_s)
+        extra.scores = Scores.of(self.rewards, prompts, extra.completions, self.settings.reward_warn_s, state)
         return extra
 
 
@@ -199,14 +206,16 @@ class InTurn(Schedule):
     @override
     def next_rollout(self, at: At) -> Rollout:
         prompts, prompt_ids = self._draw_for(at)
+        state = self._run_state(at, self.drawn_at)
         sync = self._push(at, prompts, prompt_ids)
         first = self._sample(at, prompts, prompt_ids, 0)
-        settings, scores, dynamic = self.settings, None, {}
+        settings, dynamic = self.settings, {}
         if settings.dynamic_sampling:  # more rounds, from these weights, until the groups have reward variance
-            first.scores = Scores.of(self.rewards, prompts, first.completions, settings.reward_warn_s)
-            first, dynamic = self._refill(at, first, self.feed.draw)
-            scores = first.scores
+            first.scores = Scores.of(self.rewards, prompts, first.completions, settings.reward_warn_s, state)
+            first, dynamic = self._refill(at, first, self.feed.draw, state)
         self.sampler.sleep()  # a colocated engine with sleep mode lends its memory to training until the push
+        if first.scores is None:
+            first.scores = Scores.of(self.rewards, prompts, first.completions, settings.reward_warn_s, state)
         rollout = make_rollout(
             first.prompts,
             first.prompt_ids,
@@ -215,7 +224,7 @@ class InTurn(Schedule):
             self.rewards,
             settings,
             at.sum_over_processes,
-            scores,
+            first.scores,
         )
         rollout.seconds["sync_s"] = sync["rollout/sync_s"]
         rollout.metrics |= sync | dynamic
@@ -249,7 +258,8 @@ class Ahead(Schedule):
         if current is None:  # nothing sampled ahead: sample it now, from the weights it trains
             prompts, prompt_ids = self._draw_for(at)
             sync = self._push(at, prompts, prompt_ids)
-            current = PendingRollout(prompts, prompt_ids, self.drawn_at, at.step, {})
+            state = self._run_state(at, self.drawn_at)
+            current = PendingRollout(prompts, prompt_ids, self.drawn_at, at.step, {}, state)
             tokenizer, seed = self.policy.tokenizer, self._seed(at, TRAIN)
             n, generated = self.settings.group_size, time.perf_counter()
             current.completions = self.sampler.generate(prompt_ids, n, self.sampling, seed, prompts, tokenizer)
@@ -266,7 +276,7 @@ class Ahead(Schedule):
             # run samples them again alike); their prompts come from the refill stream (``data/feed.py``).
             if self._needs_more(at, first):
                 sync = joined(sync, self._push(at, current.prompts, current.prompt_ids))
-            first, dynamic = self._refill(at, first, self.feed.draw_refill)
+            first, dynamic = self._refill(at, first, self.feed.draw_refill, current.run_state)
             first.completions = tagged(first.completions, at.step)  # the further rounds' tokens: these weights'
         # Also after the last rollout: the checkpoint then holds the next ones, and a run resumed to train longer
         # goes on as if it had never stopped.
@@ -301,7 +311,7 @@ class Ahead(Schedule):
             prompts, prompt_ids = self._draw(at)
             sync = sync or self._push(at, prompts, prompt_ids)  # once per epoch
             weights = self.policy.trainable_weights() if keep else {}
-            pending = PendingRollout(prompts, prompt_ids, drawn_at, at.step, weights)
+            pending = PendingRollout(prompts, prompt_ids, drawn_at, at.step, weights, self._run_state(at, drawn_at))
             n, seed, tokenizer = (
                 self.settings.group_size,
                 round_seed(self._seed(at, AHEAD), index),

@@ -26,6 +26,7 @@ class Group:
         correct: ``[G]`` 1.0 / 0.0 answer correctness (NaN when no reward grades correctness).
         answer: Reference answer of the prompt.
         question: The prompt's question text.
+        extra: Columns the rewards logged (``log_extra``), ``G`` values each, for the sample table.
     """
 
     prompt_ids: list[int]
@@ -35,6 +36,7 @@ class Group:
     correct: torch.Tensor | None = None
     answer: str = ""
     question: str = ""
+    extra: dict[str, list] = field(default_factory=dict)
 
 
 @dataclass

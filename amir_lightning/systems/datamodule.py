@@ -14,7 +14,6 @@ import logging
 import time
 from typing import Any, Literal
 
-import torch
 from lightning import LightningDataModule
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
@@ -24,7 +23,7 @@ from amir_lightning.data.base import Prompt, PromptSource
 from amir_lightning.data.feed import PromptFeed
 from amir_lightning.data.templates import ChatFormat, read_template, render_prompts
 from amir_lightning.evaluation.evaluator import EvaluationSettings, Evaluator
-from amir_lightning.helpers.distributed import all_reduce
+from amir_lightning.helpers.distributed import mean_over_processes
 from amir_lightning.helpers.tracking import log_metrics
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rewards.base import FunctionReward, Reward
@@ -173,7 +172,10 @@ class RolloutDataModule(LightningDataModule):
         """Where the run stands: Lightning's counters, read here and passed down."""
         trainer = self.trainer
         step, rank, ranks = trainer.global_step, trainer.global_rank, trainer.world_size
-        return At(trainer.current_epoch, step, rank, ranks, trainer.strategy.root_device)
+        max_steps = trainer.max_steps
+        if max_steps < 0 and trainer.max_epochs is not None and trainer.max_epochs >= 0:
+            max_steps = trainer.max_epochs * self.settings.steps_per_rollout  # one rollout per epoch
+        return At(trainer.current_epoch, step, rank, ranks, trainer.strategy.root_device, max_steps)
 
     @property
     def tokenizer(self):
@@ -342,9 +344,7 @@ class RolloutDataModule(LightningDataModule):
     # ------------------------------------------------------------------ logging
     def _log(self, metrics: dict[str, float], at: At) -> None:
         """Log rollout metrics averaged over processes, and the rollout's line; every process must call it."""
-        keys = sorted(metrics)
-        values = all_reduce(torch.tensor([float(metrics[k]) for k in keys]), "mean", at.device)
-        reduced = dict(zip(keys, values.tolist()))
+        reduced = mean_over_processes(metrics, at.device)  # a reward's log_metric may reach some processes only
         log_metrics(self.trainer, reduced)
         self._rollout_times.append(time.perf_counter())
         if at.rank == 0:
