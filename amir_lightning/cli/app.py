@@ -88,12 +88,32 @@ DESCRIPTION = (
 
 
 class AmirCLI(LightningCLI):
-    """LightningCLI with the links the rollout loop needs."""
+    """LightningCLI with the links the rollout loop needs.
+
+    Only the subcommand named on the command line gets its parser built (a third of a second each): ``amir --help``
+    and a command that names none build them all.
+    """
+
+    def __init__(self, *classes, args: ArgsType = None, **kwargs) -> None:
+        self.named = named_subcommand(sys.argv[1:] if args is None else args, self.subcommands())
+        super().__init__(*classes, args=args, **kwargs)
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         """The trainer methods ``amir`` runs: fit, validate and test (Lightning's predict has nothing to predict)."""
         return {k: v for k, v in LightningCLI.subcommands().items() if k != "predict"}
+
+    @override
+    def _add_subcommands(self, parser, **kwargs) -> None:
+        if self.named is None:
+            super()._add_subcommands(parser, **kwargs)
+            return
+        every = self.subcommands()
+        self.subcommands = lambda: {self.named: every[self.named]}  # what Lightning's loop reads, for this call
+        try:
+            super()._add_subcommands(parser, **kwargs)
+        finally:
+            del self.subcommands
 
     @override
     def add_arguments_to_parser(self, parser) -> None:
@@ -166,6 +186,13 @@ class AmirCLI(LightningCLI):
     def before_fit(self) -> None:  # noqa: D102
         if self.config[self.subcommand].get("validate_before_fit"):
             self.trainer.validate(self.model, datamodule=self.datamodule)
+
+
+def named_subcommand(args: ArgsType, subcommands: dict) -> str | None:
+    """The subcommand ``args`` names (its first word that is one), or ``None`` (none, or ``args`` as a mapping)."""
+    if not isinstance(args, list | tuple):
+        return None
+    return next((word for word in args if isinstance(word, str) and word in subcommands), None)
 
 
 def build_cli(args: ArgsType = None, run: bool = True) -> AmirCLI:
