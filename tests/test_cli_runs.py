@@ -162,3 +162,13 @@ def test_a_reward_model_config_trains(amir, tmp_path):
     assert len(scores) == 3 and all(math.isfinite(s) for s in scores)
     assert scores == pytest.approx(scalars["rollout/reward_mean"], abs=1e-6)  # the only reward, weight 1
     assert len(set(scores)) == 3  # scores of what each rollout sampled, not a constant
+
+
+def test_help_lists_every_subcommand_and_a_subcommands_help_is_its_own(tmp_path, monkeypatch, capsys):
+    """Only the subcommand named gets its parser built; the top-level help, which names none, still lists them all."""
+    from conftest import amir_here
+
+    code, out, _ = amir_here(["--help"], tmp_path, monkeypatch, capsys)
+    assert code == 0 and all(f"    {name} " in out for name in ("fit", "validate", "test"))
+    code, out, _ = amir_here(["validate", "--help"], tmp_path, monkeypatch, capsys)
+    assert code == 0 and out.startswith("usage: amir [options] validate") and "--trainer.max_epochs" in out
