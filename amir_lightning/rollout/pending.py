@@ -114,7 +114,7 @@ class SavedRollout:
     """A pending rollout as a checkpoint holds it: redrawn from ``drawn_at``, its completions as sampled.
 
     ``prompt_digest`` fingerprints the prompts it was sampled for (``None`` in checkpoints older than it), and
-    ``scores`` are its rewards when they were computed before the checkpoint, and ``state`` the rewards'
+    ``scores`` are its rewards when they were computed before the checkpoint, and ``run_state`` the rewards'
     ``trainer_state`` (older checkpoints: its step and nothing else).
     """
 
