@@ -15,8 +15,8 @@ from amir_lightning.callbacks import RolloutSampleLogger
 from amir_lightning.data.base import Prompt
 from amir_lightning.helpers.distributed import mean_over_processes
 from amir_lightning.helpers.serving import free_port
-from amir_lightning.rewards import FunctionReward
-from amir_lightning.rewards.base import RewardError, RunState
+from amir_lightning.rewards import FunctionReward, RunState
+from amir_lightning.rewards.base import RewardError
 from amir_lightning.rollout.batch import make_groups
 from amir_lightning.rollout.dynamic import Round, refill
 from amir_lightning.rollout.engine import Completion

@@ -1,6 +1,6 @@
 """Rewards: math grading, format rewards, reward models, LLM judges and plain functions (TRL's signature)."""
 
-from amir_lightning.rewards.base import FunctionReward, Reward, RewardInputs
+from amir_lightning.rewards.base import FunctionReward, Reward, RewardInputs, RunState
 from amir_lightning.rewards.format import (
     AnswerNumberReward,
     TagCountReward,
@@ -25,6 +25,7 @@ __all__ = [
     "Reward",
     "RewardInputs",
     "RewardModel",
+    "RunState",
     "SandboxedGrader",
     "TagCountReward",
     "ThinkAnswerFormatReward",
