@@ -90,8 +90,8 @@ DESCRIPTION = (
 class AmirCLI(LightningCLI):
     """LightningCLI with the links the rollout loop needs.
 
-    Only the subcommand named on the command line gets its parser built (a third of a second each): ``amir --help``
-    and a command that names none build them all.
+    Only the subcommand named on the command line gets its parser built (each start is about 0.1 s quicker, on 2
+    cores): ``amir --help`` and a command that names none build them all.
     """
 
     def __init__(self, *classes, args: ArgsType = None, **kwargs) -> None:
