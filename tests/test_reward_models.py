@@ -6,7 +6,7 @@ import torch
 from amir_lightning.data.base import Prompt
 from amir_lightning.models import PRINTABLE_ALPHABET, TinyModel
 from amir_lightning.rewards import RewardModel
-from amir_lightning.rewards.base import RewardInputs
+from amir_lightning.rewards.inputs import RewardInputs
 
 
 @pytest.fixture(scope="module")

@@ -163,7 +163,7 @@ def short_reward_model(tmp_path_factory):
 def scored(path, prompts, completions, **kwargs):
     from amir_lightning.data.base import Prompt
     from amir_lightning.rewards import RewardModel
-    from amir_lightning.rewards.base import RewardInputs
+    from amir_lightning.rewards.inputs import RewardInputs
 
     reward = RewardModel(path, **kwargs)
     inputs = RewardInputs(completions, [Prompt(question=p, answer="") for p in prompts], [[1]] * len(prompts),

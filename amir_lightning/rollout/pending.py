@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from amir_lightning.data.base import Prompt
-from amir_lightning.rewards.base import Reward, RunState
+from amir_lightning.rewards.base import Reward
+from amir_lightning.rewards.inputs import RunState
 from amir_lightning.rollout.engine import Completion
 from amir_lightning.rollout.rewarding import Scores
 
@@ -115,7 +116,7 @@ class SavedRollout:
 
     ``prompt_digest`` fingerprints the prompts it was sampled for (``None`` in checkpoints older than it), and
     ``scores`` are its rewards when they were computed before the checkpoint, and ``run_state`` the rewards'
-    ``trainer_state`` (older checkpoints: its step and nothing else).
+    ``trainer_state`` (from an older checkpoint: its step and nothing else).
     """
 
     drawn_at: int
@@ -126,6 +127,10 @@ class SavedRollout:
     prompt_digest: str | None = None
     scores: Scores | None = None
     run_state: RunState | None = None
+
+    def __post_init__(self) -> None:
+        if self.run_state is None:  # an older checkpoint: its step is all that is known
+            self.run_state = RunState(global_step=self.version)
 
     def state(self) -> dict:
         """What ``from_state`` reads."""
@@ -146,7 +151,7 @@ class SavedRollout:
         groups = [[_completion(c) for c in group] for group in state["completions"]]
         scores = Scores(**state["scores"]) if state.get("scores") is not None else None
         when = int(state["drawn_at"]), int(state["version"])
-        run = RunState(**state["run_state"]) if state.get("run_state") else RunState(global_step=when[1])
+        run = RunState(**state["run_state"]) if state.get("run_state") else None
         return cls(*when, state["weights"], float(state["generate_s"]), groups, state.get("prompt_digest"), scores, run)
 
     def fits(self, prompt_ids: list[list[int]]) -> bool:
@@ -157,8 +162,7 @@ class SavedRollout:
 
     def pending(self, prompts: list[Prompt], prompt_ids: list[list[int]]) -> PendingRollout:
         """The pending rollout again, with its prompts drawn anew (the same ones: the stream is deterministic)."""
-        run_state = self.run_state or RunState(self.version)
-        rollout = PendingRollout(prompts, prompt_ids, self.drawn_at, self.version, self.weights, run_state)
+        rollout = PendingRollout(prompts, prompt_ids, self.drawn_at, self.version, self.weights, self.run_state)
         rollout.generate_s, rollout.completions, rollout.scores = self.generate_s, self.completions, self.scores
         return rollout
 

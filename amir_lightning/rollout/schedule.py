@@ -28,7 +28,8 @@ from typing_extensions import override
 from amir_lightning.data.base import Prompt
 from amir_lightning.data.feed import PromptFeed
 from amir_lightning.helpers.distributed import all_reduce
-from amir_lightning.rewards.base import Reward, RunState
+from amir_lightning.rewards.base import Reward
+from amir_lightning.rewards.inputs import RunState
 from amir_lightning.rollout.collect import RolloutSettings, make_rollout
 from amir_lightning.rollout.dynamic import Round, needs_more, refill
 from amir_lightning.rollout.engine import Completion, SamplingConfig
