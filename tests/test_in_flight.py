@@ -18,6 +18,7 @@ from amir_lightning.rollout.schedule import staleness
 from amir_lightning.systems.datamodule import RolloutDataModule
 
 SERVER = {"max_model_len": 256, "kv_cache_memory_bytes": 32 * 1024**2, "threads": 1}
+LONG = 2000  # tokens of the generation a push reaches
 
 
 def test_staleness_is_counted_over_tokens_from_the_weights_that_sampled_each():
@@ -54,15 +55,16 @@ def test_an_engine_that_cannot_take_a_push_in_flight_is_refused():
 def test_a_push_reaches_the_requests_in_flight_and_the_tokens_say_which_weights_sampled_them(tmp_path):
     """A long generation on the server, a push while it runs: the completions' first tokens carry the version the
     server had, the rest the pushed one (which its workers hold, exactly); every token has its engine log-prob."""
-    model_dir = build_tiny_model(tmp_path / "model", seed=5)
-    engine = VLLMServerEngine(**SERVER)
+    # 2000 tokens take ~4 s on 2 cores: the push lands inside them (240 once finished before it on a faster machine)
+    model_dir = build_tiny_model(tmp_path / "model", seed=5, max_position_embeddings=LONG + 8)
+    engine = VLLMServerEngine(**SERVER | {"max_model_len": LONG + 8})
     engine.updates_in_flight = True
     engine.start(model_dir, seed=0)
     try:
         engine.weight_version = 3
         tensors = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
         engine.load_weights(tensors.items())  # the run's weights, version 3
-        sampling = SamplingConfig(max_new_tokens=240, temperature=1.0, generation_kwargs={"ignore_eos": True})
+        sampling = SamplingConfig(max_new_tokens=LONG, temperature=1.0, generation_kwargs={"ignore_eos": True})
         out = {}
         thread = threading.Thread(target=lambda: out.update(groups=engine.generate([[5, 6, 7]], 2, sampling, 11)))
         thread.start()
@@ -76,9 +78,9 @@ def test_a_push_reaches_the_requests_in_flight_and_the_tokens_say_which_weights_
         thread.join(timeout=300)
         for completion in out["groups"][0]:
             versions = completion.versions
-            assert len(versions) == len(completion.token_ids) == len(completion.sampling_logps) == 240
+            assert len(versions) == len(completion.token_ids) == len(completion.sampling_logps) == LONG
             first_new = versions.index(4)
-            assert 0 < first_new < 240 and versions == [3] * first_new + [4] * (240 - first_new), versions
+            assert 0 < first_new < LONG and versions == [3] * first_new + [4] * (LONG - first_new), versions
         # the server holds the pushed weights: its log-probs of a probe are the moved model's
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         model.load_state_dict(moved)
