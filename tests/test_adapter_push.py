@@ -1,7 +1,8 @@
 """LoRA adapter pushes into real vLLM (``push_adapters``): the base once, then the factors alone, verified exactly.
 
 The policy is the real ``Policy`` with peft adapters (r 8, alpha 16: scaling 2, so a push that forgot to pre-scale
-``B`` would be seen) on the tiny model; the engine is vLLM on this CPU, serving the adapter with its LoRA layers.
+``B`` would be seen) on the tiny model; the engine is vLLM on this CPU, serving the adapter with its LoRA layers, in
+this process (``VLLMEngine``) and as a server (``VLLMServerEngine``, through ``/v1/load_lora_adapter``).
 """
 
 import json
@@ -9,12 +10,15 @@ import json
 import pytest
 import torch
 
+from amir_lightning.data import ArithmeticPrompts
 from amir_lightning.models import HFModel, LoraSettings, build_tiny_model
-from amir_lightning.rollout import SamplingConfig, VLLMEngine
+from amir_lightning.rollout import SamplingConfig, VLLMEngine, VLLMServerEngine, server_setup
 from amir_lightning.rollout import vllm_engine as vllm_engine_module
 from amir_lightning.rollout.adapters import adapter_mismatches, engine_rank, modules_of
+from amir_lightning.rollout.collect import RolloutSettings
 from amir_lightning.rollout.policy import Policy
 from amir_lightning.rollout.sync import StaleEngineError, SyncCheck
+from amir_lightning.systems.datamodule import RolloutDataModule
 
 LORA = LoraSettings(r=8, alpha=16)
 
@@ -40,9 +44,22 @@ def step(policy: Policy, seed: int, scale: float = 0.05) -> None:
                 p.add_(scale * torch.randn(p.shape, generator=gen))
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_dir):
-    engine = VLLMEngine(max_model_len=64, kv_cache_memory_bytes=32 * 1024**2, progress=False, push_adapters=True)
+ENGINES = {
+    "in-process": lambda: VLLMEngine(
+        max_model_len=64, kv_cache_memory_bytes=32 * 1024**2, progress=False, push_adapters=True
+    ),  # fmt: skip
+    "server": lambda: VLLMServerEngine(
+        max_model_len=64, kv_cache_memory_bytes=32 * 1024**2, threads=1, push_adapters=True
+    ),  # fmt: skip
+}
+#: Where each engine's adapter folder is written from (a fault below rewrites what it writes).
+WRITERS = {"in-process": vllm_engine_module, "server": server_setup}
+
+
+@pytest.fixture(scope="module", params=list(ENGINES))
+def engine(tiny_dir, request):
+    engine = ENGINES[request.param]()
+    engine.kind = request.param
     engine.take_adapters(LORA)
     engine.start(tiny_dir, seed=0)
     yield engine
@@ -115,14 +132,14 @@ def test_an_engine_that_takes_an_adapter_push_wrong_is_stopped_at_that_sync(tiny
         load = engine.load_adapters
         monkeypatch.setattr(engine, "load_adapters", lambda a, r: None if change is None else load(change(a), r))
     else:
-        write = vllm_engine_module.write_adapter
+        write = WRITERS[engine.kind].write_adapter
 
         def doubled_alpha(folder, adapters, rank, dtype):
             write(folder, adapters, rank, dtype)
             config = json.loads((folder / "adapter_config.json").read_text())
             (folder / "adapter_config.json").write_text(json.dumps(config | {"lora_alpha": 2 * rank}))
 
-        monkeypatch.setattr(vllm_engine_module, "write_adapter", doubled_alpha)
+        monkeypatch.setattr(WRITERS[engine.kind], "write_adapter", doubled_alpha)
     with pytest.raises(StaleEngineError, match="holds other weights than the trainer pushed") as stopped:
         check.push_and_verify(policy, engine)
     assert named in str(stopped.value).partition("the first: ")[2], stopped.value
@@ -162,13 +179,24 @@ def test_adapter_checks_compare_each_slice_at_the_engine_rank_and_refuse_ranks_i
         engine_rank(600)
 
 
-def test_push_adapters_without_lora_is_refused_in_one_line():
-    engine = VLLMEngine(push_adapters=True)
+@pytest.mark.parametrize("kind", [VLLMEngine, VLLMServerEngine])
+def test_push_adapters_without_lora_is_refused_in_one_line(kind):
+    engine = kind(push_adapters=True)
     with pytest.raises(ValueError, match="push_adapters needs LoRA adapters to push \\(model.lora\\)"):
         engine.take_adapters(None)
-    engine = VLLMEngine()
+    engine = kind()
     engine.take_adapters(LORA)
     assert not engine.takes_adapters  # merged pushes unless asked
+
+
+def test_adapters_a_server_cannot_serve_right_are_refused_naming_the_keys():
+    with pytest.raises(ValueError, match="push_adapters reads the served adapter back from one server worker: set "
+                                         "tensor_parallel_size 1"):  # fmt: skip
+        VLLMServerEngine(push_adapters=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="partial_rollouts with data.engine.init_args.push_adapters: a push in flight "
+                                         "would replace the adapter that the running requests name"):  # fmt: skip
+        RolloutDataModule(prompts=ArithmeticPrompts(), engine=VLLMServerEngine(push_adapters=True),
+                          rollout=RolloutSettings(max_staleness=1, partial_rollouts=True))  # fmt: skip
 
 
 @pytest.mark.slow
@@ -190,3 +218,26 @@ def test_a_run_that_pushes_adapters_resumes_to_the_same_policy_and_logs_light_sy
     assert len(mib) >= 4 and mib[0] > 4 * mib[1] and mib[1:] == [mib[1]] * (len(mib) - 1)
     assert verified[1:] == [14.0] * (len(mib) - 1) and verified[0] > 14  # each adapter slice; first the base too
     assert max(scalars["rollout/sync_logp_diff"]) < 1e-4
+
+
+@pytest.mark.slow
+def test_a_run_on_a_server_pushes_adapters_and_samples_with_them(tmp_path, monkeypatch, capsys, caplog):
+    """configs/tiny.yaml with LoRA, ``push_adapters`` and a vLLM server: the first sync sends the base and the
+    adapters, every later one the adapters alone, each read back from the server exactly; the server's log-probs of
+    what it sampled are the trainer's (the requests name the adapter: without it they would be the base model's)."""
+    from pathlib import Path
+
+    from conftest import read_scalars, run_here
+
+    config = Path(__file__).parents[1] / "configs" / "tiny.yaml"
+    server = {"max_model_len": 64, "kv_cache_memory_bytes": 32 * 1024**2, "threads": 1, "push_adapters": True}
+    engine = json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": server})
+    args = ["fit", "--config", str(config), "--model.lora", "{r: 8, alpha: 16}", "--data.engine", engine]
+    args += ["--trainer.max_epochs", "3", "--trainer.check_val_every_n_epoch", "9"]
+    run_here(args, tmp_path, monkeypatch, capsys, caplog)
+    scalars = read_scalars(tmp_path / "runs" / "tiny" / "version_0")
+    mib, verified = scalars["rollout/sync_mib"], scalars["rollout/sync_verified_tensors"]
+    assert len(mib) == 3 and mib[0] > 4 * mib[1] and mib[1] == mib[2]
+    assert verified[1:] == [14.0, 14.0] and verified[0] > 14
+    assert max(scalars["rollout/sync_logp_diff"]) < 1e-4
+    assert max(scalars["rollout/engine_trainer_kl"]) < 1e-6  # the sampled tokens, scored by both

@@ -141,17 +141,3 @@ def test_a_fit_with_the_server_engine_learns_the_tiny_task(tmp_path):
     assert min(scalars["rollout/sync_verified_tensors"]) > 0
     assert max(scalars["rollout/sync_logp_diff"]) < 1e-4
     assert len(scalars["val/accuracy"]) == 3  # before the fit, after rollouts 10 and 20
-
-
-def test_two_training_processes_share_one_server_a_rollout_ahead(tmp_path):
-    """2 DDP processes and one vLLM server (started by the first): each samples its own prompts from it, the first
-    pushes the weights, both read them back exactly, with the next rollout sampling while they train."""
-    engine = json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": SERVER})
-    args = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.engine", engine]
-    args += ["--trainer.devices", "2", "--trainer.strategy", "ddp", "--data.rollout.max_staleness", "1"]
-    run_amir([*args, "--trainer.max_epochs", "3", "--trainer.check_val_every_n_epoch", "3"], tmp_path)
-    scalars = read_scalars(tmp_path / "runs" / "tiny" / "version_0")
-    assert len(scalars["rollout/reward_mean"]) == 3 and len(scalars["train/loss"]) == 3
-    assert min(scalars["rollout/sync_verified_tensors"]) > 0 and max(scalars["rollout/sync_logp_diff"]) < 1e-4
-    assert scalars["rollout/staleness"] == [0.0, 1.0, 1.0]
-    assert "val/accuracy" in scalars

@@ -72,8 +72,10 @@ class Endpoint:
 
 
 def request(endpoint: Endpoint, route: str, body: dict | None = None, *, deadline_s: float, deadline_key: str,
-            method: str = "POST") -> dict:  # fmt: skip
+            method: str = "POST", plain: bool = False) -> dict:  # fmt: skip
     """``body`` as JSON to ``endpoint.url + route``; the answer's JSON object.
+
+    ``plain``: ``{"text": the answer's text}``, for a route that answers in words.
 
     ``deadline_s`` (the setting ``deadline_key``) bounds the wait. Raises ``ServerError``, or what a stop raises.
     """
@@ -86,7 +88,7 @@ def request(endpoint: Endpoint, route: str, body: dict | None = None, *, deadlin
         raise _failure(exchange, err) from None
     finally:
         _WATCHER.remove(exchange)
-    return _decode(endpoint, route, status, kind, text)
+    return _decode(endpoint, route, status, kind, text, plain)
 
 
 @contextmanager
@@ -198,7 +200,7 @@ def _failure(exchange: _Exchange, err: BaseException) -> BaseException:
     return ServerError(f"{where} did not answer {route}: {type(err).__name__}: {err}", tail=tail, transient=True)
 
 
-def _decode(endpoint: Endpoint, route: str, status: int, kind: str, text: bytes) -> dict:
+def _decode(endpoint: Endpoint, route: str, status: int, kind: str, text: bytes, plain: bool = False) -> dict:
     where = f"{endpoint.what} at {endpoint.url}"
     if status == 404:
         raise ServerError(f"{where} has no route {route} (404): {endpoint.url_key} must be {endpoint.expect}")
@@ -206,6 +208,8 @@ def _decode(endpoint: Endpoint, route: str, status: int, kind: str, text: bytes)
         tail = endpoint.process.log_tail() if endpoint.process is not None and status >= 500 else ""
         raise ServerError(f"{where} refused {route} ({status}): {one_line(text, 600)}", tail=tail,
                           transient=status >= 500 or status == 429)  # fmt: skip
+    if plain:
+        return {"text": text.decode(errors="replace")}
     if not text.strip():
         return {}
     try:

@@ -34,6 +34,39 @@ def engine_rank(rank: int) -> int:
     )
 
 
+def pushed_rank(push_adapters: bool, lora) -> int | None:
+    """The rank of the adapters an engine with ``push_adapters`` takes apart from its base weights.
+
+    ``lora``: the policy's ``LoraSettings``. ``None``: the engine takes merged weights.
+    """
+    if not push_adapters:
+        return None
+    if lora is None:
+        raise ValueError(
+            "data.engine.init_args.push_adapters needs LoRA adapters to push (model.lora); the whole policy "
+            "trains, so set it to false"
+        )
+    engine_rank(lora.r)  # one the engine can serve
+    return lora.r
+
+
+class ServesAdapters:
+    """An engine that can serve the policy's LoRA adapters apart from its base weights.
+
+    ``push_adapters`` is its setting, ``take_adapters`` ``RolloutEngine``'s hook, ``lora_rank`` the policy's rank.
+    """
+
+    push_adapters: bool = False
+    lora_rank: int = 0
+    takes_adapters: bool = False
+
+    def take_adapters(self, lora) -> None:
+        """Serve ``lora``'s adapters apart (``push_adapters``), or take merged weights."""
+        rank = pushed_rank(self.push_adapters, lora)
+        if rank is not None:
+            self.lora_rank, self.takes_adapters = rank, True
+
+
 def modules_of(adapters: dict[str, torch.Tensor]) -> list[str]:
     """The adapted layers of ``adapters`` (``model.layers.0.self_attn.q_proj``), in push order."""
     prefix = "base_model.model."

@@ -20,6 +20,7 @@ import torch
 
 from amir_lightning.helpers.http import Endpoint, ServerError, reading
 from amir_lightning.helpers.serving import TRAINER_GROUP
+from amir_lightning.rollout.adapters import engine_rank, write_adapter
 from amir_lightning.rollout.engine import Completion, RolloutEngine
 from amir_lightning.rollout.vllm_worker import FILE_BACKEND
 
@@ -27,6 +28,7 @@ from amir_lightning.rollout.vllm_worker import FILE_BACKEND
 ServerEngine = RolloutEngine
 
 KEY = "data.engine.init_args"
+ADAPTER = "policy"  #: the name the server serves the policy's pushed LoRA adapters under (and the push's number)
 #: What a ``url`` must be, said when its answers are not a vLLM server's.
 EXPECT = (
     "a vLLM server started with VLLM_SERVER_DEV_MODE=1 AMIR_VLLM_SERVER=1 and the flags VLLMServerEngine."
@@ -52,6 +54,8 @@ def server_command(engine: ServerEngine, model_dir: Path, port: int, seed: int, 
     command += ["--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching"]
     command += ["--enable-scale-out"]  # /inference/v1/generate: which weights sampled each token
     command += ["--disable-uvicorn-access-log"]
+    if engine.takes_adapters:  # one adapter, the policy's, replaced in place at every push
+        command += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(engine_rank(engine.lora_rank))]
     kv_bytes = engine.kv_cache_memory_bytes
     if on_gpu:
         command += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
@@ -73,6 +77,8 @@ def server_env(engine: ServerEngine) -> dict[str, str]:
         env["CUDA_VISIBLE_DEVICES"] = engine.devices
     if engine.threads is not None:
         env["OMP_NUM_THREADS"] = str(engine.threads)
+    if engine.takes_adapters:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter
     return env
 
 
@@ -110,11 +116,8 @@ def write_weights(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 def push_weights(engine: ServerEngine, tensors: dict[str, torch.Tensor]) -> None:
     """Push ``tensors`` into ``engine``'s server: a file in its transfer folder, loaded through vLLM's update routes.
 
-    ``/pause`` (requests in flight finish on the old weights), ``/start_weight_update``, ``/update_weights``,
-    ``/finish_weight_update`` with the run's weight version (the optimisation step), ``/reset_prefix_cache``,
-    ``/resume``. With updates in flight (``engine.updates_in_flight``) the pause keeps the requests in flight
-    (``mode=keep``) and the cache reset sends them back to the queue (``reset_running_requests``): their tokens so
-    far are read again under the new weights, which sample the rest; nothing runs on a cache of the old ones.
+    ``/pause`` (``paused``), ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update`` with the run's
+    weight version (the optimisation step), ``/reset_prefix_cache``, ``/resume``.
     """
     if not tensors:
         raise ValueError("load_weights got no tensors: the engine would keep stale weights")
@@ -122,26 +125,73 @@ def push_weights(engine: ServerEngine, tensors: dict[str, torch.Tensor]) -> None
     write_weights(path, tensors)
     del tensors
     try:
-        keep = engine.updates_in_flight
-        engine._post("/pause?mode=keep" if keep else "/pause?mode=wait")
-        try:
+        with paused(engine):
             engine._post("/start_weight_update")
             _load(engine, path)
             engine._post("/finish_weight_update", {"weight_version": str(engine.weight_version)})
-            reset = engine._post("/reset_prefix_cache?reset_running_requests=true" if keep else "/reset_prefix_cache")
-            if keep and not (isinstance(reset, dict) and reset.get("success")):
-                raise ServerError(
-                    f"{engine.endpoint.what} at {engine.url} could not drop its cache of the old weights after a push "
-                    f"with requests in flight (/reset_prefix_cache answered {reset!r:.200})"
-                )
-        except BaseException:
-            with contextlib.suppress(ServerError):  # the first failure is the one to name
-                engine._post("/resume")
-            raise
-        engine._post("/resume")
     finally:
         path.unlink(missing_ok=True)
     engine.pushes += 1
+
+
+def push_adapters(engine: ServerEngine, adapters: dict[str, torch.Tensor], rank: int, dtype: torch.dtype) -> str:
+    """Serve ``adapters`` from ``engine``'s server as a new LoRA adapter, and drop the last one; its name.
+
+    vLLM's ``/v1/load_lora_adapter``, generation paused as for a weight push (``paused``). Each push is an adapter
+    of its own (``policy-<push>``): one loaded ``load_inplace`` would be read from its folder again at every
+    scheduling step, as vLLM 0.32 re-applies such a request's adapter. The server holds one adapter (``--max-loras
+    1``), so the new one takes the old one's place.
+    """
+    name = adapter_name(engine.pushes + 1)
+    folder = engine._workdir / name
+    try:
+        write_adapter(folder, adapters, rank, dtype)
+    except OSError as err:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise ServerError(f"could not write the pushed adapters to {folder} ({KEY}.transfer_dir): "
+                          f"{err.strerror or err}") from None  # fmt: skip
+    try:
+        with contextlib.suppress(ServerError):  # a name left by an earlier run on a server given by url
+            engine._post("/v1/unload_lora_adapter", {"lora_name": name}, plain=True)
+        with paused(engine):
+            engine._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)}, plain=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # read into the server's memory by now
+    if engine.pushes > 0:  # the last adapter's name, no longer served
+        with contextlib.suppress(ServerError):
+            engine._post("/v1/unload_lora_adapter", {"lora_name": adapter_name(engine.pushes)}, plain=True)
+    engine.pushes += 1
+    return name
+
+
+def adapter_name(push: int) -> str:
+    """The name the server serves the adapters of push number ``push`` under."""
+    return f"{ADAPTER}-{push}"
+
+
+@contextlib.contextmanager
+def paused(engine: ServerEngine):
+    """``engine``'s server with generation paused, for a push; its prefix cache dropped before it resumes.
+
+    ``/pause`` waits for the requests in flight to finish on the old weights; with updates in flight
+    (``engine.updates_in_flight``) it keeps them (``mode=keep``) and the cache reset sends them back to the queue
+    (``reset_running_requests``): their tokens so far are read again under the new weights, which sample the rest.
+    """
+    keep = engine.updates_in_flight
+    engine._post("/pause?mode=keep" if keep else "/pause?mode=wait")
+    try:
+        yield
+        reset = engine._post("/reset_prefix_cache?reset_running_requests=true" if keep else "/reset_prefix_cache")
+        if keep and not (isinstance(reset, dict) and reset.get("success")):
+            raise ServerError(
+                f"{engine.endpoint.what} at {engine.url} could not drop its cache of the old weights after a push "
+                f"with requests in flight (/reset_prefix_cache answered {reset!r:.200})"
+            )
+    except BaseException:
+        with contextlib.suppress(ServerError):  # the first failure is the one to name
+            engine._post("/resume")
+        raise
+    engine._post("/resume")
 
 
 def _load(engine: ServerEngine, path: Path) -> None:

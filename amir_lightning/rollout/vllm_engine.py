@@ -34,7 +34,7 @@ from typing_extensions import override
 from amir_lightning.helpers.distributed import world_size
 from amir_lightning.helpers.extras import extra_requirements
 from amir_lightning.helpers.validation import check_number, raise_errors
-from amir_lightning.rollout.adapters import engine_rank, write_adapter
+from amir_lightning.rollout.adapters import ServesAdapters, engine_rank, write_adapter
 from amir_lightning.rollout.digest import ColumnSample, Reading
 from amir_lightning.rollout.engine import (
     Completion,
@@ -61,7 +61,7 @@ def _import_vllm():
     return vllm
 
 
-class VLLMEngine(RolloutEngine):
+class VLLMEngine(ServesAdapters, RolloutEngine):
     """Generate with vLLM in the training process.
 
     Args:
@@ -125,18 +125,6 @@ class VLLMEngine(RolloutEngine):
         self.enable_sleep_mode, self.asleep = enable_sleep_mode, False
         self.push_adapters, self.lora_rank, self._lora_request = push_adapters, 0, None
         self.llm = None
-
-    @override
-    def take_adapters(self, lora) -> None:
-        if not self.push_adapters:
-            return
-        if lora is None:
-            raise ValueError(
-                "data.engine.init_args.push_adapters needs LoRA adapters to push (model.lora); the whole policy "
-                "trains, so set it to false"
-            )
-        engine_rank(lora.r)  # one the engine can serve
-        self.lora_rank, self.takes_adapters = lora.r, True
 
     @override
     def start(self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0) -> None:

@@ -19,6 +19,11 @@ in a line within a minute, one whose process is gone stops the run at once, SIGT
 and each fault is one line naming the server, the route and the key (``ServerError``). The started server's whole
 process group ends with the run (``helpers/serving.py``).
 
+With ``push_adapters`` (a LoRA policy) the server serves the policy's adapter (``--enable-lora``, vLLM's
+``/v1/load_lora_adapter`` with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``): the base weights are pushed once, then
+each sync sends only the LoRA factors, as a new adapter in the old one's place, and reads them back exactly
+(``rollout/adapters.py``); every request names the adapter.
+
 A server started for a ``url`` must run with the same two settings: ``VLLM_SERVER_DEV_MODE=1 AMIR_VLLM_SERVER=1``
 in its environment and ``--weight-transfer-config '{"backend": "amir_file"}' --worker-extension-cls
 amir_lightning.rollout.vllm_worker.AmirWorkerExtension --logprobs-mode processed_logprobs`` (``server_command``
@@ -44,6 +49,7 @@ from amir_lightning.helpers.http import Endpoint, ServerError, reading, request
 from amir_lightning.helpers.serving import REFUSED_S, ServerProcess, free_port, reachable_url, wait_for
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rollout import server_setup
+from amir_lightning.rollout.adapters import ServesAdapters
 from amir_lightning.rollout.digest import ColumnSample, Reading, WeightSlot
 from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig, WeightLayout, check_passed_through
 from amir_lightning.rollout.server_setup import KEY
@@ -53,7 +59,7 @@ from amir_lightning.rollout.vllm_worker import decode
 log = logging.getLogger(__name__)
 
 
-class VLLMServerEngine(RolloutEngine):
+class VLLMServerEngine(ServesAdapters, RolloutEngine):
     """Generate with a vLLM server in its own process, on its own devices (it can sample while the policy trains).
 
     Args:
@@ -79,6 +85,8 @@ class VLLMServerEngine(RolloutEngine):
             sequences; 10 minutes for a weight update). A server silent for a minute is said in a line with the
             state of its process, and one whose process is gone stops the run at once.
         log_file: Where the started server's output goes (default: a file beside the pushed weights).
+        push_adapters: With a LoRA policy (``model.lora``), push its adapters at each sync, not the merged
+            weights (the base weights once, at the first); on one server worker (``tensor_parallel_size`` 1).
     """
 
     def __init__(
@@ -99,6 +107,7 @@ class VLLMServerEngine(RolloutEngine):
         startup_timeout: float = 600.0,
         request_timeout: float | None = None,
         log_file: str | None = None,
+        push_adapters: bool = False,
     ) -> None:
         errors: list[str] = []
         check_number(errors, f"{KEY}.max_model_len", max_model_len, ge=1)
@@ -111,6 +120,9 @@ class VLLMServerEngine(RolloutEngine):
         check_number(errors, f"{KEY}.request_timeout", request_timeout, gt=0, optional=True)
         if url is not None and (devices is not None or cpu_cores is not None):
             errors.append(f"{KEY}: url names a running server; devices and cpu_cores are for one started here")
+        if push_adapters and tensor_parallel_size > 1:
+            errors.append(f"{KEY}.push_adapters reads the served adapter back from one server worker: set "
+                          "tensor_parallel_size 1, or push_adapters false to push merged weights")  # fmt: skip
         if cpu_cores is not None and shutil.which("taskset") is None:
             errors.append(f"{KEY}.cpu_cores needs the taskset command (util-linux), which this machine lacks")
         raise_errors(errors)
@@ -121,6 +133,9 @@ class VLLMServerEngine(RolloutEngine):
         self.max_num_seqs, self.enable_prefix_caching = max_num_seqs, enable_prefix_caching
         self.transfer_dir, self.startup_timeout, self.request_timeout = transfer_dir, startup_timeout, request_timeout
         self.log_file, self.given_url = log_file, url
+        self.push_adapters, self.lora_rank = push_adapters, 0
+        self._adapter: str | None = None  # the served adapter that requests name, once pushed
+        self._places: dict[str, tuple[str, int] | None] = {}
         self.server: ServerProcess | None = None  # the server this process started
         self._sequences = 1  # sequences this process has in flight (a generation request's deadline counts them)
         self.pushes = 0  # the weight version the server holds (0: the files it started from)
@@ -180,9 +195,10 @@ class VLLMServerEngine(RolloutEngine):
         """The process of the server this process started (``None``: it started none)."""
         return self.server.process if self.server is not None else None
 
-    def _post(self, route: str, body: dict | None = None) -> dict:
+    def _post(self, route: str, body: dict | None = None, plain: bool = False) -> dict:
         deadline = server_setup.deadline(self, route, body, self._sequences)
-        return request(self.endpoint, route, body, deadline_s=deadline, deadline_key=f"{KEY}.request_timeout")
+        key = f"{KEY}.request_timeout"
+        return request(self.endpoint, route, body, deadline_s=deadline, deadline_key=key, plain=plain)
 
     # ------------------------------------------------------------------ the engine
     def generate(
@@ -195,13 +211,13 @@ class VLLMServerEngine(RolloutEngine):
         request's n samples with seed, seed + 1, ...: each prompt gets its own range, so no two share a stream.
         """
         base = int(torch.randint(0, 2**30, ()).item()) if seed is None else seed % 2**30
-        body = {"n": n, **sampling.vllm_params(), "logprobs": 0, "return_token_ids": True}
+        body = {"n": n, **sampling.vllm_params(), "logprobs": 0, "return_token_ids": True} | self._model()
 
         def one(index: int) -> list[Completion]:
             prompt, seeded = list(prompts[index]), base + index * n
             if self.updates_in_flight:  # the route that says which weights sampled each token
-                params = {k: v for k, v in body.items() if k != "return_token_ids"} | {"seed": seeded}
-                request = {"token_ids": prompt, "sampling_params": params, "output_mode": "text"}
+                params = {k: v for k, v in body.items() if k not in ("return_token_ids", "model")} | {"seed": seeded}
+                request = {"token_ids": prompt, "sampling_params": params, "output_mode": "text"} | self._model()
                 return server_setup.generated(self.endpoint, self._post("/inference/v1/generate", request), n)
             answer = self._post("/v1/completions", body | {"prompt": prompt, "seed": seeded})
             return server_setup.completions(self.endpoint, answer, n)
@@ -241,6 +257,50 @@ class VLLMServerEngine(RolloutEngine):
         finally:
             _barrier()
 
+    def _model(self) -> dict[str, str]:
+        """What a request names to be served by the policy's pushed adapter (nothing before the first push)."""
+        return {"model": self._adapter} if self._adapter is not None else {}
+
+    @override
+    def load_adapters(self, adapters: dict[str, torch.Tensor], rank: int) -> None:
+        """Serve ``adapters`` as the server's adapter from now on; the first process pushes for all."""
+        _barrier()
+        try:
+            if global_rank() == 0:
+                try:
+                    server_setup.push_adapters(self, adapters, rank, self._served_dtype())
+                except ServerError as err:
+                    if "/v1/load_lora_adapter" not in str(err) or "404" in str(err):
+                        raise
+                    raise ServerError(f"{err}; set {KEY}.push_adapters false to push merged weights",
+                                      tail=err.tail) from None  # fmt: skip
+            else:
+                self.pushes += 1
+        finally:
+            _barrier()
+        self._adapter = server_setup.adapter_name(self.pushes)  # every process counts the pushes
+
+    @override
+    def held_adapters(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+        results = self._post("/collective_rpc", {"method": "amir_held_adapters"})
+        with reading(self.endpoint, "/collective_rpc", results) as answer:
+            return decode(answer["results"][0])
+
+    def adapter_places(self, modules: list[str]) -> dict[str, tuple[str, int] | None]:
+        """The server's LoRA layer and slice for each of the trainer's adapted layers (asked once per layer)."""
+        missing = [m for m in modules if m not in self._places]
+        if missing:
+            body = {"method": "amir_adapter_places", "args": [json.dumps(missing)]}
+            results = self._post("/collective_rpc", body)
+            with reading(self.endpoint, "/collective_rpc", results) as answer:
+                self._places.update(decode(answer["results"][0]))
+        return {m: self._places[m] for m in modules}
+
+    def _served_dtype(self) -> torch.dtype:
+        """The dtype the server computes in (its adapter is written in it)."""
+        name = self.dtype if self.dtype != "auto" else ("bfloat16" if torch.cuda.is_available() else "float32")
+        return getattr(torch, {"half": "float16", "float": "float32"}.get(name, name))
+
     @override
     def weight_layout(self) -> WeightLayout:
         return _ServerLayout(self)
@@ -265,7 +325,7 @@ class VLLMServerEngine(RolloutEngine):
     @override
     def score(self, prompt: list[int], completion: list[int]) -> list[float]:
         ids = list(prompt) + list(completion)
-        body = {"prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+        body = {"prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0} | self._model()
         try:
             answer = self._post("/v1/completions", body)
         except ServerError as err:
@@ -307,3 +367,7 @@ class _ServerLayout(WeightLayout):
     @override
     def slot(self, name: str) -> WeightSlot | None:
         return self.engine.slots([name])[name]
+
+    @override
+    def adapter_place(self, module: str) -> tuple[str, int] | None:
+        return self.engine.adapter_places([module])[module]

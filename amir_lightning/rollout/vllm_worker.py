@@ -235,6 +235,16 @@ class AmirWorkerExtension:
         layout = VLLMLayout(*layout_of(self))
         return encode({name: layout.slot(name) for name in json.loads(names)})
 
+    def amir_adapter_places(self, modules: str) -> str:
+        """``VLLMLayout.adapter_place`` of each of the trainer's LoRA layers ``modules`` (a JSON list), encoded."""
+        layout = VLLMLayout(*layout_of(self))
+        return encode({module: layout.adapter_place(module) for module in json.loads(modules)})
+
+    def amir_held_adapters(self) -> str:
+        """``read_adapters`` of this worker for the one adapter it holds (the server serves at most one), encoded."""
+        held = [i for i in self.model_runner.lora_manager._adapter_manager.lora_index_to_id if i is not None]
+        return encode(read_adapters(self, held[0]) if len(held) == 1 else {})
+
     def amir_held_weights(self, columns: str) -> str:
         """``read_back`` of this worker on ``columns`` (JSON ``[seed, count]``), encoded.
 

@@ -129,6 +129,10 @@ class RolloutDataModule(LightningDataModule):
         elif rollout.partial_rollouts and not engine.takes_updates_in_flight:
             errors.append(f"data.rollout.partial_rollouts needs an engine that takes pushes with requests in flight "
                           f"(amir_lightning.rollout.VLLMServerEngine), not {type(engine).__name__}")  # fmt: skip
+        elif rollout.partial_rollouts and getattr(engine, "push_adapters", False):
+            errors.append("data.rollout.partial_rollouts with data.engine.init_args.push_adapters: a push in flight "
+                          "would replace the adapter that the running requests name; set push_adapters false to "
+                          "push merged weights")  # fmt: skip
         if tools and environment is not None:
             errors.append("data.tools and data.environment are both given: tools are a ToolEnvironment; give its "
                           "tools in data.environment.init_args.tools")  # fmt: skip

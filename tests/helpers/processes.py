@@ -75,6 +75,18 @@ def count_after(pid: int, known: set[int], within: float = 20.0) -> tuple[int, f
     return len(leftovers(pid, known)), time.monotonic() - start
 
 
+def group_after(group: int, within: float) -> list[str]:
+    """The live processes (zombies aside) of process group ``group`` ``within`` seconds on, or as soon as there are
+    none: ``stat pid args`` lines, as ``ps`` writes them."""
+    deadline = time.monotonic() + within
+    while True:
+        found = subprocess.run(["ps", "-o", "stat=,pid=,args=", "-g", str(group)], capture_output=True, text=True)
+        alive = [line for line in found.stdout.splitlines() if line.strip() and not line.strip().startswith("Z")]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
 class Watched:
     """A process whose output lines are kept as they come, each with the time it came."""
 
