@@ -2,6 +2,7 @@
 
     python benchmarks/rollout.py [--prompts 64] [--samples 8] [--max-new-tokens 32]
     python benchmarks/rollout.py --lora [--lora-rank 16] [--syncs 5]   # a LoRA policy: merged against adapter pushes
+    python benchmarks/rollout.py --lora --engine server                 # the same into a vLLM server
 
 Both engines run through amir-lightning's engine API on the same chat-templated arithmetic prompts with the same
 sampling (temperature 0.7, top_p 1.0, EOS stops a completion); tokens/s counts the tokens actually generated.
@@ -12,7 +13,9 @@ policy: ``rollout/sync.py``) as a share of a rollout epoch (target < 5 %).
 ``--lora``: the policy is the real ``Policy`` with LoRA on every linear layer (qwen.yaml's adapters), and one vLLM
 engine per push mode takes ``--syncs`` verified syncs, each after a random step of the adapters: merged weights every
 time, or (``push_adapters``) the base once and then the adapters alone. Reports the bytes and seconds of a sync
-(median over the syncs after the first) and generation throughput with and without vLLM's LoRA layers.
+(median over the syncs after the first) and generation throughput with and without vLLM's LoRA layers. ``--engine
+server``: the engine is a vLLM server (``VLLMServerEngine``, ``OMP_NUM_THREADS`` threads), the pushes go through
+its weight-update and LoRA routes.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from _common import machine  # noqa: E402
 
 from amir_lightning.data import ArithmeticPrompts, render_prompt  # noqa: E402
 from amir_lightning.models import BundledSmolLM2  # noqa: E402
-from amir_lightning.rollout import HFEngine, SamplingConfig, VLLMEngine  # noqa: E402
+from amir_lightning.rollout import HFEngine, SamplingConfig, VLLMEngine, VLLMServerEngine  # noqa: E402
 from amir_lightning.rollout.sync import SyncCheck  # noqa: E402
 
 
@@ -65,9 +68,11 @@ def lora_pushes(args, model_dir, prompts, sampling) -> None:
     policy.model = policy.build(torch.float32, lora=lora)
     rows = []
     for adapters in (False, True):
-        engine = VLLMEngine(
-            max_model_len=512, kv_cache_memory_bytes=512 * 1024**2, progress=False, push_adapters=adapters
-        )
+        settings = {"max_model_len": 512, "kv_cache_memory_bytes": 512 * 1024**2, "push_adapters": adapters}
+        if args.engine == "server":
+            engine = VLLMServerEngine(threads=int(os.environ.get("OMP_NUM_THREADS", "2")), **settings)
+        else:
+            engine = VLLMEngine(progress=False, **settings)
         engine.take_adapters(lora)
         engine.start(model_dir, seed=0)
         check = SyncCheck()
@@ -90,7 +95,8 @@ def lora_pushes(args, model_dir, prompts, sampling) -> None:
         rows.append((adapters, mib, seconds, max(gaps), tokens / gen_s))
     print(
         f"SmolLM2-135M-Instruct with LoRA r {args.lora_rank} on every linear layer, {args.syncs} verified syncs each "
-        f"after a step of the adapters; generation {args.prompts} prompts x {args.samples}, {machine()}"
+        f"after a step of the adapters; generation {args.prompts} prompts x {args.samples}; {args.engine} engine, "
+        f"{machine()}"
     )
     print("| push | first sync MiB | first sync s | later MiB | later s (median) | probe gap max | gen tok/s |")
     print("|---|---|---|---|---|---|---|")
@@ -111,6 +117,7 @@ def main() -> None:
     parser.add_argument("--lora", action="store_true", help="merged against adapter pushes of a LoRA policy")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--syncs", type=int, default=5)
+    parser.add_argument("--engine", choices=["in-process", "server"], default="in-process", help="with --lora")
     args = parser.parse_args()
     model_dir = BundledSmolLM2().resolve()
     from transformers import AutoTokenizer
