@@ -260,7 +260,7 @@ def test_example_turns_come_after_the_system_prompt_and_before_the_question():
     assert chat.messages(own) == [system, *example, user]
 
 
-def test_the_tool_use_reward_scores_episodes_whose_call_returned_a_result():
+def test_the_tool_use_reward_scores_episodes_whose_call_returned_a_result_and_optionally_failed_attempts():
     from amir_lightning.rewards import ToolUseReward
 
     ok = {"name": "add", "error": False}
@@ -269,6 +269,11 @@ def test_the_tool_use_reward_scores_episodes_whose_call_returned_a_result():
     assert reward.score(["a"] * 4, [""] * 4, tool_calls=[[ok], [failed], [], [failed, ok]]) == [0.2, 0.0, 0.0, 0.2]
     assert reward.score(["a"], [""]) == [None]  # not an episode of tool calls: does not apply
     assert ToolUseReward(tool="divide").score(["a"], [""], tool_calls=[[ok]]) == [0.0]
+    malformed = {"name": "", "error": True}  # a call that did not parse
+    shaped = ToolUseReward(score=0.2, attempt_score=0.05)
+    assert shaped.score(["a"] * 4, [""] * 4, tool_calls=[[ok], [failed], [malformed], []]) == [0.2, 0.05, 0.05, 0.0]
+    with pytest.raises(ValueError, match=r"attempt_score must be in \[0, score 0.2\], got 0.5"):
+        ToolUseReward(score=0.2, attempt_score=0.5)
 
 
 def test_the_calculator_as_a_tool_computes_and_its_errors_are_results():

@@ -91,20 +91,31 @@ class ToolUseReward(Reward):
     Args:
         weight: Multiplier in the total reward.
         score: Value for an episode with a call that returned a result.
+        attempt_score: Value for an episode whose every call failed (one that did not parse, named no tool, or got
+            an error): a first rung for a policy that rarely writes a call at all (below ``score``).
         tool: Only calls of this tool count (default: any).
         name: Metric name (default ``tool_use``).
     """
 
-    def __init__(self, weight: float = 1.0, score: float = 0.2, tool: str | None = None, name: str | None = None):
+    def __init__(
+        self,
+        weight: float = 1.0,
+        score: float = 0.2,
+        attempt_score: float = 0.0,
+        tool: str | None = None,
+        name: str | None = None,
+    ):
         super().__init__(weight, name)
-        self.value, self.tool = score, tool
+        if not 0 <= attempt_score <= score:
+            raise ValueError(f"ToolUseReward attempt_score must be in [0, score {score}], got {attempt_score}")
+        self.value, self.attempt, self.tool = score, attempt_score, tool
 
     @override
     def score(self, completions: Sequence, answers: Sequence[str], **kwargs) -> list[float | None]:
         calls = kwargs.get("tool_calls") or [None] * len(completions)
-        return [
-            None
-            if made is None
-            else (self.value if any(not c["error"] and self.tool in (None, c["name"]) for c in made) else 0.0)
-            for made in calls
-        ]
+        return [None if made is None else self._of(made) for made in calls]
+
+    def _of(self, made: list[dict]) -> float:
+        if any(not c["error"] and self.tool in (None, c["name"]) for c in made):
+            return self.value
+        return self.attempt if made else 0.0

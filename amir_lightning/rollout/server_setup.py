@@ -44,7 +44,7 @@ UNREAD = ("No such file", "Permission denied", "deserializ", "Header", "safetens
 
 def server_command(engine: ServerEngine, model_dir: Path, port: int, seed: int, on_gpu: bool) -> list[str]:
     """The command line of ``engine``'s server for ``model_dir`` on ``port``."""
-    dtype = engine.dtype if engine.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+    dtype = served_dtype(engine, on_gpu)
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
     command += ["--host", engine.host, "--port", str(port), "--seed", str(seed), "--dtype", dtype]
     command += ["--max-model-len", str(engine.max_model_len), "--max-num-seqs", str(engine.max_num_seqs)]
@@ -54,7 +54,7 @@ def server_command(engine: ServerEngine, model_dir: Path, port: int, seed: int, 
     command += ["--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching"]
     command += ["--enable-scale-out"]  # /inference/v1/generate: which weights sampled each token
     command += ["--disable-uvicorn-access-log"]
-    if engine.takes_adapters:  # one adapter, the policy's, replaced in place at every push
+    if engine.takes_adapters:  # one adapter at a time: the policy's, from its latest push
         command += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(engine_rank(engine.lora_rank))]
     kv_bytes = engine.kv_cache_memory_bytes
     if on_gpu:
@@ -66,6 +66,11 @@ def server_command(engine: ServerEngine, model_dir: Path, port: int, seed: int, 
     if engine.cpu_cores is not None:
         command = ["taskset", "-c", engine.cpu_cores, *command]
     return command
+
+
+def served_dtype(engine: ServerEngine, on_gpu: bool) -> str:
+    """The dtype ``engine``'s server computes in: ``dtype``, or for ``auto`` bf16 on a GPU and float32 on a CPU."""
+    return engine.dtype if engine.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
 
 
 def server_env(engine: ServerEngine) -> dict[str, str]:

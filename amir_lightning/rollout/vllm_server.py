@@ -298,7 +298,7 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
 
     def _served_dtype(self) -> torch.dtype:
         """The dtype the server computes in (its adapter is written in it)."""
-        name = self.dtype if self.dtype != "auto" else ("bfloat16" if torch.cuda.is_available() else "float32")
+        name = server_setup.served_dtype(self, torch.cuda.is_available())
         return getattr(torch, {"half": "float16", "float": "float32"}.get(name, name))
 
     @override
