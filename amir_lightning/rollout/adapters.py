@@ -58,7 +58,6 @@ class ServesAdapters:
 
     push_adapters: bool = False
     lora_rank: int = 0
-    takes_adapters: bool = False
 
     def take_adapters(self, lora) -> None:
         """Serve ``lora``'s adapters apart (``push_adapters``), or take merged weights."""

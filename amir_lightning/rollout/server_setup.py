@@ -139,8 +139,8 @@ def push_weights(engine: ServerEngine, tensors: dict[str, torch.Tensor]) -> None
     engine.pushes += 1
 
 
-def push_adapters(engine: ServerEngine, adapters: dict[str, torch.Tensor], rank: int, dtype: torch.dtype) -> str:
-    """Serve ``adapters`` from ``engine``'s server as a new LoRA adapter, and drop the last one; its name.
+def push_adapters(engine: ServerEngine, adapters: dict[str, torch.Tensor], rank: int, dtype: torch.dtype) -> None:
+    """Serve ``adapters`` from ``engine``'s server as a new LoRA adapter (``adapter_name``), and drop the last one.
 
     vLLM's ``/v1/load_lora_adapter``, generation paused as for a weight push (``paused``). Each push is an adapter
     of its own (``policy-<push>``): one loaded ``load_inplace`` would be read from its folder again at every
@@ -156,17 +156,17 @@ def push_adapters(engine: ServerEngine, adapters: dict[str, torch.Tensor], rank:
         raise ServerError(f"could not write the pushed adapters to {folder} ({KEY}.transfer_dir): "
                           f"{err.strerror or err}") from None  # fmt: skip
     try:
-        with contextlib.suppress(ServerError):  # a name left by an earlier run on a server given by url
-            engine._post("/v1/unload_lora_adapter", {"lora_name": name}, plain=True)
+        if engine._adapter is None:  # this run's first: the name may be left by an earlier run on a server given by url
+            with contextlib.suppress(ServerError):
+                engine._post("/v1/unload_lora_adapter", {"lora_name": name}, plain=True)
         with paused(engine):
             engine._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)}, plain=True)
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # read into the server's memory by now
-    if engine.pushes > 0:  # the last adapter's name, no longer served
+    if engine._adapter is not None:  # the last adapter, no longer served
         with contextlib.suppress(ServerError):
-            engine._post("/v1/unload_lora_adapter", {"lora_name": adapter_name(engine.pushes)}, plain=True)
+            engine._post("/v1/unload_lora_adapter", {"lora_name": engine._adapter}, plain=True)
     engine.pushes += 1
-    return name
 
 
 def adapter_name(push: int) -> str:

@@ -123,7 +123,7 @@ class VLLMEngine(ServesAdapters, RolloutEngine):
         self.enforce_eager, self.tensor_parallel_size = enforce_eager, tensor_parallel_size
         self.enable_prefix_caching, self.max_num_seqs, self.progress = enable_prefix_caching, max_num_seqs, progress
         self.enable_sleep_mode, self.asleep = enable_sleep_mode, False
-        self.push_adapters, self.lora_rank, self._lora_request = push_adapters, 0, None
+        self.push_adapters, self._lora_request = push_adapters, None
         self.llm = None
 
     @override

@@ -133,7 +133,7 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         self.max_num_seqs, self.enable_prefix_caching = max_num_seqs, enable_prefix_caching
         self.transfer_dir, self.startup_timeout, self.request_timeout = transfer_dir, startup_timeout, request_timeout
         self.log_file, self.given_url = log_file, url
-        self.push_adapters, self.lora_rank = push_adapters, 0
+        self.push_adapters = push_adapters
         self._adapter: str | None = None  # the served adapter that requests name, once pushed
         self._places: dict[str, tuple[str, int] | None] = {}
         self.server: ServerProcess | None = None  # the server this process started
