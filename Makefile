@@ -11,7 +11,9 @@ EXTRAS := cpu,data,reasoning-gym,compare,lora,gguf,wandb,dev,bench
 # whenever another process ran); the demo runs alone, so rollout and training each use every core.
 OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
 	TOKENIZERS_PARALLELISM=false
-RUNENV := $(OFFLINE) OMP_NUM_THREADS=1
+# TORCHDYNAMO_DISABLE: vLLM compiles one small sampler function (the rank of each sampled token) with torch.compile,
+# 1.8 s of every process that starts an engine here, and most of the suite's runs start one (eager: the same integers).
+RUNENV := $(OFFLINE) OMP_NUM_THREADS=1 TORCHDYNAMO_DISABLE=1
 # Tests run in two processes (pytest-xdist), each test file whole in one of them (its module-scoped engines with it).
 WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadfile

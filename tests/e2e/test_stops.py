@@ -118,11 +118,11 @@ def test_killed_runs_resume_from_the_last_good_checkpoint(tmp_path, clean_six):
 
 def test_a_run_two_rollouts_ahead_with_pushes_in_flight_killed_mid_generation_resumes_to_the_same_weights(tmp_path):
     """max_staleness 2 with partial_rollouts on a vLLM server, 5 rollouts: SIGKILL while the server runs rollout
-    4's requests (sampled while rollout 2 trains). last.ckpt, written after rollout 1, holds rollouts 2 and 3 whole;
-    resumed from it, the run ends with the uninterrupted run's weights, bitwise. No rollout trains on weights older
-    than two updates: the uninterrupted run's checkpoint after rollout 2 holds rollout 3 (the first weights') and
-    rollout 4 (rollout 1's update's), scored, each token tagged with the weights that sampled it (each checkpoint
-    waits for the rollouts in flight, so no push falls inside a generation there)."""
+    4's requests (sampled while rollout 2 trains). last.ckpt, written after rollout 1 (or 2 on a busy machine), holds
+    the two rollouts sampled ahead whole; resumed from it, the run ends with the uninterrupted run's weights, bitwise.
+    No rollout trains on weights older than two updates: the uninterrupted run's checkpoint after rollout 2 holds
+    rollout 3 (the first weights') and rollout 4 (rollout 1's update's), scored, each token tagged with the weights
+    that sampled it (each checkpoint waits for the rollouts in flight, so no push falls inside a generation there)."""
     import json
 
     server = {"max_model_len": 64, "kv_cache_memory_bytes": 32 * 1024**2, "threads": 1}
@@ -155,7 +155,9 @@ def test_a_run_two_rollouts_ahead_with_pushes_in_flight_killed_mid_generation_re
     assert killed.returncode == -9 and "test: SIGKILL with" in killed.stderr, killed.stderr[-3000:]
     checkpoint = tmp_path / "runs" / "cut" / "version_0" / "checkpoints" / "last.ckpt"
     saved = torch.load(checkpoint, weights_only=True)
-    assert saved["global_step"] == 1 and len(saved["RolloutDataModule"]["pending"]["ranks"][0]) == 2  # rollouts 2, 3
+    # Which checkpoint the kill finds depends on the machine's speed: after rollout 1 (rollouts 2 and 3 pending) on an
+    # idle one, after rollout 2 on a busy one. Either holds the two rollouts sampling ahead, whole.
+    assert saved["global_step"] in (1, 2) and len(saved["RolloutDataModule"]["pending"]["ranks"][0]) == 2
     run_amir([*common, *named, "--data.engine", plain, "--ckpt_path", str(checkpoint)], tmp_path)
     clean, resumed = policy(tmp_path, "clean"), policy(tmp_path, "cut")
     assert clean.keys() == resumed.keys()
