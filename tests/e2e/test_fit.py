@@ -1,15 +1,18 @@
-"""End to end: ``amir fit`` on the tiny config with real vLLM learns, checkpoints, and exports a loadable policy."""
+"""End to end: ``amir fit`` on the tiny config with real vLLM learns, checkpoints, and exports a loadable policy.
+
+The 30-rollout run is a process of its own, as a user starts it; the runs that test what the CLI wires on top of it
+(``amir test`` and ``compare``, a resume, W&B, sampling knobs, a judge server) run ``amir`` in this process
+(``run_here``): vLLM is imported already and no interpreter starts."""
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_scalars, run_amir
+from conftest import read_scalars, run_amir, run_here
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]
@@ -72,27 +75,22 @@ def test_checkpoint_and_export_load_in_transformers_and_vllm(tiny_run):
     assert "GENERATED" in result.stdout, result.stderr[-3000:]
 
 
-def test_amir_test_reports_pass_at_k_and_compare_writes_the_analyses(tiny_run, tmp_path):
-    """``amir test`` of the trained export and of the untrained model on a digit-copy benchmark, then compare."""
+def test_amir_test_reports_pass_at_k_and_compare_writes_the_analyses(tiny_run, tmp_path, monkeypatch, capsys, caplog):
+    """``amir test`` of the trained export and of the untrained model on a digit-copy benchmark, then compare (in this
+    process: what is under test is the CLI's wiring, not a process of its own)."""
+    import warnings
+
+    here = lambda args: run_here(args, tmp_path, monkeypatch, capsys, caplog)  # noqa: E731
     fixture = ROOT / "tests" / "fixtures" / "benchmarks" / "tiny_gsm8k.jsonl"
     bench = f"[{{class_path: amir_lightning.evaluation.BenchmarkPrompts, init_args: {{name: gsm8k, path: {fixture}}}}}]"
     common = ["test", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.benchmarks", bench]
-    run_amir(
-        [
-            *common,
-            "--model.policy",
-            "amir_lightning.models.HFModel",
-            "--model.policy.init_args.name_or_path",
-            str(tiny_run / "policy"),
-            "--trainer.logger.init_args.name",
-            "trained",
-        ],
-        tmp_path,
-    )
-    initial = run_amir(
-        [*common, "--trainer.logger.init_args.name", "initial", "--trainer.enable_progress_bar", "true"], tmp_path
-    )
-    assert "sync_dist=True" not in initial.stderr  # pass@k is reduced over processes already: no such advice
+    policy = ["--model.policy", "amir_lightning.models.HFModel", "--model.policy.init_args.name_or_path"]
+    here([*common, *policy, str(tiny_run / "policy"), "--trainer.logger.init_args.name", "trained"])
+    with warnings.catch_warnings(record=True) as warned:  # Lightning's advice is a warning: in this process, caught
+        warnings.simplefilter("always")
+        initial = here([*common, "--trainer.logger.init_args.name", "initial", "--trainer.enable_progress_bar", "true"])
+    said = [str(w.message) for w in warned] + [initial.stderr]
+    assert not [m for m in said if "sync_dist=True" in m]  # pass@k is reduced over processes already: no such advice
     assert "grading gsm8k:" in initial.stderr and "/80 [" in initial.stderr  # a bar over the 10 x 8 answers
     runs = {name: tmp_path / "runs" / name / "version_0" for name in ("trained", "initial")}
     reports = {name: json.loads((run / "eval" / "gsm8k.json").read_text()) for name, run in runs.items()}
@@ -105,38 +103,23 @@ def test_amir_test_reports_pass_at_k_and_compare_writes_the_analyses(tiny_run, t
         assert all(len(p["mean_logp"]) == 8 and all(lp <= 0 for lp in p["mean_logp"]) for p in report["problems"])
     assert reports["trained"]["pass@k"]["1"] > reports["initial"]["pass@k"]["1"]
     out = tmp_path / "compare"
-    result = run_amir(
-        ["compare", str(runs["trained"]), str(runs["initial"]), "--labels", "trained", "initial", "--out", str(out)],
-        tmp_path,
-    )
+    result = here(["compare", str(runs["trained"]), str(runs["initial"]), "--labels", "trained", "initial", "--out",
+                   str(out)])  # fmt: skip
     assert "compare.md" in result.stdout
     text = (out / "compare.md").read_text()
     assert "## gsm8k" in text and text.count("| ✓ | ✓ |") == 1 and (out / "margins_gsm8k.png").is_file()
 
 
-def test_resume_continues_with_the_next_rollout(tiny_run, tmp_path):
+def test_resume_continues_with_the_next_rollout(tiny_run, tmp_path, monkeypatch, capsys, caplog):
     """Resuming the 30-epoch run from last.ckpt for one more epoch runs exactly one rollout and one step, and the
     run's progress bar picks up at rollout 30 of 31.
 
     A model value given with ``--ckpt_path`` wins over the checkpoint's saved one (Lightning alone keeps the saved
     one), and the run says which values differ.
     """
-    result = run_amir(
-        [
-            "fit",
-            "--config",
-            str(ROOT / "configs" / "tiny.yaml"),
-            "--trainer.max_epochs",
-            "31",
-            "--ckpt_path",
-            str(tiny_run / "checkpoints" / "last.ckpt"),
-            "--model.max_grad_norm",
-            "0.25",
-            "--trainer.enable_progress_bar",
-            "true",
-        ],
-        tmp_path,
-    )
+    args = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.max_epochs", "31", "--ckpt_path"]
+    args += [str(tiny_run / "checkpoints" / "last.ckpt"), "--model.max_grad_norm", "0.25"]
+    result = run_here([*args, "--trainer.enable_progress_bar", "true"], tmp_path, monkeypatch, capsys, caplog)
     run = tmp_path / "runs" / "tiny" / "version_0"
     resumed = read_scalars(run)
     bar = result.stdout.replace("\r", "\n").splitlines()  # one bar for the run, picked up at rollout 30 of 31
@@ -152,7 +135,7 @@ def test_resume_continues_with_the_next_rollout(tiny_run, tmp_path):
     )
 
 
-def test_wandb_gets_scalars_histograms_and_the_sample_table(tmp_path, monkeypatch):
+def test_wandb_gets_scalars_histograms_and_the_sample_table(tmp_path, monkeypatch, capsys, caplog):
     """An offline W&B run beside TensorBoard: the scalars, the pair-margin histogram and the sample table reach it."""
     pytest.importorskip("wandb")
     from helpers.wandb_log import history
@@ -160,10 +143,8 @@ def test_wandb_gets_scalars_histograms_and_the_sample_table(tmp_path, monkeypatc
     monkeypatch.setenv("WANDB_SILENT", "true")
     wandb = "{class_path: WandbLogger, init_args: {offline: true, save_dir: wandb_runs, project: tiny}}"
     config = str(ROOT / "configs" / "tiny.yaml")
-    run_amir(
-        ["fit", "--config", config, "--trainer.logger", f"[TensorBoardLogger, {wandb}]", "--trainer.max_epochs", "2"],
-        tmp_path,
-    )
+    args = ["fit", "--config", config, "--trainer.logger", f"[TensorBoardLogger, {wandb}]", "--trainer.max_epochs", "2"]
+    run_here(args, tmp_path, monkeypatch, capsys, caplog)
     rows = history(tmp_path / "wandb_runs")
     tensorboard = read_scalars(tmp_path / "runs" / "tiny")
     logged = [row["rollout/reward_mean"] for row in rows if "rollout/reward_mean" in row]
@@ -177,7 +158,7 @@ def test_wandb_gets_scalars_histograms_and_the_sample_table(tmp_path, monkeypatc
     )
 
 
-def test_sampling_knobs_and_chat_template_variables_reach_the_engine(tmp_path):
+def test_sampling_knobs_and_chat_template_variables_reach_the_engine(tmp_path, monkeypatch, capsys, caplog):
     """``--data.sampling.min_p 0.05 --data.chat_template_kwargs '{enable_thinking: false}'``: the training rollouts'
     vLLM ``SamplingParams`` carry min_p (validation keeps its own sampling), and every prompt vLLM gets was rendered
     with the variable (the template writes ``==`` after the prompt when thinking is off)."""
@@ -193,9 +174,7 @@ def test_sampling_knobs_and_chat_template_variables_reach_the_engine(tmp_path):
     args += ["--data.chat_template", "chat.jinja", "--data.sampling.stop", '["99"]']
     args += ["--data.sampling.generation_kwargs", "{min_tokens: 1}", "--data.evaluation.val_size", "2"]
     args += ["--trainer.check_val_every_n_epoch", "1"]
-    helpers = str(Path(__file__).parents[1] / "helpers")
-    env = dict(os.environ, PYTHONPATH=helpers + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    run_amir(args, tmp_path, env=env)
+    run_here(args, tmp_path, monkeypatch, capsys, caplog)  # tests/helpers (engines.RecordsSampling) importable
     calls = [json.loads(line) for line in (tmp_path / "sampling.jsonl").read_text().splitlines()]
     training = [c for c in calls if c["min_p"] == 0.05]
     assert len(training) == 1 and len(training[0]["prompts"]) == 16  # one rollout of 16 prompts
@@ -205,13 +184,13 @@ def test_sampling_knobs_and_chat_template_variables_reach_the_engine(tmp_path):
     assert len(prompts) > 16 and [p for p in prompts if not p.endswith("===")] == []  # "{expression}=" then "=="
 
 
-def test_a_judge_config_trains(tmp_path):
+def test_a_judge_config_trains(tmp_path, monkeypatch, capsys, caplog):
     """configs/tiny_judge.yaml: a vLLM server this run starts serves the judge; 3 rollouts are graded by it, the share
     of its replies without a score is logged, and the server ends with the run."""
     import psutil
 
     config = str(ROOT / "configs" / "tiny_judge.yaml")
-    run_amir(["fit", "--config", config, "--trainer.max_epochs", "3"], tmp_path)
+    run_here(["fit", "--config", config, "--trainer.max_epochs", "3"], tmp_path, monkeypatch, capsys, caplog)
     scalars = read_scalars(tmp_path / "runs" / "tiny_judge")
     scores = scalars["rollout/reward/judge"]
     assert len(scores) == 3 and all(0 <= s <= 1 for s in scores)
