@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import read_scalars, run_amir
+from conftest import read_scalars, run_here
 from helpers.policy_tokens import SETTINGS, TOKEN_STATS, episode_groups, objective_step
 from helpers.tools import Echo
 
@@ -207,10 +207,10 @@ def test_episodes_interleave_policy_turns_and_masked_replies_with_the_policys_lo
 
 
 @pytest.mark.slow
-def test_the_tiny_policy_learns_to_call_the_tool(tmp_path):
+def test_the_tiny_policy_learns_to_call_the_tool(tmp_path, monkeypatch, capsys, caplog):
     """Two-number sums the tiny model cannot do, and a tool that answers when the policy writes ``?``: over 24
-    rollouts the share of episodes that call it and the reward rise (the answer is graded on the episode's text)."""
-    import os
+    rollouts the share of episodes that call it and the reward rise (the answer is graded on the episode's text).
+    ``amir fit`` runs in this process (tests/helpers importable), its vLLM engine with it."""
     from pathlib import Path
 
     root = Path(__file__).parents[1]
@@ -219,9 +219,7 @@ def test_the_tiny_policy_learns_to_call_the_tool(tmp_path):
     args += ["--data.prompts.init_args.num_terms", "2", "--data.prompts.init_args.template", "{expression}="]
     args += ["--data.val_prompts.init_args.num_terms", "2", "--trainer.check_val_every_n_epoch", "100"]
     args += ["--data.sampling.max_new_tokens", "2", "--model.loss.init_args.kl_coef", "0.0"]
-    helpers = str(Path(__file__).parent / "helpers")
-    env = dict(os.environ, PYTHONPATH=helpers + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    run_amir(args, tmp_path, env=env)
+    run_here(args, tmp_path, monkeypatch, capsys, caplog)
     scalars = read_scalars(tmp_path / "runs" / "tiny")
     calls, rewards = scalars["tools/call_frac"], scalars["rollout/reward_mean"]
     assert len(calls) == 24 and scalars["tools/reply_tokens"][-1] > 0
