@@ -110,37 +110,18 @@ def test_clipping_uses_the_global_gradient_norm_under_fsdp2(model_dir, updates):
         torch.testing.assert_close(double[key], single[key], atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize(
-    "strategy", ["ddp", "{class_path: lightning.pytorch.strategies.ModelParallelStrategy}"], ids=["ddp", "fsdp2"]
-)
-def test_two_process_fit_with_an_engine_per_rank(tmp_path, strategy):
-    """``amir fit`` on 2 CPU processes, each with its own vLLM engine and prompt shard; FSDP2 also resumes from its
-    distributed checkpoint and continues the step count, the prompt stream and the logged curves."""
+def test_two_process_ddp_fit_with_an_engine_per_rank(tmp_path):
+    """``amir fit`` on 2 CPU processes under DDP, each with its own vLLM engine and prompt shard. FSDP2 on 2 processes
+    runs whole in ``test_qwen_yaml_setting_on_two_processes`` and resumes from its distributed checkpoint in
+    ``test_a_distributed_checkpoint_cut_short_leaves_the_last_whole_one_and_the_run_resumes_from_it``."""
     config = str(ROOT / "configs" / "tiny.yaml")
-    common = [
-        "fit",
-        "--config",
-        config,
-        "--trainer.devices",
-        "2",
-        "--trainer.strategy",
-        strategy,
-        "--trainer.check_val_every_n_epoch",
-        "2",
-    ]
-    run_amir([*common, "--trainer.max_epochs", "2"], tmp_path)
+    common = ["fit", "--config", config, "--trainer.devices", "2", "--trainer.strategy", "ddp"]
+    run_amir([*common, "--trainer.check_val_every_n_epoch", "2", "--trainer.max_epochs", "2"], tmp_path)
     first = tmp_path / "runs" / "tiny" / "version_0"
     scalars = read_scalars(first)
     assert len(scalars["rollout/reward_mean"]) == 2 and len(scalars["train/loss"]) == 2
     assert max(scalars["rollout/sync_logp_diff"]) < 1e-3 and "val/accuracy" in scalars
     assert (first / "policy" / "model.safetensors").is_file()
-    if "ModelParallel" not in strategy:
-        return
-    checkpoint = first / "checkpoints" / "last.ckpt"
-    assert checkpoint.is_dir() and any(checkpoint.glob("*.distcp"))  # a sharded (distributed) checkpoint
-    run_amir([*common, "--trainer.max_epochs", "3", "--ckpt_path", str(checkpoint)], tmp_path)
-    resumed = read_scalars(tmp_path / "runs" / "tiny" / "version_1")
-    assert len(resumed["rollout/reward_mean"]) == 1 and len(resumed["train/loss"]) == 1  # only epoch 2 ran
 
 
 def test_qwen_yaml_setting_on_two_processes(tmp_path):
@@ -189,17 +170,18 @@ def test_two_slurm_nodes_give_each_engine_its_own_local_rank(tmp_path):
     assert "Processed prompts" in errors[0] and "Processed prompts" not in errors[1]  # one progress bar, rank 0's
 
 
-def test_a_distributed_checkpoint_cut_short_leaves_the_last_whole_one(tmp_path):
+def test_a_distributed_checkpoint_cut_short_leaves_the_last_whole_one_and_the_run_resumes_from_it(tmp_path):
     """FSDP2 on 2 processes with ``save_last: true`` (last.ckpt rewritten each rollout), both killed after writing
     their shards of rollout 2's last.ckpt, before Lightning's meta.pt: last.ckpt is still rollout 1's, its shards
     and its meta.pt agree, and the copy cut short lies aside. Written in place, it held rollout 2's weights under
-    rollout 1's step: a checkpoint that loads and mixes two steps."""
+    rollout 1's step: a checkpoint that loads and mixes two steps. Resumed from it, the run trains rollouts 2 and 3
+    (the step count, the prompt stream and the curves go on) and exports the policy."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    args = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.devices", "2", "--trainer.max_epochs"]
-    args += ["3", "--trainer.strategy", "{class_path: lightning.pytorch.strategies.ModelParallelStrategy}"]
-    args += ["--trainer.check_val_every_n_epoch", "50", "--checkpoint.save_last", "true"]
-    args += ["--trainer.callbacks+=faults.KillAfterShards", "--trainer.callbacks.at_save", "4"]
+    common = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.devices", "2", "--trainer.max_epochs"]
+    common += ["3", "--trainer.strategy", "{class_path: lightning.pytorch.strategies.ModelParallelStrategy}"]
+    common += ["--trainer.check_val_every_n_epoch", "50", "--checkpoint.save_last", "true"]
+    args = [*common, "--trainer.callbacks+=faults.KillAfterShards", "--trainer.callbacks.at_save", "4"]
     env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = str(Path(__file__).parents[1] / "helpers") + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "amir_lightning", *args]
@@ -216,3 +198,10 @@ def test_a_distributed_checkpoint_cut_short_leaves_the_last_whole_one(tmp_path):
     last, second = weights(folder / "last.ckpt"), weights(folder / "epoch=1-step=2.ckpt")
     assert last.keys() == second.keys()
     assert not all(torch.equal(last[k], second[k]) for k in last)  # rollout 1's weights, not rollout 2's
+
+    run_amir([*common, "--ckpt_path", str(folder / "last.ckpt")], tmp_path)
+    resumed = tmp_path / "runs" / "tiny" / "version_1"
+    scalars = read_scalars(resumed)
+    assert len(scalars["rollout/reward_mean"]) == 2 and len(scalars["train/loss"]) == 2  # rollouts 2 and 3 alone
+    assert max(scalars["rollout/sync_logp_diff"]) < 1e-3 and (resumed / "policy" / "model.safetensors").is_file()
+    assert torch.load(resumed / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=True)["global_step"] == 3
