@@ -151,6 +151,85 @@ class TurnReply:
     truncated: int = 0
 
 
+class ToolReplies:
+    """What the chat template writes after a policy turn that called tools, the results in it (read once).
+
+    An episode's tokens then extend the turns before it (``ToolEnvironment``, ``VerifiersEnvironment``). The template
+    renders a conversation that ends with an assistant turn, then the same with ``k`` tool messages and the next
+    turn's header; what the second adds to the first is the text between the turns, the results' places in it marked.
+    The template's text is tokenised with its control tokens, each result as text (``encode_reply``).
+
+    Args:
+        tokenizer: The policy's tokenizer.
+        chat: The policy's chat format (its template, tools and system prompt).
+        tool_name: A tool's name, for the ``name`` of the tool messages rendered (templates that show it).
+        max_reply_tokens: Longest result in tokens (a longer one is cut, and counted).
+
+    Raises:
+        ValueError: The template does not show an assistant's message or a tool message's content as given, or
+            renders the turns before a tool message otherwise once one follows.
+    """
+
+    def __init__(self, tokenizer, chat, tool_name: str, max_reply_tokens: int) -> None:
+        self._tokenizer, self._chat, self._name, self.max_reply_tokens = tokenizer, chat, tool_name, max_reply_tokens
+        self._pieces: dict[int, list[str | int]] = {}  # per result count: template text, or a result's index
+        before = self._render(0)
+        end = before.find(_ANSWER)
+        if end < 0:
+            raise ValueError("data.chat_template does not show the assistant's message as given: tool calls need a "
+                             "template that renders each message's content")  # fmt: skip
+        self._before, self.closing = before, before[end + len(_ANSWER) :]
+        self.pieces(1)  # a template that cannot show a tool message is refused now, not at the first call
+
+    def _render(self, results: int) -> str:
+        messages = self._chat.messages(Prompt(question="1 + 1", answer=""))
+        messages.append({"role": "assistant", "content": _ANSWER})
+        messages += [{"role": "tool", "name": self._name, "content": _RESULT.format(i)} for i in range(results)]
+        return self._chat.text(self._tokenizer, messages, add_generation_prompt=results > 0)
+
+    def pieces(self, results: int) -> list[str | int]:
+        """The template's text after a turn with ``results`` results, as text pieces and the results' places.
+
+        The text that closes the assistant's turn (``closing``) comes before the first piece.
+        """
+        if results not in self._pieces:
+            after = self._render(results)
+            if not after.startswith(self._before):
+                raise ValueError("data.chat_template renders the turns before a tool message otherwise once one "
+                                 "follows: the episode's tokens could not be the conversation's")  # fmt: skip
+            text, pieces = after[len(self._before) :], []
+            for index in range(results):
+                marker = _RESULT.format(index)
+                if marker not in text:
+                    raise ValueError("data.chat_template does not show a tool message's content as given (role "
+                                     "tool): the policy would not read its tools' results")  # fmt: skip
+                head, text = text.split(marker, 1)
+                pieces += [head, index]
+            self._pieces[results] = [*pieces, text]
+        return self._pieces[results]
+
+    def tokens(self, results: Sequence[str], turn_ids: list[int]) -> tuple[list[int], int]:
+        """The tokens after the policy's turn ``turn_ids``, and how many results were cut at ``max_reply_tokens``.
+
+        They are the turn's closing (less the end-of-turn token the policy wrote), the results, the next turn's header.
+        """
+        closing = self.closing
+        last = self._tokenizer.decode(turn_ids[-1:], skip_special_tokens=False) if turn_ids else ""
+        if last and closing.startswith(last):  # the policy wrote the end-of-turn token itself
+            closing = closing[len(last) :]
+        ids: list[int] = []
+        truncated = 0
+        head, *rest = self.pieces(len(results))
+        for piece in [closing + head, *rest]:
+            if isinstance(piece, int):  # a result: text, cut at max_reply_tokens
+                result_ids, cut = encode_reply(self._tokenizer, results[piece], self.max_reply_tokens)
+                ids += result_ids
+                truncated += cut
+            elif piece:  # the template's own text: its control tokens are control tokens
+                ids += self._tokenizer(piece, add_special_tokens=False)["input_ids"]
+        return ids, truncated
+
+
 class ToolEnvironment(Environment):
     """Tools as Python functions, the calls written as the policy's chat template says (``rollout/tools.py``).
 
@@ -193,8 +272,7 @@ class ToolEnvironment(Environment):
         self.tool_parser, self.max_tool_calls, self.timeout_s = tool_parser, max_tool_calls, timeout_s
         self._parser: ToolCallParser | None = None
         self._tokenizer = None
-        self._closing = ""  # the template's text after the assistant's answer, up to the next message
-        self._pieces: dict[int, list[str | int]] = {}  # per result count: template text, or a result's index
+        self._replies: ToolReplies | None = None  # the template's text between two turns, read at prepare
 
     @override
     def tool_schemas(self) -> list[dict[str, Any]]:
@@ -204,43 +282,8 @@ class ToolEnvironment(Environment):
     def prepare(self, tokenizer, chat) -> None:
         """Read the chat template once: where the results go between two turns; the parser for the turns."""
         self._parser = ToolCallParser(self.tool_parser, tokenizer, self.schemas)
-        self._tokenizer, self._chat = tokenizer, chat
-        self._pieces = {}
-        before = self._render(0)
-        end = before.find(_ANSWER)
-        if end < 0:
-            raise ValueError("data.chat_template does not show the assistant's message as given: tool calls need a "
-                             "template that renders each message's content")  # fmt: skip
-        self._before, self._closing = before, before[end + len(_ANSWER) :]
-        self.pieces(1)  # a template that cannot show a tool message is refused now, not at the first call
-
-    def _render(self, results: int) -> str:
-        messages = self._chat.messages(Prompt(question="1 + 1", answer=""))
-        messages.append({"role": "assistant", "content": _ANSWER})
-        names = list(self.functions)
-        messages += [{"role": "tool", "name": names[0], "content": _RESULT.format(i)} for i in range(results)]
-        return self._chat.text(self._tokenizer, messages, add_generation_prompt=results > 0)
-
-    def pieces(self, results: int) -> list[str | int]:
-        """The template's text after a turn with ``results`` results, as text pieces and the results' places.
-
-        The text that closes the assistant's turn (``self._closing``) comes before the first piece.
-        """
-        if results not in self._pieces:
-            after = self._render(results)
-            if not after.startswith(self._before):
-                raise ValueError("data.chat_template renders the turns before a tool message otherwise once one "
-                                 "follows: the episode's tokens could not be the conversation's")  # fmt: skip
-            text, pieces = after[len(self._before) :], []
-            for index in range(results):
-                marker = _RESULT.format(index)
-                if marker not in text:
-                    raise ValueError("data.chat_template does not show a tool message's content as given (role "
-                                     "tool): the policy would not read its tools' results")  # fmt: skip
-                head, text = text.split(marker, 1)
-                pieces += [head, index]
-            self._pieces[results] = [*pieces, text]
-        return self._pieces[results]
+        self._tokenizer = tokenizer
+        self._replies = ToolReplies(tokenizer, chat, next(iter(self.functions)), self.max_reply_tokens)
 
     @override
     def reset(self, prompt: Prompt) -> None:
@@ -264,20 +307,7 @@ class ToolEnvironment(Environment):
             records.append(CallRecord("", "", f"error: malformed tool call: {turn.malformed}", True, 0.0))
         for number, call in enumerate(turn.calls, start=calls_made + 1):
             records.append(self._run(call, number))
-        closing = self._closing
-        last = self._tokenizer.decode(token_ids[-1:], skip_special_tokens=False) if token_ids else ""
-        if last and closing.startswith(last):  # the policy wrote the end-of-turn token itself
-            closing = closing[len(last) :]
-        ids: list[int] = []
-        truncated = 0
-        head, *rest = self.pieces(len(records))
-        for piece in [closing + head, *rest]:
-            if isinstance(piece, int):  # a result: text, cut at max_reply_tokens
-                result_ids, cut = encode_reply(self._tokenizer, records[piece].result, self.max_reply_tokens)
-                ids += result_ids
-                truncated += cut
-            elif piece:  # the template's own text: its control tokens are control tokens
-                ids += self._tokenizer(piece, add_special_tokens=False)["input_ids"]
+        ids, truncated = self._replies.tokens([record.result for record in records], token_ids)
         messages = [{"role": "tool", "name": r.name, "content": r.result} for r in records]
         return TurnReply(ids, records, messages, turn.malformed is not None, truncated)
 
