@@ -1,6 +1,7 @@
 """Rewards: math grading, format rewards, reward models, LLM judges and plain functions (TRL's signature)."""
 
 from amir_lightning.rewards.base import FunctionReward, Reward
+from amir_lightning.rewards.environment import EnvironmentReward
 from amir_lightning.rewards.format import (
     AnswerNumberReward,
     TagCountReward,
@@ -17,6 +18,7 @@ from amir_lightning.rewards.sandbox import SandboxedGrader
 
 __all__ = [
     "AnswerNumberReward",
+    "EnvironmentReward",
     "FunctionReward",
     "JudgeReward",
     "JudgeServer",

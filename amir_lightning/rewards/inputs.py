@@ -106,6 +106,8 @@ class RewardInputs:
             (``ToolEnvironment``), else ``None``.
         tool_calls: Per completion, the calls it made (``name``, ``arguments``, ``result``, ``error``, ``seconds``),
             else ``None``.
+        outcomes: Per completion, its environment's own scoring (``Completion.outcome``: ``reward``, ``rewards``,
+            ``metrics``), passed as ``environment_scores``; ``None`` where the environment scores nothing.
         state: Where the run stood when the rollout's sampling started (``trainer_state``).
         log: Where ``log_metric`` and ``log_extra`` write.
         caller: The reward these inputs are given to (``copy``), named by what it logs.
@@ -117,6 +119,7 @@ class RewardInputs:
     finish_reasons: list[str]
     conversations: list[list[dict[str, Any]] | None] | None = None
     tool_calls: list[list[dict[str, Any]] | None] | None = None
+    outcomes: list[dict[str, Any] | None] | None = None
     state: RunState = field(default_factory=RunState)
     log: RewardLog | None = None
     caller: str = "reward"
@@ -153,6 +156,7 @@ class RewardInputs:
             list(self.finish_reasons),
             copy.deepcopy(self.conversations),
             copy.deepcopy(self.tool_calls),
+            copy.deepcopy(self.outcomes),
             self.state,
             self.log,
             caller,
@@ -163,7 +167,8 @@ class RewardInputs:
 
         Every dataset column by name (TRL's ``prompt`` and ``completion`` excepted), ``prompts``,
         ``completion_ids``, ``finish_reasons``, the reference ``answer`` when no column has that name,
-        ``trainer_state``, ``log_metric`` and ``log_extra``, and ``tool_calls`` in episodes of tool calls.
+        ``trainer_state``, ``log_metric`` and ``log_extra``, ``tool_calls`` in episodes of tool calls, and
+        ``environment_scores`` where the environment scores its episodes.
         """
         keys = list(dict.fromkeys(key for p in self.prompts for key in p.row))
         out: dict[str, list[Any]] = {k: [p.row.get(k) for p in self.prompts] for k in keys if k not in NOT_PASSED}
@@ -176,4 +181,6 @@ class RewardInputs:
         out["log_metric"], out["log_extra"] = log.for_reward(self.caller)
         if self.tool_calls is not None:
             out["tool_calls"] = self.tool_calls
+        if self.outcomes is not None:
+            out["environment_scores"] = self.outcomes
         return out

@@ -1,7 +1,8 @@
 """Rollouts: engines (vLLM, HF generate), multi-turn episodes, batches of whole groups, scoring, the sync check.
 
 ``VLLMEngine`` is importable without vLLM installed; it raises a clear error when started. ``VLLMServerEngine``
-talks to a vLLM server over HTTP, so the training process never imports vLLM for it.
+talks to a vLLM server over HTTP, so the training process never imports vLLM for it. ``VerifiersEnvironment``
+imports verifiers when built.
 """
 
 from amir_lightning.rollout.calculator import CalculatorEnvironment
@@ -10,6 +11,7 @@ from amir_lightning.rollout.episodes import Environment
 from amir_lightning.rollout.hf_engine import HFEngine
 from amir_lightning.rollout.replies import ToolError
 from amir_lightning.rollout.tools import ToolEnvironment
+from amir_lightning.rollout.verifiers_env import VerifiersEnvironment
 from amir_lightning.rollout.vllm_engine import VLLMEngine
 from amir_lightning.rollout.vllm_server import VLLMServerEngine
 
@@ -24,4 +26,5 @@ __all__ = [
     "ToolError",
     "VLLMEngine",
     "VLLMServerEngine",
+    "VerifiersEnvironment",
 ]

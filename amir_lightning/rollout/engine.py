@@ -175,6 +175,8 @@ class Completion:
         messages: The episode as chat messages, with its ``tool_calls`` and ``tool`` turns (``ToolEnvironment``;
             rewards get these as ``completions``); ``None`` otherwise.
         calls: The calls it made: ``name``, ``arguments``, ``result``, ``error``, ``seconds`` (rewards' ``tool_calls``).
+        outcome: The environment's own scoring of the episode where it has one (``VerifiersEnvironment``: its
+            taskset's ``reward`` and its named ``rewards`` and ``metrics``), which ``EnvironmentReward`` trains on.
     """
 
     token_ids: list[int]
@@ -192,6 +194,7 @@ class Completion:
     tool_seconds: float = 0.0
     messages: list[dict[str, Any]] | None = None
     calls: list[dict[str, Any]] | None = None
+    outcome: dict[str, Any] | None = None
 
     @property
     def truncated(self) -> bool:

@@ -38,7 +38,7 @@ from amir_lightning.rollout.replies import (
     step_reply,
 )
 
-__all__ = ["Environment", "EnvironmentStepError", "ToolError", "run_episodes"]
+__all__ = ["Environment", "EnvironmentStepError", "EpisodeRecord", "ToolError", "run_episodes"]
 
 
 class Environment(ABC):
@@ -95,9 +95,31 @@ class Environment(ABC):
     def prepare(self, tokenizer, chat) -> None:  # noqa: B027 (optional hook: text protocols need nothing)
         """Learn the policy's tokenizer and chat format (``data/templates.py``) before the first episode."""
 
+    def episodes(
+        self,
+        prompts: Sequence[Prompt],
+        prompt_ids: Sequence[list[int]],
+        n: int,
+        sampling: SamplingConfig,
+        generate: Callable[[list[list[int]], int, SamplingConfig, int], list[list[Completion]]],
+        tokenizer,
+        room: int | None = None,
+    ) -> list[list[Completion]]:
+        """``n`` episodes per prompt, in prompt order: ``run_episodes``, this environment replying to each turn.
+
+        An environment that runs its episodes itself (``VerifiersEnvironment``) overrides this; ``generate`` samples
+        every turn, so each stays the engine's and seeded by its place in the run.
+        """
+        return run_episodes(self, prompts, prompt_ids, n, sampling, generate, tokenizer, room)
+
+    def close(self) -> None:  # noqa: B027 (optional hook: most environments hold nothing)
+        """Release what the environment holds (servers, threads); called when the run ends."""
+
 
 @dataclass
-class _Episode:
+class EpisodeRecord:
+    """One episode as it grows: its tokens (the policy's with their log-probs, the replies masked) and its counts."""
+
     prompt_index: int
     state: Any
     token_ids: list[int] = field(default_factory=list)
@@ -175,7 +197,7 @@ def run_episodes(
     """
     turn_sampling = replace(sampling, stop=[*(sampling.stop or []), *environment.stop] or None)
     states = [call_environment(environment, "reset", prompt) for prompt in prompts]
-    episodes = [_Episode(i, states[i]) for i in range(len(prompts)) for _ in range(n)]
+    episodes = [EpisodeRecord(i, states[i]) for i in range(len(prompts)) for _ in range(n)]
     if environment.whole_turns:
         for e in episodes:
             e.messages, e.calls = [], []
@@ -203,7 +225,7 @@ def run_episodes(
     return out
 
 
-def _take_turn(environment: Environment, episode: _Episode, completion: Completion, tokenizer, last: bool) -> None:
+def _take_turn(environment: Environment, episode: EpisodeRecord, completion: Completion, tokenizer, last: bool) -> None:
     """Add the policy's turn to ``episode``, then the environment's reply, or end it (a text protocol)."""
     episode.add(completion.token_ids, completion.sampling_logps)
     message, overshoot = _turn_text(completion, environment.stop, tokenizer)
@@ -229,7 +251,7 @@ def _take_turn(environment: Environment, episode: _Episode, completion: Completi
     episode.tool_calls += 1
 
 
-def _take_whole_turn(environment, episode: _Episode, completion: Completion, tokenizer, last: bool) -> None:
+def _take_whole_turn(environment, episode: EpisodeRecord, completion: Completion, tokenizer, last: bool) -> None:
     """Add the policy's turn to ``episode``; run the tool calls it wrote and add their results, or end it."""
     episode.add(completion.token_ids, completion.sampling_logps)
     turn = environment.read(completion.token_ids)

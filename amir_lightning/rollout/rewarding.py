@@ -123,6 +123,7 @@ def score_completions(
         [c.finish_reason for _, c in rows],
         [c.messages for _, c in rows] if with_tools else None,
         [c.calls for _, c in rows] if with_tools else None,
+        [c.outcome for _, c in rows] if any(c.outcome is not None for _, c in rows) else None,
         state or RunState(),
         logged,
     )

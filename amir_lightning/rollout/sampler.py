@@ -14,7 +14,7 @@ import torch
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig
-from amir_lightning.rollout.episodes import Environment, run_episodes
+from amir_lightning.rollout.episodes import Environment
 from amir_lightning.rollout.pending import PendingRollout
 from amir_lightning.rollout.policy import Policy
 from amir_lightning.rollout.sync import SyncCheck, SyncReport
@@ -100,7 +100,7 @@ class Sampler:
     def episodes(self, prompts, prompt_ids, n, sampling, turn: Turn, tokenizer) -> list[list[Completion]]:
         """``n`` multi-turn episodes per prompt through ``environment``, ``turn(ids, n, sampling, index)`` sampling."""
         room = getattr(self.engine, "max_model_len", None)
-        return run_episodes(self.environment, prompts, prompt_ids, n, sampling, turn, tokenizer, room)
+        return self.environment.episodes(prompts, prompt_ids, n, sampling, turn, tokenizer, room)
 
     def push(
         self,

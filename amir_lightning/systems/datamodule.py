@@ -252,6 +252,8 @@ class RolloutDataModule(LightningDataModule):
         for reward in [*self.rewards, self._eval_grader]:
             if reward is not None:
                 reward.close()
+        if self.sampler.environment is not None:
+            self.sampler.environment.close()  # its servers and threads (a verifiers environment's)
 
     # ------------------------------------------------------------------ prompts
     def tokenize(self, prompts: list[Prompt]) -> list[list[int]]:

@@ -1,0 +1,85 @@
+"""Environments from verifiers 0.4 (``rollout/verifiers_env.py``): a taskset written for prime-rl, built here from
+in-memory rows (``tests/helpers/vf_sums``, with an ``add`` tool served by verifiers as an MCP server, and
+``tests/helpers/vf_digits``), runs its episodes through the policy and scores them with its own rewards.
+
+The scripted-policy tests use the character-level ChatML tokenizer and template of ``tests/test_tools.py``.
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("verifiers.v1")
+
+from test_tools import EOS, SAMPLING, TEMPLATE, TOKENIZER, call  # noqa: E402
+
+from amir_lightning.data.templates import ChatFormat  # noqa: E402
+from amir_lightning.data.verifiers_tasks import VerifiersTasks  # noqa: E402
+from amir_lightning.rollout import Completion  # noqa: E402
+from amir_lightning.rollout.replies import tool_metrics  # noqa: E402
+from amir_lightning.rollout.verifiers_env import VerifiersEnvironment  # noqa: E402
+
+HELPERS = str(Path(__file__).parent / "helpers")
+
+
+@pytest.fixture(scope="module")
+def sums():
+    """``vf_sums`` served (its tool server started once), prepared for the ChatML tokenizer; closed after."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(HELPERS)  # the taskset's module, here and in its tool server's process
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [HELPERS, os.environ.get("PYTHONPATH")])))
+        env = VerifiersEnvironment("vf_sums", max_turns=3)
+        chat = ChatFormat(template=TEMPLATE, tools=env.tool_schemas())
+        env.prepare(TOKENIZER, chat)
+        yield env, chat, VerifiersTasks("vf_sums")
+        env.close()
+
+
+def scripted(turns):
+    """A policy that writes ``turns[t]`` at turn ``t`` (each ended by its end-of-turn token); it records its inputs."""
+    seen = []
+
+    def generate(ids, count, sampling, turn):
+        seen.append((turn, [list(i) for i in ids]))
+        text = turns[min(turn, len(turns) - 1)]
+        own = TOKENIZER(text, add_special_tokens=False)["input_ids"] + [EOS]
+        return [[Completion(list(own), text, [-0.5] * len(own), "stop") for _ in range(count)] for _ in ids]
+
+    return generate, seen
+
+
+def test_an_episode_is_the_conversation_the_template_writes_and_the_taskset_scores_it(sums):
+    """Two prompts x 2 episodes: each calls ``add`` on the taskset's tool server, reads 7 or 8, answers. The episode's
+    tokens (prompt included) are the template's rendering of the whole conversation, token for token; only the
+    policy's two turns are trained on; each turn of all four episodes is sampled in one batch; the taskset's reward
+    (the answer in the last reply) and metric come with each completion."""
+    env, chat, tasks = sums
+    prompts = [tasks[0], tasks[1]]
+    prompt_ids = [chat.render(TOKENIZER, p) for p in prompts]
+    first = "Adding.\n" + call("add", '{"a": 3, "b": 4}')
+    generate, seen = scripted([first, "It is 7."])
+    groups = env.episodes(prompts, prompt_ids, 2, SAMPLING, generate, TOKENIZER)
+    assert [turn for turn, _ in seen] == [0, 1] and [len(ids) for _, ids in seen] == [4, 4]  # one batch a turn
+    assert seen[0][1] == [prompt_ids[0]] * 2 + [prompt_ids[1]] * 2
+    for prompt, ids, group, reward in zip(prompts, prompt_ids, groups, (1.0, 0.0)):
+        assert len(group) == 2
+        for c in group:
+            conversation = [
+                *prompt.messages,
+                {"role": "assistant", "content": "Adding.",
+                 "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 3, "b": 4}}}]},
+                {"role": "tool", "name": "add", "content": "7"},
+                {"role": "assistant", "content": "It is 7."},
+            ]  # fmt: skip
+            whole = TOKENIZER(chat.text(TOKENIZER, conversation, False), add_special_tokens=False)["input_ids"]
+            assert ids + c.token_ids == whole[: len(ids) + len(c.token_ids)]
+            own = TOKENIZER(first, add_special_tokens=False)["input_ids"] + [EOS]
+            trained = [t for t, m in zip(c.token_ids, c.loss_mask) if m]
+            assert trained == own + TOKENIZER("It is 7.", add_special_tokens=False)["input_ids"] + [EOS]
+            assert c.outcome == {"reward": reward, "rewards": {"correct": reward}, "metrics": {"reply_chars": 8.0}}
+            assert c.turns == 2 and c.tool_calls == 1 and not c.tool_cut and c.finish_reason == "stop"
+            assert c.calls == [{"name": "add", "arguments": {"a": 3, "b": 4}, "result": "7", "error": False,
+                                "seconds": 0.0}]  # fmt: skip
+    metrics = tool_metrics([c for g in groups for c in g])
+    assert metrics["tools/call_frac"] == 1.0 and metrics["tools/error_frac"] == 0.0
