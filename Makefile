@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.amir-installed
-EXTRAS := cpu,data,reasoning-gym,compare,lora,gguf,wandb,dev,bench
+EXTRAS := cpu,data,reasoning-gym,compare,lora,gguf,wandb,verifiers,dev,bench
 # Offline, vLLM in-process. Tests run one thread per process (two threads were 10-100x slower on 2-core machines
 # whenever another process ran); the demo runs alone, so rollout and training each use every core.
 OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 \

@@ -83,3 +83,55 @@ def test_an_episode_is_the_conversation_the_template_writes_and_the_taskset_scor
                                 "seconds": 0.0}]  # fmt: skip
     metrics = tool_metrics([c for g in groups for c in g])
     assert metrics["tools/call_frac"] == 1.0 and metrics["tools/error_frac"] == 0.0
+
+
+def test_an_episode_still_calling_at_max_turns_is_cut_and_scored(sums):
+    """A policy that calls ``add`` at every turn: verifiers ends the episode at ``max_turns`` (3), the episode counts
+    as cut (``tools/cut_frac``), holds its three turns and two results, and the taskset still scores it (0: the last
+    reply holds no answer)."""
+    env, chat, tasks = sums
+    prompt_ids = [chat.render(TOKENIZER, tasks[0])]
+    generate, seen = scripted([call("add", '{"a": 3, "b": 4}')])
+    (group,) = env.episodes([tasks[0]], prompt_ids, 1, SAMPLING, generate, TOKENIZER)
+    (c,) = group
+    assert len(seen) == 3 and c.turns == 3 and c.tool_calls == 3 and len(c.calls) == 2 and c.tool_cut
+    assert c.outcome["reward"] == 0.0 and tool_metrics(group)["tools/cut_frac"] == 1.0
+
+
+def test_wrong_settings_are_one_line_naming_the_key(sums, tmp_path):
+    """A harness that runs a program of its own, a taskset that cannot be imported, and prompts that are not the
+    taskset's tasks are each refused in one line naming the key."""
+    from amir_lightning.data.base import Prompt
+
+    with pytest.raises(ValueError, match=r"^data.environment.init_args.environment: the harness 'codex' runs a prog"):
+        VerifiersEnvironment({"taskset": {"id": "vf_sums"}, "agent": {"harness": {"id": "codex"}}})
+    with pytest.raises(ValueError, match=r"^data.prompts.init_args.environment: the verifiers taskset 'no_such_ta"):
+        VerifiersTasks("no_such_taskset")
+    env, chat, _ = sums
+    stray = Prompt("What is 3 + 4?", "7")
+    with pytest.raises(ValueError, match=r"is not a task of the verifiers taskset 'vf_sums': give data.prompts"):
+        env.episodes([stray], [chat.render(TOKENIZER, stray)], 1, SAMPLING, scripted(["7"])[0], TOKENIZER)
+
+
+@pytest.mark.slow
+def test_a_verifiers_taskset_trains_for_three_rollouts(tmp_path, monkeypatch, capsys, caplog):
+    """configs/tiny.yaml with ``vf_digits`` (write the digit asked for; the taskset's reward: the digit in the reply)
+    as prompts, environment and reward, in-process vLLM: 3 rollouts of 16 tasks x 8 episodes, every sync verified;
+    the taskset's reward is what trains (``rollout/reward/environment``), logged by name (``reward/correct``), and
+    rises from the first rollout to the last."""
+    from conftest import read_scalars, run_here
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [HELPERS, os.environ.get("PYTHONPATH")])))
+    tasks = "{class_path: amir_lightning.data.VerifiersTasks, init_args: {environment: vf_digits}}"
+    args = ["fit", "--config", str(Path(__file__).parents[1] / "configs" / "tiny.yaml"), "--trainer.max_epochs", "3"]
+    args += ["--data.prompts", tasks, "--data.val_prompts", tasks, "--data.rewards", "[EnvironmentReward]"]
+    args += ["--data.environment", "{class_path: VerifiersEnvironment, init_args: {environment: vf_digits}}"]
+    args += ["--trainer.check_val_every_n_epoch", "50"]
+    result = run_here(args, tmp_path, monkeypatch, capsys, caplog)
+    assert "POST /v1/chat/completions" not in result.stderr  # verifiers' servers log per call at INFO: kept quiet
+    scalars = read_scalars(tmp_path / "runs" / "tiny" / "version_0")
+    reward = scalars["rollout/reward_mean"]
+    print(f"vf_digits: the taskset's reward per rollout {[round(r, 3) for r in reward]}")
+    assert len(reward) == 3 and scalars["reward/correct"] == pytest.approx(reward)
+    assert scalars["rollout/reward/environment"] == pytest.approx(reward) and reward[-1] > reward[0]
+    assert max(scalars["rollout/sync_logp_diff"]) < 1e-3 and scalars["tools/turns"] == [1.0, 1.0, 1.0]

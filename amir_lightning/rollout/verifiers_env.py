@@ -112,7 +112,8 @@ class VerifiersEnvironment(Environment):
         self._client: _PolicyClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._serving: contextlib.AsyncExitStack | None = None
-        logging.getLogger("verifiers").setLevel(logging.WARNING)  # its per-episode lines; warnings still show
+        for name in ("verifiers", "aiohttp.access"):  # a line per episode and per call; warnings still show
+            logging.getLogger(name).setLevel(logging.WARNING)
 
     @override
     def tool_schemas(self) -> list[dict[str, Any]] | None:
@@ -149,8 +150,9 @@ class VerifiersEnvironment(Environment):
         loop = self._start()
         tasks = [self._task(prompt) for prompt in prompts]
         run = _Run([i for i in range(len(prompts)) for _ in range(n)], prompt_ids, sampling, room, loop)
-        self._client.run = run
-        done = asyncio.run_coroutine_threadsafe(self._run(run, tasks, n), loop)
+        key = str(next(_IDS))  # a rollout sampled ahead and a validation can run at once
+        self._client.runs[key] = run
+        done = asyncio.run_coroutine_threadsafe(self._run(run, key, tasks, n), loop)
         try:
             for turn in itertools.count():
                 batch = run.requests.get()
@@ -162,6 +164,8 @@ class VerifiersEnvironment(Environment):
         except BaseException:
             done.cancel()
             raise
+        finally:
+            del self._client.runs[key]
         out: list[list[Completion]] = [[] for _ in prompts]
         for index, (record, episode) in enumerate(zip(run.records, episodes)):
             out[record.prompt_index].append(_completion(record, episode, tokenizer, tasks[record.prompt_index], index))
@@ -181,13 +185,13 @@ class VerifiersEnvironment(Environment):
             raise ValueError(f"{KEY}.environment: task {index} of {self.config.taskset.id!r} is not the prompt drawn")
         return task
 
-    async def _run(self, run: _Run, tasks: list, n: int) -> list:
+    async def _run(self, run: _Run, key: str, tasks: list, n: int) -> list:
         vf = import_verifiers("data.environment")
         slots = [slot for task in tasks for slot in self.env.slots(task, n=n)]
 
         async def one(index: int, slot):
             context = vf.ModelContext(
-                model=f"amir-episode-{index}", client=vf.TrainClientConfig(base_url=_URL.format(self._id))
+                model=f"amir-{key}-{index}", client=vf.TrainClientConfig(base_url=_URL.format(self._id))
             )
             try:
                 return await self.env.run_slot(slot, context)
@@ -279,16 +283,16 @@ class _PolicyClient:
     def __init__(self, tokenizer, chat, parser, replies, tool_names: set[str]) -> None:
         self.tokenizer, self.chat, self.parser, self.replies = tokenizer, chat, parser, replies
         self.tool_names = tool_names
-        self.run: _Run | None = None
+        self.runs: dict[str, _Run] = {}  # the rollouts in progress, by the key their episodes' model names hold
 
     async def get_response(self, dialect, body, sampling, session_id=None, turn=None, headers=None):  # noqa: D102
         vf = import_verifiers("data.environment")
         from verifiers.v1.clients.train import serialize_completion
         from verifiers.v1.dialects.chat import message_to_wire
 
-        run = self.run
-        index = int(body["model"].rsplit("-", 1)[1])
-        record = run.records[index]
+        _, key, index = body["model"].split("-")
+        run = self.runs[key]
+        record = run.records[int(index)]
         request = turn if turn is not None else dialect.parse_request(body)
         messages = [message_to_wire(m) for m in (request.prompt if turn is not None else request.messages)]
         if record.turns == 0:
@@ -305,7 +309,7 @@ class _PolicyClient:
             record.finish_reason, record.tool_cut = "length", True  # no room for another turn: cut
             completion = Completion([], "", [], "length")
         else:
-            completion = await run.sample(index, ids)
+            completion = await run.sample(int(index), ids)
         record.add(completion.token_ids, completion.sampling_logps)
         record.turns += bool(completion.token_ids)
         record.finish_reason = completion.finish_reason
