@@ -135,3 +135,20 @@ def test_a_verifiers_taskset_trains_for_three_rollouts(tmp_path, monkeypatch, ca
     assert len(reward) == 3 and scalars["reward/correct"] == pytest.approx(reward)
     assert scalars["rollout/reward/environment"] == pytest.approx(reward) and reward[-1] > reward[0]
     assert max(scalars["rollout/sync_logp_diff"]) < 1e-3 and scalars["tools/turns"] == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.slow
+def test_a_run_on_a_verifiers_taskset_stopped_and_resumed_ends_with_the_uninterrupted_runs_weights(
+    tmp_path, monkeypatch, capsys, caplog
+):
+    """4 rollouts of ``vf_digits`` in one run, and 2 + 2 resumed from last.ckpt (HF engine, in this process): the
+    same weights, bitwise. Episodes run by verifiers are a function of the weights and the run's place, as others."""
+    from conftest import HF_ENGINE, run_here, stop_and_resume
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [HELPERS, os.environ.get("PYTHONPATH")])))
+    tasks = "{class_path: amir_lightning.data.VerifiersTasks, init_args: {environment: vf_digits}}"
+    common = ["fit", "--config", str(Path(__file__).parents[1] / "configs" / "tiny.yaml"), *HF_ENGINE]
+    common += ["--data.prompts", tasks, "--data.val_prompts", tasks, "--data.rewards", "[EnvironmentReward]"]
+    common += ["--data.environment", "{class_path: VerifiersEnvironment, init_args: {environment: vf_digits}}"]
+    common += ["--trainer.check_val_every_n_epoch", "50", "--data.rollout.prompts_per_process", "4"]
+    stop_and_resume(lambda args: run_here(args, tmp_path, monkeypatch, capsys, caplog), tmp_path, common)

@@ -127,7 +127,6 @@ class VerifiersEnvironment(Environment):
             self.schemas
         ) else None  # fmt: skip
         self._client = _PolicyClient(tokenizer, chat, parser, replies, {s["function"]["name"] for s in self.schemas})
-        _CLIENTS[self._id] = self._client
 
     @override
     def reset(self, prompt: Prompt) -> None:
@@ -208,6 +207,7 @@ class VerifiersEnvironment(Environment):
         if self._loop is not None:
             return self._loop
         _hook_clients()
+        _CLIENTS[self._id] = self._client
         loop = asyncio.new_event_loop()
         threading.Thread(target=loop.run_forever, name="verifiers", daemon=True).start()
 
@@ -230,6 +230,7 @@ class VerifiersEnvironment(Environment):
             asyncio.run_coroutine_threadsafe(self._serving.aclose(), loop).result(timeout=60)
         loop.call_soon_threadsafe(loop.stop)
         self._serving = None
+        _CLIENTS.pop(self._id, None)
 
 
 @dataclass
