@@ -152,3 +152,16 @@ def test_a_run_on_a_verifiers_taskset_stopped_and_resumed_ends_with_the_uninterr
     common += ["--data.environment", "{class_path: VerifiersEnvironment, init_args: {environment: vf_digits}}"]
     common += ["--trainer.check_val_every_n_epoch", "50", "--data.rollout.prompts_per_process", "4"]
     stop_and_resume(lambda args: run_here(args, tmp_path, monkeypatch, capsys, caplog), tmp_path, common)
+
+
+def test_an_environment_verifiers_loaded_is_taken_as_it_is_with_its_chat_loop_run_here(sums):
+    """``vf.load_environment(...)`` handed over in Python: its taskset and tools are the same, its ``null`` harness
+    (verifiers' chat loop) is run by this project's, in this process."""
+    import verifiers.v1 as vf
+
+    loaded = vf.load_environment(
+        vf.resolve_env_config({"taskset": {"id": "vf_sums"}, "agent": {"harness": {"id": "null"}}})
+    )
+    env = VerifiersEnvironment(loaded, max_turns=2)
+    assert env.tool_schemas() == sums[0].tool_schemas() and len(env.tasks) == 2
+    assert env.config.agent.harness.id == "amir_lightning_harness" and env.config.agent.max_turns == 2

@@ -30,12 +30,17 @@ def import_verifiers(key: str):
 def taskset_config(environment: str | dict[str, Any], key: str) -> dict[str, Any]:
     """The verifiers environment config of ``environment``, as a plain dict.
 
-    ``environment`` is a taskset id, or a config as ``vf.resolve_env_config`` takes it (``{taskset: {id: ...,
-    <the taskset's options>}, agent: {...}}``).
+    ``environment`` is a taskset id, a config as ``vf.resolve_env_config`` takes it (``{taskset: {id: ...,
+    <the taskset's options>}, agent: {...}}``), a verifiers ``EnvConfig``, or an environment ``vf.load_environment``
+    loaded (its config).
 
     Raises:
         ValueError: It names no taskset.
     """
+    if hasattr(environment, "model_dump"):  # a verifiers EnvConfig
+        environment = environment.model_dump(mode="json", exclude_none=True)
+    elif hasattr(getattr(environment, "config", None), "model_dump"):  # an environment verifiers loaded
+        environment = environment.config.model_dump(mode="json", exclude_none=True)
     raw = {"taskset": {"id": environment}} if isinstance(environment, str) else json.loads(json.dumps(environment))
     if not isinstance(raw, dict) or not isinstance(raw.get("taskset"), dict) or not raw["taskset"].get("id"):
         raise ValueError(f"{key} must be a verifiers taskset id or a config with taskset.id, got {environment!r}")

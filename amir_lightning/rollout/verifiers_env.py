@@ -67,12 +67,12 @@ def env_config(environment: str | dict[str, Any], key: str, max_turns: int):
     raw = taskset_config(environment, key)
     agent = dict(raw.get("agent") or {})
     harness = dict(agent.get("harness") or {})
-    if harness.get("id") not in (None, HARNESS):
+    if harness.get("id") not in (None, "null", HARNESS):  # null: verifiers' own chat loop, which ours runs here
         raise ValueError(
             f"{key}: the harness {harness['id']!r} runs a program of its own; episodes here are a chat loop in the "
             "training process (leave agent.harness out)"
         )
-    agent.update(harness={**harness, "id": HARNESS}, runtime={"type": "subprocess"}, max_turns=max_turns)
+    agent.update(harness={"id": HARNESS}, runtime={"type": "subprocess"}, max_turns=max_turns)
     try:
         return vf.resolve_env_config({**raw, "agent": agent})
     except Exception as err:  # noqa: BLE001 - verifiers says what is wrong; say where
@@ -85,8 +85,10 @@ class VerifiersEnvironment(Environment):
     Give ``data.prompts`` a ``VerifiersTasks`` of the same taskset and ``data.rewards`` an ``EnvironmentReward``.
 
     Args:
-        environment: The taskset's id (its importable module), or a verifiers environment config as
-            ``vf.resolve_env_config`` takes it (``{taskset: {id: ...}}``, its agent's ``timeout`` and limits).
+        environment: The taskset's id (its importable module), a verifiers environment config as
+            ``vf.resolve_env_config`` takes it (``{taskset: {id: ...}}``, its agent's ``timeout`` and limits), or
+            in Python an environment ``vf.load_environment`` loaded (its harness must be verifiers' chat loop,
+            ``null``, which runs here as ``rollout/verifiers_harness.py``).
         tool_parser: How a turn's tool calls are read: one of vLLM's tool parsers by name (``hermes`` for Qwen2.5 and
             Hermes-format templates), or ``response_template`` (the tokenizer's own).
         max_turns: Policy turns per episode (verifiers' ``agent.max_turns``); an episode still calling tools at the
@@ -96,7 +98,7 @@ class VerifiersEnvironment(Environment):
 
     def __init__(
         self,
-        environment: str | dict[str, Any],
+        environment: str | dict[str, Any] | Any,
         tool_parser: str = "hermes",
         max_turns: int = 4,
         max_reply_tokens: int = 256,
