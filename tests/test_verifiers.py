@@ -165,3 +165,22 @@ def test_an_environment_verifiers_loaded_is_taken_as_it_is_with_its_chat_loop_ru
     env = VerifiersEnvironment(loaded, max_turns=2)
     assert env.tool_schemas() == sums[0].tool_schemas() and len(env.tasks) == 2
     assert env.config.agent.harness.id == "amir_lightning_harness" and env.config.agent.max_turns == 2
+
+
+@pytest.mark.slow
+def test_a_tool_server_of_each_task_starts_with_each_episode_and_serves_its_calls(sums, monkeypatch):
+    """``vf_sums_each``: the ``add`` server is the task's (``Task.toolsets``), started by verifiers for each episode
+    and gone after it; its tools are shown at start as the shared ones are, and the episode reads its result."""
+    env_shared, chat, _ = sums
+    monkeypatch.syspath_prepend(HELPERS)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [HELPERS, os.environ.get("PYTHONPATH")])))
+    env = VerifiersEnvironment("vf_sums_each", max_turns=3)
+    assert env.tool_schemas() == env_shared.tool_schemas()
+    env.prepare(TOKENIZER, chat)
+    tasks = VerifiersTasks("vf_sums_each")
+    generate, _ = scripted([call("add", '{"a": 2, "b": 6}'), "It is 8."])
+    try:
+        (group,) = env.episodes([tasks[1]], [chat.render(TOKENIZER, tasks[1])], 2, SAMPLING, generate, TOKENIZER)
+    finally:
+        env.close()
+    assert [c.calls[0]["result"] for c in group] == ["8", "8"] and [c.outcome["reward"] for c in group] == [1.0, 1.0]

@@ -15,8 +15,9 @@ servers, then scores the trace with the task's ``@vf.reward`` functions. Here:
 - the trace's reward, its named rewards and metrics go with the completion (``Completion.outcome``) to
   ``EnvironmentReward``.
 
-Harnesses that run a program of their own (codex, claude code, ...) and per-task tool servers started by each
-episode are for an agent's sandbox, not a training loop: the harness is refused at start.
+Harnesses that run a program of their own (codex, claude code, ...) are for an agent's sandbox, not a training
+loop: they are refused at start. A taskset's tool servers shared by the run start once; those of each task
+(``Task.toolsets``) start with every episode, as in verifiers (a process each).
 """
 
 from __future__ import annotations
@@ -437,18 +438,18 @@ def _hook_clients() -> None:
 
 
 async def _tool_schemas(env) -> list[dict[str, Any]]:
-    """The taskset's tools as the harness shows them (``connect_mcp``'s names and schemas), listed in this process."""
+    """The taskset's tools as the harness shows them (``connect_mcp``'s names and schemas), listed in this process.
+
+    In verifiers' order: the servers each episode starts (``Task.toolsets``), then those shared by the run
+    (``Taskset.toolsets``).
+    """
     from mcp.server.mcpserver import MCPServer
 
     taskset = env.taskset
-    toolsets = list(type(taskset).toolsets(taskset.config))
-    if any(type(task).toolsets(task.config) for task in itertools.islice(iter(taskset), 1)):
-        raise ValueError(
-            f"{KEY}.environment: the tasks of {env.config.taskset.id!r} start tool servers of their own for each "
-            "episode; give the taskset its tools (Taskset.toolsets), served once for the run"
-        )
+    first = next(iter(taskset), None)
+    per_episode = list(type(first).toolsets(first.config)) if first is not None else []
     schemas = []
-    for toolset in toolsets:
+    for toolset in [*per_episode, *type(taskset).toolsets(taskset.config)]:
         server = MCPServer(toolset.server_name or "tools")
         toolset.register(server)
         for tool in await server.list_tools():
