@@ -115,6 +115,7 @@ class VerifiersEnvironment(Environment):
         self._client: _PolicyClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._serving: contextlib.AsyncExitStack | None = None
+        self._starting = threading.Lock()  # a rollout sampled ahead and a validation may start it at once
         for name in ("verifiers", "aiohttp.access"):  # a line per episode and per call; warnings still show
             logging.getLogger(name).setLevel(logging.WARNING)
 
@@ -207,8 +208,12 @@ class VerifiersEnvironment(Environment):
 
     def _start(self) -> asyncio.AbstractEventLoop:
         """The event loop verifiers runs in (a thread of its own), the environment served from it (once)."""
-        if self._loop is not None:
+        with self._starting:
+            if self._loop is None:
+                self._loop = self._serve()
             return self._loop
+
+    def _serve(self) -> asyncio.AbstractEventLoop:
         _hook_clients()
         _CLIENTS[self._id] = self._client
         loop = asyncio.new_event_loop()
@@ -220,13 +225,13 @@ class VerifiersEnvironment(Environment):
             return stack
 
         self._serving = asyncio.run_coroutine_threadsafe(serve(), loop).result()
-        self._loop = loop
         return loop
 
     @override
     def close(self) -> None:
         """Stop serving (the interception server, the tool servers) and the event loop; a later episode starts them."""
-        loop, self._loop = self._loop, None
+        with self._starting:
+            loop, self._loop = self._loop, None
         if loop is None:
             return
         if self._serving is not None:
