@@ -116,7 +116,7 @@ class VerifiersEnvironment(Environment):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._serving: contextlib.AsyncExitStack | None = None
         self._starting = threading.Lock()  # a rollout sampled ahead and a validation may start it at once
-        for name in ("verifiers", "aiohttp.access"):  # a line per episode and per call; warnings still show
+        for name in ("verifiers", "aiohttp.access", "httpx"):  # a line per episode and per call; warnings show
             logging.getLogger(name).setLevel(logging.WARNING)
 
     @override
