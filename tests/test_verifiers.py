@@ -2,24 +2,25 @@
 in-memory rows (``tests/helpers/vf_sums``, with an ``add`` tool served by verifiers as an MCP server, and
 ``tests/helpers/vf_digits``), runs its episodes through the policy and scores them with its own rewards.
 
-The scripted-policy tests use the character-level ChatML tokenizer and template of ``tests/test_tools.py``.
+The scripted-policy tests use the character-level ChatML tokenizer and template of ``tests/test_tools.py``. The tests
+whose episodes run (verifiers starts the tool servers as processes) are in the slow tier.
 """
 
 import os
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
+from test_tools import EOS, SAMPLING, TEMPLATE, TOKENIZER, call
 
-pytest.importorskip("verifiers.v1")
+from amir_lightning.data.templates import ChatFormat
+from amir_lightning.data.verifiers_tasks import VerifiersTasks
+from amir_lightning.rollout import Completion
+from amir_lightning.rollout.replies import tool_metrics
+from amir_lightning.rollout.verifiers_env import VerifiersEnvironment
 
-from test_tools import EOS, SAMPLING, TEMPLATE, TOKENIZER, call  # noqa: E402
-
-from amir_lightning.data.templates import ChatFormat  # noqa: E402
-from amir_lightning.data.verifiers_tasks import VerifiersTasks  # noqa: E402
-from amir_lightning.rollout import Completion  # noqa: E402
-from amir_lightning.rollout.replies import tool_metrics  # noqa: E402
-from amir_lightning.rollout.verifiers_env import VerifiersEnvironment  # noqa: E402
-
+# Looked up, not imported: collecting the suite in each worker need not pay verifiers' import (4 s).
+pytestmark = pytest.mark.skipif(find_spec("verifiers") is None, reason="needs the verifiers extra")
 HELPERS = str(Path(__file__).parent / "helpers")
 
 
@@ -49,6 +50,7 @@ def scripted(turns):
     return generate, seen
 
 
+@pytest.mark.slow  # verifiers serves the taskset's tool server from a process of its own
 def test_an_episode_is_the_conversation_the_template_writes_and_the_taskset_scores_it(sums):
     """Two prompts x 2 episodes: each calls ``add`` on the taskset's tool server, reads 7 or 8, answers. The episode's
     tokens (prompt included) are the template's rendering of the whole conversation, token for token; only the
@@ -85,6 +87,7 @@ def test_an_episode_is_the_conversation_the_template_writes_and_the_taskset_scor
     assert metrics["tools/call_frac"] == 1.0 and metrics["tools/error_frac"] == 0.0
 
 
+@pytest.mark.slow  # verifiers serves the taskset's tool server from a process of its own
 def test_an_episode_still_calling_at_max_turns_is_cut_and_scored(sums):
     """A policy that calls ``add`` at every turn: verifiers ends the episode at ``max_turns`` (3), the episode counts
     as cut (``tools/cut_frac``), holds its three turns and two results, and the taskset still scores it (0: the last

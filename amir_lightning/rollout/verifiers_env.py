@@ -150,8 +150,8 @@ class VerifiersEnvironment(Environment):
         """``n`` episodes of each prompt's task, run by verifiers while this thread samples their turns."""
         if self._client is None:
             raise RuntimeError("VerifiersEnvironment.prepare must run before its first episode")
+        tasks = [self._task(prompt) for prompt in prompts]  # a stray prompt is refused before anything starts
         loop = self._start()
-        tasks = [self._task(prompt) for prompt in prompts]
         run = _Run([i for i in range(len(prompts)) for _ in range(n)], prompt_ids, sampling, room, loop)
         key = str(next(_IDS))  # a rollout sampled ahead and a validation can run at once
         self._client.runs[key] = run
