@@ -121,7 +121,7 @@ def test_a_verifiers_taskset_trains_for_three_rollouts(tmp_path, monkeypatch, ca
     """configs/tiny.yaml with ``vf_digits`` (write the digit asked for; the taskset's reward: the digit in the reply)
     as prompts, environment and reward, in-process vLLM: 3 rollouts of 16 tasks x 8 episodes, every sync verified;
     the taskset's reward is what trains (``rollout/reward/environment``), logged by name (``reward/correct``), and
-    rises from the first rollout to the last."""
+    rises from the first rollout to the last; validation reports it on held-out tasks (``val/environment_reward``)."""
     from conftest import read_scalars, run_here
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [HELPERS, os.environ.get("PYTHONPATH")])))
@@ -129,7 +129,7 @@ def test_a_verifiers_taskset_trains_for_three_rollouts(tmp_path, monkeypatch, ca
     args = ["fit", "--config", str(Path(__file__).parents[1] / "configs" / "tiny.yaml"), "--trainer.max_epochs", "3"]
     args += ["--data.prompts", tasks, "--data.val_prompts", tasks, "--data.rewards", "[EnvironmentReward]"]
     args += ["--data.environment", "{class_path: VerifiersEnvironment, init_args: {environment: vf_digits}}"]
-    args += ["--trainer.check_val_every_n_epoch", "50"]
+    args += ["--trainer.check_val_every_n_epoch", "3", "--data.evaluation.val_size", "4"]
     result = run_here(args, tmp_path, monkeypatch, capsys, caplog)
     assert "/v1/chat/completions" not in result.stderr  # verifiers' server and client log each call at INFO: quiet
     scalars = read_scalars(tmp_path / "runs" / "tiny" / "version_0")
@@ -138,6 +138,9 @@ def test_a_verifiers_taskset_trains_for_three_rollouts(tmp_path, monkeypatch, ca
     assert len(reward) == 3 and scalars["reward/correct"] == pytest.approx(reward)
     assert scalars["rollout/reward/environment"] == pytest.approx(reward) and reward[-1] > reward[0]
     assert max(scalars["rollout/sync_logp_diff"]) < 1e-3 and scalars["tools/turns"] == [1.0, 1.0, 1.0]
+    (held_out,) = scalars["val/environment_reward"]  # the taskset's reward on 4 held-out tasks x 8, after rollout 3
+    print(f"vf_digits: held-out taskset reward after rollout 3 {held_out:.3f}")
+    assert 0.0 <= held_out <= 1.0 and len(scalars["val/accuracy"]) == 1
 
 
 @pytest.mark.slow

@@ -88,7 +88,8 @@ class Evaluator:
 
         Returns the evaluation batch: ``benchmark``, ``correct`` and ``lengths`` ``[P, samples]``, ``groups`` (one
         ``Group`` per problem, rewards = correctness, so the module can score the samples with the policy) and
-        ``temperature``.
+        ``temperature``; ``environment_reward`` ``[P, samples]`` where the environment scored every episode (a
+        verifiers taskset's reward: ``val/environment_reward``).
         """
         prompt_ids = self.tokenize(prompts)
         self.sync(prompt_ids[0], prompts[0].answer)
@@ -102,13 +103,17 @@ class Evaluator:
             Group(ids, group, correct[i].clone(), torch.zeros(samples), correct[i].clone(), p.answer, p.question)
             for i, (ids, group, p) in enumerate(zip(prompt_ids, completions, prompts))
         ]
-        return {
+        batch = {
             "benchmark": name,
             "correct": correct,
             "lengths": lengths.view(len(prompts), samples),
             "groups": groups,
             "temperature": sampling.temperature,
         }
+        outcomes = [c.outcome for group in completions for c in group]
+        if all(o is not None and o.get("reward") is not None for o in outcomes):  # the environment's own scoring
+            batch["environment_reward"] = torch.tensor([o["reward"] for o in outcomes]).view(len(prompts), samples)
+        return batch
 
     def validation_batches(self, source: PromptSource | None) -> list[dict]:
         """The held-out evaluation of ``fit`` and ``amir validate``: the first ``val_size`` prompts of ``source``."""

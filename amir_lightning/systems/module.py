@@ -108,6 +108,7 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         self.model = None  # built in configure_model; its reference lives in the Policy, never checkpointed
         self.policy = Policy(policy, temperature, scoring, lora)  # the policy as the data module sees it
         self.val_accuracy = MeanMetric()
+        self.val_environment_reward = MeanMetric()  # where the environment scores its episodes (verifiers)
 
     # ------------------------------------------------------------------ model
     @override
@@ -215,6 +216,9 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         correct = batch["correct"].float()  # [prompts, samples]
         self.val_accuracy.update(correct.mean(), weight=correct.numel())
+        if "environment_reward" in batch:
+            reward = batch["environment_reward"].float()
+            self.val_environment_reward.update(reward.mean(), weight=reward.numel())
 
     @override
     def on_validation_epoch_end(self) -> None:
@@ -222,7 +226,11 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
             return
         accuracy = self.val_accuracy.compute()  # synced over processes
         self.val_accuracy.reset()
-        log_metrics(self.trainer, {"val/accuracy": accuracy})
+        logged = {"val/accuracy": accuracy}
+        if self.val_environment_reward.update_count:
+            logged["val/environment_reward"] = self.val_environment_reward.compute()
+            self.val_environment_reward.reset()
+        log_metrics(self.trainer, logged)
         self.log("val/accuracy", accuracy, logger=False)  # Lightning's printed table and callbacks
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
