@@ -1,8 +1,9 @@
 """End to end: ``amir fit`` on the tiny config with real vLLM learns, checkpoints, and exports a loadable policy.
 
-The 30-rollout run is a process of its own, as a user starts it; the runs that test what the CLI wires on top of it
-(``amir test`` and ``compare``, a resume, W&B, sampling knobs, a judge server) run ``amir`` in this process
-(``run_here``): vLLM is imported already and no interpreter starts."""
+The 30-rollout run is a process of its own, as a user starts it, and so is the W&B run (W&B writes its last rows as
+the process ends); the runs that test what the CLI wires on top of it (``amir test`` and ``compare``, a resume,
+sampling knobs, a judge server) run ``amir`` in this process (``run_here``): vLLM is imported already and no
+interpreter starts."""
 
 import json
 import math
@@ -135,8 +136,10 @@ def test_resume_continues_with_the_next_rollout(tiny_run, tmp_path, monkeypatch,
     )
 
 
-def test_wandb_gets_scalars_histograms_and_the_sample_table(tmp_path, monkeypatch, capsys, caplog):
-    """An offline W&B run beside TensorBoard: the scalars, the pair-margin histogram and the sample table reach it."""
+def test_wandb_gets_scalars_histograms_and_the_sample_table(tmp_path, monkeypatch):
+    """An offline W&B run beside TensorBoard: the scalars, the pair-margin histogram and the sample table reach it.
+
+    A process of its own: W&B writes its last rows when the process ends (Lightning leaves the run open)."""
     pytest.importorskip("wandb")
     from helpers.wandb_log import history
 
@@ -144,7 +147,7 @@ def test_wandb_gets_scalars_histograms_and_the_sample_table(tmp_path, monkeypatc
     wandb = "{class_path: WandbLogger, init_args: {offline: true, save_dir: wandb_runs, project: tiny}}"
     config = str(ROOT / "configs" / "tiny.yaml")
     args = ["fit", "--config", config, "--trainer.logger", f"[TensorBoardLogger, {wandb}]", "--trainer.max_epochs", "2"]
-    run_here(args, tmp_path, monkeypatch, capsys, caplog)
+    run_amir(args, tmp_path)
     rows = history(tmp_path / "wandb_runs")
     tensorboard = read_scalars(tmp_path / "runs" / "tiny")
     logged = [row["rollout/reward_mean"] for row in rows if "rollout/reward_mean" in row]
