@@ -38,7 +38,10 @@ from amir_lightning.rollout.replies import (
     step_reply,
 )
 
-__all__ = ["Environment", "EnvironmentStepError", "EpisodeRecord", "ToolError", "run_episodes"]
+__all__ = ["Environment", "EnvironmentStepError", "EpisodeRecord", "ToolError", "Turn", "run_episodes"]
+
+#: One turn of sampling: ``(token ids, n, sampling, turn index) -> n completions per input``, seeded by the index.
+Turn = Callable[[list[list[int]], int, SamplingConfig, int], list[list[Completion]]]
 
 
 class Environment(ABC):
@@ -101,7 +104,7 @@ class Environment(ABC):
         prompt_ids: Sequence[list[int]],
         n: int,
         sampling: SamplingConfig,
-        generate: Callable[[list[list[int]], int, SamplingConfig, int], list[list[Completion]]],
+        generate: Turn,
         tokenizer,
         room: int | None = None,
     ) -> list[list[Completion]]:
@@ -170,7 +173,7 @@ def run_episodes(
     prompt_ids: Sequence[list[int]],
     n: int,
     sampling: SamplingConfig,
-    generate: Callable[[list[list[int]], int, SamplingConfig, int], list[list[Completion]]],
+    generate: Turn,
     tokenizer,
     room: int | None = None,
 ) -> list[list[Completion]]:

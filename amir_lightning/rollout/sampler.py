@@ -14,14 +14,13 @@ import torch
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig
-from amir_lightning.rollout.episodes import Environment
+from amir_lightning.rollout.episodes import Environment, Turn
 from amir_lightning.rollout.pending import PendingRollout
 from amir_lightning.rollout.policy import Policy
 from amir_lightning.rollout.sync import SyncCheck, SyncReport
 
 #: What a generation is for: the training rollout in turn, validation and tests, the rollout sampled ahead.
 TRAIN, EVALUATE, AHEAD = 0, 1, 2
-Turn = Callable[[list[list[int]], int, SamplingConfig, int], list[list[Completion]]]
 
 
 def generation_seed(seed: int, step: int, rank: int, purpose: int) -> int:

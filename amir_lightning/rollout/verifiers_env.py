@@ -6,9 +6,9 @@ servers, then scores the trace with the task's ``@vf.reward`` functions. Here:
 
 - the harness is ``rollout/verifiers_harness.py``: a chat loop in this process, the tool calls going to the
   taskset's tool servers and their results coming back as ``tool`` messages;
-- the interception server's client is the policy (``_PolicyClient``): each call is sampled by the run's engine,
-  together with the calls of every other episode then waiting (one batch per turn, seeded by its place in the run),
-  and its tool calls are read by the policy's own parser (``tool_parser``);
+- the interception server's client is the policy (``PolicyClient``, ``rollout/verifiers_policy.py``): each call
+  is sampled by the run's engine, together with the calls of every other episode then waiting (one batch per turn,
+  seeded by its place in the run), and its tool calls are read by the policy's own parser (``tool_parser``);
 - an episode's tokens are the prompt's as the run rendered it, the policy's turns (trained on) and the chat
   template's text with the tool results between them (masked, ``ToolReplies``), so the trainer scores exactly what
   the engine sampled, and verifiers' trace holds one branch;
@@ -25,13 +25,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
-import queue
 import threading
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from typing_extensions import override
@@ -39,17 +36,15 @@ from typing_extensions import override
 from amir_lightning.data.base import Prompt
 from amir_lightning.data.verifiers_tasks import import_verifiers, load_tasks, task_messages, taskset_config
 from amir_lightning.rollout.engine import Completion, SamplingConfig
-from amir_lightning.rollout.episodes import Environment, EpisodeRecord
+from amir_lightning.rollout.episodes import Environment, Turn
 from amir_lightning.rollout.tool_calls import ToolCallParser
 from amir_lightning.rollout.tools import ToolReplies
+from amir_lightning.rollout.verifiers_policy import CLIENTS, URL, Batches, Episode, PolicyClient, hook_clients
 
 KEY = "data.environment.init_args"
 #: The harness every episode runs with (``rollout/verifiers_harness.py``), by the id verifiers loads it with: it
 #: imports a harness id as a top-level module, so the module is registered under this name.
 HARNESS = "amir_lightning_harness"
-#: The base URL the episodes' model calls name; the interception server's client for it is the policy.
-_URL = "http://amir-lightning.invalid/{}/v1"
-_CLIENTS: dict[str, _PolicyClient] = {}
 _IDS = itertools.count()
 
 
@@ -112,7 +107,7 @@ class VerifiersEnvironment(Environment):
         self.tool_parser = tool_parser
         self.schemas = asyncio.run(_tool_schemas(self.env))
         self._id = str(next(_IDS))
-        self._client: _PolicyClient | None = None
+        self._client: PolicyClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._serving: contextlib.AsyncExitStack | None = None
         self._starting = threading.Lock()  # a rollout sampled ahead and a validation may start it at once
@@ -130,7 +125,7 @@ class VerifiersEnvironment(Environment):
         replies = ToolReplies(tokenizer, chat, self.schemas[0]["function"]["name"], self.max_reply_tokens) if (
             self.schemas
         ) else None  # fmt: skip
-        self._client = _PolicyClient(tokenizer, chat, parser, replies, {s["function"]["name"] for s in self.schemas})
+        self._client = PolicyClient(tokenizer, chat, parser, replies, {s["function"]["name"] for s in self.schemas})
 
     @override
     def reset(self, prompt: Prompt) -> None:
@@ -143,7 +138,7 @@ class VerifiersEnvironment(Environment):
         prompt_ids: Sequence[list[int]],
         n: int,
         sampling: SamplingConfig,
-        generate: Callable[[list[list[int]], int, SamplingConfig, int], list[list[Completion]]],
+        generate: Turn,
         tokenizer,
         room: int | None = None,
     ) -> list[list[Completion]]:
@@ -152,7 +147,7 @@ class VerifiersEnvironment(Environment):
             raise RuntimeError("VerifiersEnvironment.prepare must run before its first episode")
         tasks = [self._task(prompt) for prompt in prompts]  # a stray prompt is refused before anything starts
         loop = self._start()
-        run = _Run([i for i in range(len(prompts)) for _ in range(n)], prompt_ids, sampling, room, loop)
+        run = Batches([i for i in range(len(prompts)) for _ in range(n)], prompt_ids, sampling, room, loop)
         key = str(next(_IDS))  # a rollout sampled ahead and a validation can run at once
         self._client.runs[key] = run
         done = asyncio.run_coroutine_threadsafe(self._run(run, key, tasks, n), loop)
@@ -188,13 +183,13 @@ class VerifiersEnvironment(Environment):
             raise ValueError(f"{KEY}.environment: task {index} of {self.config.taskset.id!r} is not the prompt drawn")
         return task
 
-    async def _run(self, run: _Run, key: str, tasks: list, n: int) -> list:
+    async def _run(self, run: Batches, key: str, tasks: list, n: int) -> list:
         vf = import_verifiers("data.environment")
         slots = [slot for task in tasks for slot in self.env.slots(task, n=n)]
 
         async def one(index: int, slot):
             context = vf.ModelContext(
-                model=f"amir-{key}-{index}", client=vf.TrainClientConfig(base_url=_URL.format(self._id))
+                model=f"amir-{key}-{index}", client=vf.TrainClientConfig(base_url=URL.format(self._id))
             )
             try:
                 return await self.env.run_slot(slot, context)
@@ -214,8 +209,8 @@ class VerifiersEnvironment(Environment):
             return self._loop
 
     def _serve(self) -> asyncio.AbstractEventLoop:
-        _hook_clients()
-        _CLIENTS[self._id] = self._client
+        hook_clients()
+        CLIENTS[self._id] = self._client
         loop = asyncio.new_event_loop()
         threading.Thread(target=loop.run_forever, name="verifiers", daemon=True).start()
 
@@ -238,174 +233,10 @@ class VerifiersEnvironment(Environment):
             asyncio.run_coroutine_threadsafe(self._serving.aclose(), loop).result(timeout=60)
         loop.call_soon_threadsafe(loop.stop)
         self._serving = None
-        _CLIENTS.pop(self._id, None)
+        CLIENTS.pop(self._id, None)
 
 
-@dataclass
-class _Episode(EpisodeRecord):
-    """An episode verifiers runs: its record, and where its conversation stands."""
-
-    seen: int = 0  # the messages its tokens hold (the prompt's, the replies', the results')
-    last_turn: list[int] = field(default_factory=list)  # the policy's last turn (its closing depends on it)
-    pending_calls: list[dict[str, Any]] = field(default_factory=list)  # the last turn's calls, by id
-
-
-class _Run:
-    """One rollout's episodes: their records, and the turns waiting to be sampled.
-
-    Every unfinished episode asks for its next turn before the batch goes to the sampling thread, so a batch is a
-    function of the episodes' progress, never of timing.
-    """
-
-    def __init__(self, prompt_of: list[int], prompt_ids, sampling: SamplingConfig, room, loop) -> None:
-        self.records = [_Episode(p, None, messages=[], calls=[]) for p in prompt_of]
-        self.prompt_ids, self.sampling, self.room, self.loop = prompt_ids, sampling, room, loop
-        self.requests: queue.Queue = queue.Queue()
-        self.waiting: dict[int, tuple[list[int], asyncio.Future]] = {}
-        self.finished = 0
-
-    async def sample(self, index: int, ids: list[int]) -> Completion:
-        future = self.loop.create_future()
-        self.waiting[index] = (ids, future)
-        self._flush()
-        return await future
-
-    def finish(self, index: int) -> None:
-        self.finished += 1
-        self._flush()
-
-    def _flush(self) -> None:
-        if self.waiting and len(self.waiting) + self.finished == len(self.records):
-            batch = sorted(self.waiting.items())
-            self.waiting = {}
-            self.requests.put([(index, ids) for index, (ids, _) in batch])
-            self._futures = {index: future for index, (_, future) in batch}
-
-    def deliver(self, batch, completions: list[Completion]) -> None:
-        for (index, _), completion in zip(batch, completions):
-            self._futures[index].set_result(completion)
-
-
-class _PolicyClient:
-    """The model verifiers' interception server asks: the policy, through ``_Run``'s batches (a ``vf.Client``)."""
-
-    def __init__(self, tokenizer, chat, parser, replies, tool_names: set[str]) -> None:
-        self.tokenizer, self.chat, self.parser, self.replies = tokenizer, chat, parser, replies
-        self.tool_names = tool_names
-        self.runs: dict[str, _Run] = {}  # the rollouts in progress, by the key their episodes' model names hold
-
-    async def get_response(self, dialect, body, sampling, session_id=None, turn=None, headers=None):  # noqa: D102
-        vf = import_verifiers("data.environment")
-        from verifiers.v1.clients.train import serialize_completion
-        from verifiers.v1.dialects.chat import message_to_wire
-
-        _, key, index = body["model"].split("-")
-        run = self.runs[key]
-        record = run.records[int(index)]
-        request = turn if turn is not None else dialect.parse_request(body)
-        messages = [message_to_wire(m) for m in (request.prompt if turn is not None else request.messages)]
-        if record.turns == 0:
-            names = {t.name for t in request.tools or []}
-            if names != self.tool_names:
-                shown = sorted(self.tool_names)
-                raise ValueError(f"the episode's tools {sorted(names)} are not those shown at start {shown}")
-            self._check_prompt(messages, run.prompt_ids[record.prompt_index])
-        else:
-            self._add_results(record, messages)
-        record.seen = len(messages) + 1  # and the reply this call makes
-        ids = [*run.prompt_ids[record.prompt_index], *record.token_ids]
-        if run.room is not None and len(ids) + run.sampling.max_new_tokens > run.room:
-            record.finish_reason, record.tool_cut = "length", True  # no room for another turn: cut
-            completion = Completion([], "", [], "length")
-        else:
-            completion = await run.sample(int(index), ids)
-        record.add(completion.token_ids, completion.sampling_logps)
-        record.turns += bool(completion.token_ids)
-        record.finish_reason = completion.finish_reason
-        record.last_turn = list(completion.token_ids)
-        content, calls = self._read(record, completion)
-        message = vf.AssistantMessage(content=content or None, tool_calls=calls or None)
-        said = {"tool_calls": [_call_message(c) for c in calls]} if calls else {}
-        record.messages.append({"role": "assistant", "content": content, **said})
-        model = body["model"]
-        response = vf.Response(
-            id=f"{model}-{record.turns}",
-            created=int(time.time()),
-            model=model,
-            message=message,
-            finish_reason="tool_calls" if calls else completion.finish_reason,
-            usage=vf.Usage(prompt_tokens=len(ids), completion_tokens=len(completion.token_ids)),
-            tokens=vf.TurnTokens(
-                prompt_ids=ids,
-                completion_ids=list(completion.token_ids),
-                completion_logprobs=list(completion.sampling_logps),
-            ),
-        )
-        response.raw = serialize_completion(response, model)  # what the harness's OpenAI client reads
-        return response
-
-    async def close(self) -> None:  # noqa: D102 - the interception server closes its clients
-        return None
-
-    def _check_prompt(self, messages: list[dict[str, Any]], prompt_ids: list[int]) -> None:
-        """The first turn's messages, rendered by the policy's template, must be the prompt the run rendered."""
-        if self.chat.render(self.tokenizer, Prompt("", "", messages=tuple(messages))) != list(prompt_ids):
-            raise ValueError("the episode's first messages are not the task's prompt as the run rendered it")
-
-    def _add_results(self, record: _Episode, messages: list[dict[str, Any]]) -> None:
-        """Add the tool results since the policy's last turn (the template's text around them; masked)."""
-        new = messages[record.seen :]
-        if not new or any(m.get("role") != "tool" for m in new) or self.replies is None:
-            roles = [m.get("role") for m in new]
-            raise ValueError(f"after a policy turn the harness sent {roles}, not the results of its tool calls")
-        results = [_text(m.get("content")) for m in new]
-        ids, truncated = self.replies.tokens(results, record.last_turn)
-        record.add(ids)
-        record.tool_truncated += truncated
-        names = {c["id"]: c for c in record.pending_calls}
-        for m, result in zip(new, results):
-            call = names.get(m.get("tool_call_id"), {"name": "", "arguments": ""})
-            error = result.startswith("error: ")
-            record.calls.append({"name": call["name"], "arguments": call["arguments"], "result": result,
-                                 "error": error, "seconds": 0.0})  # fmt: skip
-            record.tool_errors += error
-            record.messages.append({"role": "tool", "name": call["name"], "content": result})
-
-    def _read(self, record: _Episode, completion: Completion) -> tuple[str, list]:
-        """The turn's text and its tool calls (``vf.ToolCall``), as the policy's parser reads them."""
-        vf = import_verifiers("data.environment")
-        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=False)
-        eos = self.tokenizer.eos_token
-        if eos and text.endswith(eos):
-            text = text[: -len(eos)]
-        record.pending_calls = []
-        if self.parser is None or completion.finish_reason != "stop":
-            if self.parser is not None and self.parser.parse(text).calls:
-                record.tool_cut = True  # a call cut by the length limit never runs
-            return self.tokenizer.decode(completion.token_ids, skip_special_tokens=True), []
-        parsed = self.parser.parse(text)
-        record.tool_malformed += parsed.malformed is not None
-        calls = []
-        for number, call in enumerate(parsed.calls):
-            arguments = json.dumps(call.arguments) if call.arguments is not None else call.raw_arguments
-            calls.append(vf.ToolCall(id=f"call_{record.turns}_{number}", name=call.name, arguments=arguments))
-            record.pending_calls.append({"id": calls[-1].id, "name": call.name, "arguments": call.arguments})
-        record.tool_calls += len(calls)
-        return parsed.content.strip() if calls else parsed.content, calls
-
-
-def _call_message(call) -> dict[str, Any]:
-    return {"type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-
-
-def _text(content) -> str:
-    """A tool message's content as text (a list of text parts joined)."""
-    if isinstance(content, list):
-        return "\n".join(str(part.get("text", part)) if isinstance(part, dict) else str(part) for part in content)
-    return "" if content is None else str(content)
-
-
-def _completion(record: _Episode, episode, tokenizer, task, index: int) -> Completion:
+def _completion(record: Episode, episode, tokenizer, task, index: int) -> Completion:
     """The episode as a completion, with the taskset's scoring of it."""
     if not episode.ok:
         errors = "; ".join(str(getattr(e, "message", e)) for e in episode.errors) or "no trace"
@@ -417,29 +248,6 @@ def _completion(record: _Episode, episode, tokenizer, task, index: int) -> Compl
     metrics = {name: float(v) for name, v in (trace.metrics or {}).items() if isinstance(v, int | float)}
     outcome = {"reward": None if trace.reward is None else float(trace.reward), "rewards": rewards, "metrics": metrics}
     return replace(record.completion(tokenizer), outcome=outcome)
-
-
-def _hook_clients() -> None:
-    """Have verifiers' interception server ask the policy for the episodes' calls (once per process).
-
-    verifiers builds its client from the episode's client config (``resolve_client``); a config naming this
-    project's URL gets the environment's policy client instead. A pinned verifiers (0.4) keeps this seam stable.
-    """
-    import verifiers.v1.interception.server as server
-
-    if getattr(server.resolve_client, "amir", False):
-        return
-    original = server.resolve_client
-
-    def resolve_client(config):
-        url = getattr(config, "base_url", "") or ""
-        for key, client in _CLIENTS.items():
-            if url == _URL.format(key):
-                return client
-        return original(config)
-
-    resolve_client.amir = True
-    server.resolve_client = resolve_client
 
 
 async def _tool_schemas(env) -> list[dict[str, Any]]:
