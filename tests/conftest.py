@@ -26,21 +26,25 @@ def pytest_collection_modifyitems(config, items):
 
 
 def run_amir(args, tmp_path, timeout=600, console_script=False, env=None):
-    """Run the ``amir`` CLI in a fresh process (each gets its own in-process vLLM engine), offline.
+    """Run the ``amir`` CLI in a process of its own (each gets its own in-process vLLM engine), offline: ``python -m
+    amir_lightning``, forked from a process that has imported it (``tests/helpers/forks.py``).
 
-    ``console_script`` runs the installed ``amir`` script, as a user does, instead of ``python -m amir_lightning``
-    (which puts the working directory on ``sys.path`` by itself); ``env`` replaces this process's environment.
+    ``console_script`` runs the installed ``amir`` script in a fresh interpreter, as a user does (``python -m`` puts
+    the working directory on ``sys.path`` by itself); ``env`` replaces this process's environment.
     """
     import subprocess
     import sys
     from pathlib import Path
+
+    from helpers import forks
 
     env = dict(env or os.environ, AMIR_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
     if console_script:
         env.pop("PYTHONPATH", None)
     prefix = [str(Path(sys.executable).parent / "amir")] if console_script else [sys.executable, "-m", "amir_lightning"]
     cmd = [*prefix, *args]
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    run = subprocess.run if console_script else forks.run
+    result = run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stderr[-4000:]}")
     return result

@@ -292,11 +292,11 @@ def test_amir_fit_stops_an_engine_that_applies_part_of_each_update_at_its_second
     (the first push is the initial weights, which the engine holds), then stops at the second sync with one line
     and exit status 2."""
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
     from conftest import read_scalars
+    from helpers import forks
 
     root = Path(__file__).parents[1]
     args = ["fit", "--config", str(root / "configs" / "tiny.yaml"), "--trainer.max_epochs", "4"]
@@ -306,7 +306,7 @@ def test_amir_fit_stops_an_engine_that_applies_part_of_each_update_at_its_second
     helpers = str(Path(__file__).parent / "helpers")
     env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"), PYTHONPATH=helpers + os.pathsep + os.environ.get(
         "PYTHONPATH", ""))  # fmt: skip
-    result = subprocess.run(
+    result = forks.run(
         [sys.executable, "-m", "amir_lightning", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
         timeout=600,
     )  # fmt: skip

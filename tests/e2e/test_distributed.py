@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import read_scalars, run_amir
+from helpers import forks
 from helpers.qwen_setting import check_qwen_run, qwen_setting_args, tiny_policy
 
 from amir_lightning.models import build_tiny_model
@@ -154,7 +155,7 @@ def test_two_slurm_nodes_give_each_engine_its_own_local_rank(tmp_path):
     env.update(SLURM_NODELIST="127.0.0.1", SLURM_LOCALID="0")
     env["PYTHONPATH"] = str(Path(__file__).parents[1] / "helpers") + os.pathsep + env.get("PYTHONPATH", "")
     nodes = [
-        subprocess.Popen(
+        forks.Forked(
             [sys.executable, "-m", "amir_lightning", *args],
             cwd=tmp_path,
             env=dict(env, SLURM_PROCID=str(rank), SLURM_NODEID=str(rank)),
@@ -185,7 +186,7 @@ def test_a_distributed_checkpoint_cut_short_leaves_the_last_whole_one_and_the_ru
     env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = str(Path(__file__).parents[1] / "helpers") + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "amir_lightning", *args]
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    result = forks.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == -9, result.stderr[-3000:]  # killed, as injected (save 4: rollout 2's last.ckpt)
     folder = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints"
     assert sorted(p.name for p in folder.iterdir()) == [".last.ckpt.tmp", "epoch=1-step=2.ckpt", "last.ckpt"]

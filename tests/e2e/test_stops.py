@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_amir
-from helpers.processes import group_after, own_session_with_ctrl_c
+from helpers import forks
+from helpers.processes import group_after
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -65,7 +66,6 @@ FAULTS = [
 def test_killed_runs_resume_from_the_last_good_checkpoint(tmp_path, clean_six):
     """SIGKILL in three phases, resuming after each from last.ckpt: the end state equals an uninterrupted run's."""
     import os
-    import subprocess
     import sys
 
     common = SIX
@@ -87,7 +87,7 @@ def test_killed_runs_resume_from_the_last_good_checkpoint(tmp_path, clean_six):
             *resume,
             *extra,
         ]
-        result = subprocess.run(
+        result = forks.run(
             [sys.executable, "-m", "amir_lightning", *args],
             cwd=tmp_path,
             env=env,
@@ -144,7 +144,7 @@ def test_a_run_two_rollouts_ahead_with_pushes_in_flight_killed_mid_generation_re
         PYTHONPATH=str(HELPERS) + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )
     named = ["--trainer.logger.init_args.name", "cut", "--trainer.logger.init_args.version", "0"]
-    killed = subprocess.run(
+    killed = forks.run(
         [sys.executable, "-m", "amir_lightning", *common, *named, "--data.engine", killing],
         cwd=tmp_path,
         env=env,
@@ -178,14 +178,15 @@ def test_ctrl_c_stops_cleanly_and_leaves_a_loadable_checkpoint(tmp_path):
     )
     args = ["fit", "--config", CONFIG, "--trainer.max_epochs", "6", "--trainer.check_val_every_n_epoch", "9"]
     args += ["--data.rewards", "[{class_path: faults.CtrlCDuringGrading, init_args: {at_call: 3, num_workers: 2}}]"]
-    process = subprocess.Popen(
+    process = forks.Forked(
         [sys.executable, "-m", "amir_lightning", *args],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=own_session_with_ctrl_c,
+        session=True,
+        ctrl_c=True,
     )
     try:
         _, err = process.communicate(timeout=600)
@@ -207,7 +208,6 @@ def test_a_slurm_requeue_resumes_from_its_checkpoint_with_ckpt_path_auto(tmp_pat
     last.ckpt), logs into the same version folder, and ends with the weights of an uninterrupted run. ``scontrol`` is
     a script that records its arguments and ends the job, as SLURM's does (there is no SLURM here)."""
     import os
-    import subprocess
     import sys
 
     bin_dir = tmp_path / "bin"
@@ -224,7 +224,7 @@ def test_a_slurm_requeue_resumes_from_its_checkpoint_with_ckpt_path_auto(tmp_pat
     warned += ["--data.engine.init_args.max_model_len", "64", "--data.engine.init_args.progress", "false"]
     warned += ["--data.engine.init_args.kv_cache_memory_bytes", "33554432"]
     cmd = [sys.executable, "-m", "amir_lightning", *args, *warned]
-    first = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    first = forks.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == -9, first.stderr[-3000:]  # ended by the requeue
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
     hpc = tmp_path / "hpc_ckpt_1.ckpt"
@@ -250,7 +250,7 @@ def test_sigterm_is_a_clear_non_zero_exit_and_the_run_resumes_exactly(tmp_path, 
     engine = ["--data.engine", "faults.SignalDuringRollout", "--data.engine.init_args.at_call", "3"]
     engine += ["--data.engine.init_args.signal_name", "SIGTERM", "--data.engine.init_args.max_model_len", "64"]
     engine += ["--data.engine.init_args.kv_cache_memory_bytes", "33554432", "--data.engine.init_args.progress", "false"]
-    stopped = subprocess.run([sys.executable, "-m", "amir_lightning", *common, *engine], cwd=tmp_path, env=env,
+    stopped = forks.run([sys.executable, "-m", "amir_lightning", *common, *engine], cwd=tmp_path, env=env,
                              capture_output=True, text=True, timeout=600)  # fmt: skip
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     last = "runs/tiny/version_0/checkpoints/last.ckpt"
@@ -270,7 +270,7 @@ def test_a_checkpoint_the_disk_refuses_is_one_line_and_leaves_nothing(tmp_path):
     env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(HELPERS))
     args = [*BASE, "--trainer.callbacks+=faults.FileSizeLimitFrom", "--trainer.callbacks.at_epoch", "1"]
     args += ["--trainer.callbacks.limit_bytes", "500000"]
-    result = subprocess.run([sys.executable, "-m", "amir_lightning", *args], cwd=tmp_path, env=env,
+    result = forks.run([sys.executable, "-m", "amir_lightning", *args], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=600)  # fmt: skip
     assert result.returncode == 2, result.stderr[-3000:]
     folder = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints"
@@ -286,7 +286,7 @@ def test_a_closed_stdout_does_not_stop_the_run(tmp_path):
     print raised BrokenPipeError and the run ended with status 1 and no message)."""
     env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"))
     cmd = [sys.executable, "-m", "amir_lightning", *BASE, "--trainer.enable_progress_bar", "true"]
-    run = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    run = forks.Forked(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     run.stdout.readline()
     run.stdout.close()  # as `head -1` does
     stderr = run.communicate(timeout=600)[1].decode()
@@ -304,8 +304,8 @@ def test_a_second_ctrl_c_exits_quietly(tmp_path):
     env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"))
     cmd = [sys.executable, "-m", "amir_lightning", "fit", "--config", TINY, "--trainer.max_epochs", "500"]
     cmd += ["--trainer.check_val_every_n_epoch", "1000"]
-    run = subprocess.Popen(cmd, cwd=tmp_path, env=env, preexec_fn=own_session_with_ctrl_c,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    run = forks.Forked(cmd, cwd=tmp_path, env=env, session=True, ctrl_c=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, text=True)  # fmt: skip
     checkpoint = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
     deadline = time.monotonic() + 300
     while not checkpoint.exists() and time.monotonic() < deadline:

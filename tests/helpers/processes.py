@@ -5,26 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import threading
 import time
 
-
-def with_ctrl_c() -> None:
-    """Let Ctrl-C reach the process, as it reaches a terminal's foreground job (``preexec_fn``).
-
-    A command a non-interactive shell starts in the background (``cmd &``, as CI runners may start the suite)
-    inherits SIGINT ignored, and Python keeps an ignored SIGINT ignored: the run would never see the test's Ctrl-C.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def own_session_with_ctrl_c() -> None:
-    """``with_ctrl_c`` in a session of its own: a Ctrl-C sent to the run's process group reaches the run and its
-    workers, not pytest."""
-    os.setsid()
-    with_ctrl_c()
+from helpers import forks
 
 
 def tree(pid: int) -> set[int]:
@@ -91,8 +76,8 @@ class Watched:
     """A process whose output lines are kept as they come, each with the time it came."""
 
     def __init__(self, command: list[str], cwd, env) -> None:
-        self.process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, preexec_fn=with_ctrl_c)  # fmt: skip
+        self.process = forks.Forked(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, ctrl_c=True)  # fmt: skip
         self.lines: list[tuple[float, str]] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
