@@ -22,7 +22,7 @@ ROOT = Path(__file__).parents[2]
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fit")
-    run_amir(["fit", "--config", str(ROOT / "configs" / "tiny.yaml")], tmp)
+    run_amir(["fit", "--config", str(ROOT / "configs" / "tiny.yaml")], tmp, console_script=True)
     return tmp / "runs" / "tiny" / "version_0"
 
 
