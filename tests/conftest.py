@@ -17,6 +17,10 @@ torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
+    # The files with slow tests first (the order within a file kept): pytest-xdist hands whole files to its workers
+    # in this order, and a long file handed out last would hold the suite's end while the other worker idles.
+    slow = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.path not in slow)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (none present)")
@@ -141,3 +145,13 @@ def read_scalars(log_dir):
         for tag in acc.Tags()["scalars"]:
             scalars.setdefault(tag, []).extend(e.value for e in acc.Scalars(tag))
     return scalars
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory):
+    """vLLM servers that this test process's runs share by ``url`` (``tests/helpers/served.py``)."""
+    from helpers.served import Served
+
+    servers = Served(tmp_path_factory.mktemp("served"))
+    yield servers
+    servers.close()

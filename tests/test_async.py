@@ -32,10 +32,10 @@ class CountingServer(VLLMServerEngine):
         return super().generate(prompts, n, sampling, seed)
 
 
-def build(tmp_path, new_tokens: int = 6) -> tuple[AmirGRPOModule, RolloutDataModule]:
-    """test_datamodule's module and data module, with a vLLM server and 8 prompts x 8 sampled a rollout ahead
-    (exact old log-probs: ``stale_logps: sampler``)."""
-    engine = CountingServer(max_model_len=64, kv_cache_memory_bytes=32 * 1024**2, threads=1)
+def build(tmp_path, url: str, new_tokens: int = 6) -> tuple[AmirGRPOModule, RolloutDataModule]:
+    """test_datamodule's module and data module, with the vLLM server at ``url`` and 8 prompts x 8 sampled a rollout
+    ahead (exact old log-probs: ``stale_logps: sampler``)."""
+    engine = CountingServer(url=url, max_model_len=64)
     rollout = RolloutSettings(
         group_size=8, prompts_per_process=8, micro_batch_groups=4, max_staleness=1, stale_logps="sampler"
     )
@@ -63,8 +63,8 @@ class Watch(L.Callback):
         self.steps[-1][1] = time.perf_counter()
 
 
-def test_the_next_rollout_samples_while_the_policy_trains_on_the_weights_that_will_score_it(tmp_path):
-    module, data = build(tmp_path / "run", new_tokens=24)
+def test_the_next_rollout_samples_while_the_policy_trains_on_the_weights_that_will_score_it(tmp_path, served):
+    module, data = build(tmp_path / "run", served.tiny_url(), new_tokens=24)
     watch = Watch()
     make_trainer(tmp_path / "run", 4, [watch]).fit(module, datamodule=data)
     # Rollout e + 1 started sampling before epoch e's step and finished after that step started: they overlapped.
@@ -111,16 +111,16 @@ class ChangesItsMind(Reward):
         return [float(len(c)) * (1.0 if self.calls == 1 else -1.0) for c in completions]
 
 
-def build_changing_reward(tmp_path) -> tuple[AmirGRPOModule, RolloutDataModule]:
-    module, data = build(tmp_path)
-    data.rewards = [ChangesItsMind()]
-    return module, data
-
-
-def test_a_run_resumed_between_rollouts_ends_where_an_uninterrupted_run_does(tmp_path):
+def test_a_run_resumed_between_rollouts_ends_where_an_uninterrupted_run_does(tmp_path, served):
     """Resumed from rollout 2's checkpoint of 3: it holds rollout 3, sampled by rollout 2's weights and scored, and
     the resumed run trains on it (no new generation but the one sampled ahead, no new scoring: its reward answers
     otherwise now), ending with the uninterrupted run's weights."""
+
+    def build_changing_reward(folder) -> tuple[AmirGRPOModule, RolloutDataModule]:
+        module, data = build(folder, served.tiny_url())
+        data.rewards = [ChangesItsMind()]
+        return module, data
+
     (straight_module, straight), (module, data) = cut_and_resume(build_changing_reward, tmp_path, 3)
     assert (straight.engine.rollouts, data.engine.rollouts) == (4, 1)
     assert data.feed.position == straight.feed.position
@@ -139,10 +139,10 @@ def test_an_engine_inside_the_training_process_cannot_overlap():
         )
 
 
-def test_decoupled_old_log_probs_add_no_pass_and_weigh_the_staleness(tmp_path):
+def test_decoupled_old_log_probs_add_no_pass_and_weigh_the_staleness(tmp_path, served):
     """``stale_logps: current``: a stale rollout's first step has ratio 1 (no old log-probs, no scoring pass, no kept
     weights), and the importance weights compare the current policy with the engine that sampled the tokens."""
-    module, data = build(tmp_path / "run")
+    module, data = build(tmp_path / "run", served.tiny_url())
     data.settings = RolloutSettings(
         group_size=8, prompts_per_process=8, micro_batch_groups=4, max_staleness=1, stale_logps="current"
     )

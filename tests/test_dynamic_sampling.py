@@ -195,9 +195,9 @@ def test_dynamic_sampling_ahead_is_refused_with_the_old_weights_of_the_first_rou
         RolloutSettings(dynamic_sampling=True, max_sampling_rounds=0)
 
 
-def build_dynamic_ahead(tmp_path):
-    """``build_dynamic``, sampled a rollout ahead by a vLLM server."""
-    engine = VLLMServerEngine(max_model_len=64, kv_cache_memory_bytes=32 * 1024**2, threads=1)
+def build_dynamic_ahead(tmp_path, url: str):
+    """``build_dynamic``, sampled a rollout ahead by the vLLM server at ``url``."""
+    engine = VLLMServerEngine(url=url, max_model_len=64)
     settings = RolloutSettings(group_size=4, prompts_per_process=4, micro_batch_groups=2, dynamic_sampling=True,
                                max_sampling_rounds=6, max_staleness=1)  # fmt: skip
     module, data = build(tmp_path, engine=engine, rollout=settings, new_tokens=3)
@@ -220,13 +220,13 @@ class RefillCursors(L.Callback):
 
 
 @pytest.mark.slow
-def test_a_rollout_sampled_ahead_is_refilled_from_the_weights_it_trains_and_resumes_alike(tmp_path):
+def test_a_rollout_sampled_ahead_is_refilled_from_the_weights_it_trains_and_resumes_alike(tmp_path, served):
     """Each epoch's rollout was sampled by the weights before; its further rounds, drawn from the refill stream,
     sample from the weights it trains (staleness 0 on their tokens). Resumed after a rollout, the saved rollout ahead
     is refilled again alike: the run ends with the uninterrupted run's weights and stream positions. A checkpoint
     written before a refilled rollout's steps start holds the refill stream where that rollout's rounds began (its
     resume runs the rollout again, rounds and all)."""
-    straight_module, straight = build_dynamic_ahead(tmp_path / "straight")
+    straight_module, straight = build_dynamic_ahead(tmp_path / "straight", served.tiny_url())
     logged, cursors = Logged(), RefillCursors()
     make_trainer(tmp_path / "straight", 3, [logged, cursors], checkpoints=True, keep_all=True).fit(
         straight_module, datamodule=straight
@@ -240,7 +240,7 @@ def test_a_rollout_sampled_ahead_is_refilled_from_the_weights_it_trains_and_resu
     assert straight.feed.position == 4 * 4  # 3 rollouts trained and 1 ahead: the main stream as without refills
     assert cursors.saved_at_start == [0, *cursors.at_end[:-1]] and cursors.at_end[-1] > 0
     (after_one,) = (tmp_path / "straight" / "ckpt").glob("epoch=1-*.ckpt")
-    module, data = build_dynamic_ahead(tmp_path / "resumed")
+    module, data = build_dynamic_ahead(tmp_path / "resumed", served.tiny_url())
     make_trainer(tmp_path / "resumed", 3, []).fit(module, datamodule=data, ckpt_path=after_one)
     data.engine.close()
     assert (data.feed.position, data.feed.refill_position) == (straight.feed.position, straight.feed.refill_position)

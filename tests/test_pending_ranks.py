@@ -141,12 +141,13 @@ def max_abs_difference(first: Path, second: Path) -> float:
 
 
 @pytest.mark.slow
-def test_two_processes_resumed_a_rollout_ahead_end_where_an_uninterrupted_run_does(tmp_path):
+def test_two_processes_resumed_a_rollout_ahead_end_where_an_uninterrupted_run_does(tmp_path, served):
     """2 processes share one vLLM server (started by the first), which samples the next rollout while they train:
     each samples its own prompts from it, the first pushes the weights, both read them back exactly. The
     uninterrupted run of 3 rollouts keeps each rollout's checkpoint (``save_top_k: -1``); resumed from rollout 2's,
     written while rollout 3 was being sampled ahead, each rank trains its own saved rollout 3 with its own shard of
     the weights that sampled it (FSDP2, ``stale_logps: sampler``), ending with the uninterrupted run's weights, bitwise.
+    The resumed run reaches a running server by ``url`` (``tests/helpers/served.py``).
 
     FSDP2 with ``sampler`` is the case with the most per-rank state. What DDP and ``current`` add is guarded apart:
     the replicated weights written once by rank 0 and read by rank 1 in
@@ -167,7 +168,8 @@ def test_two_processes_resumed_a_rollout_ahead_end_where_an_uninterrupted_run_do
     assert min(scalars["rollout/sync_verified_tensors"]) > 0 and max(scalars["rollout/sync_logp_diff"]) < 1e-4
     assert scalars["rollout/staleness"] == [0.0, 1.0, 1.0]
     (second,) = (runs / "full" / "version_0" / "checkpoints").glob("epoch=1-*")  # rollout 2's, of 0, 1, 2
-    run_amir([*common, "--trainer.logger.init_args.name", "part", "--ckpt_path", str(second)], tmp_path)
+    shared = ["--data.engine", served.engine_arg(served.tiny_yaml_url())]
+    run_amir([*common, *shared, "--trainer.logger.init_args.name", "part", "--ckpt_path", str(second)], tmp_path)
     difference = max_abs_difference(runs / "full" / "version_0", runs / "part" / "version_0")
     print(f"max abs weight difference, resumed vs uninterrupted ({stale_logps}): {difference}")
     assert difference == 0.0

@@ -116,20 +116,23 @@ def test_killed_runs_resume_from_the_last_good_checkpoint(tmp_path, clean_six):
         assert torch.equal(clean_six[key], faulty[key]), key
 
 
-def test_a_run_two_rollouts_ahead_with_pushes_in_flight_killed_mid_generation_resumes_to_the_same_weights(tmp_path):
+def test_a_run_two_rollouts_ahead_with_pushes_in_flight_killed_mid_generation_resumes_to_the_same_weights(
+    tmp_path, served
+):
     """max_staleness 2 with partial_rollouts on a vLLM server, 5 rollouts: SIGKILL while the server runs rollout
     4's requests (sampled while rollout 2 trains). last.ckpt, written after rollout 1 (or 2 on a busy machine), holds
     the two rollouts sampled ahead whole; resumed from it, the run ends with the uninterrupted run's weights, bitwise.
     No rollout trains on weights older than two updates: the uninterrupted run's checkpoint after rollout 2 holds
     rollout 3 (the first weights') and rollout 4 (rollout 1's update's), scored, each token tagged with the weights
-    that sampled it (each checkpoint waits for the rollouts in flight, so no push falls inside a generation there)."""
+    that sampled it (each checkpoint waits for the rollouts in flight, so no push falls inside a generation there).
+    The killed run starts its server; the uninterrupted and the resumed runs share one (``url``)."""
     import json
 
     server = {"max_model_len": 64, "kv_cache_memory_bytes": 32 * 1024**2, "threads": 1}
     common = ["fit", "--config", CONFIG, "--trainer.check_val_every_n_epoch", "50", "--trainer.max_epochs", "5"]
     common += ["--data.rollout.max_staleness", "2", "--data.rollout.partial_rollouts", "true"]
     common += ["--data.sampling.max_new_tokens", "12"]
-    plain = json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": server})
+    plain = served.engine_arg(served.tiny_yaml_url())
     killing = json.dumps({"class_path": "server_runs.KillsMidGeneration", "init_args": {**server, "at_call": 4}})
     run_amir([*common, "--data.engine", plain, "--trainer.logger.init_args.name", "clean", "--checkpoint.save_top_k",
               "-1"], tmp_path)  # fmt: skip

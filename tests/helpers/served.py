@@ -1,0 +1,67 @@
+"""vLLM servers that the runs of one test process share, reached as a user reaches a server they started
+(``data.engine.init_args.url``).
+
+A server's start costs about 17 s of CPU here (vLLM imported twice: the API server and its engine core). A run pushes
+its weights in full at its first sync (``Sampler.push``), so runs in turn can share one server of their model's
+architecture and tokenizer. What a server's own process does (started by the run, the first training process
+starting it for the others, stopped with the run, hung, killed) is tested on servers the runs start themselves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import yaml
+
+from amir_lightning.rollout import VLLMServerEngine
+
+ROOT = Path(__file__).parents[2]
+#: The tests' server settings: the tiny model's context, a 32 MiB KV cache, one thread.
+SETTINGS = {"max_model_len": 64, "kv_cache_memory_bytes": 32 * 1024**2, "threads": 1}
+
+
+class Served:
+    """Servers started at their first use, one per model architecture and tokenizer, closed by ``close``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.engines: dict[str, VLLMServerEngine] = {}
+
+    def url(self, model_dir) -> str:
+        """The address of a server of ``model_dir``'s architecture and tokenizer (its weights: the last run's)."""
+        model_dir = Path(model_dir)
+        config = json.loads((model_dir / "config.json").read_text())
+        config.pop("_name_or_path", None)
+        tokenizer = model_dir / "tokenizer.json"
+        key = hashlib.sha256(json.dumps(config, sort_keys=True).encode() + tokenizer.read_bytes()).hexdigest()[:16]
+        if key not in self.engines:
+            kept = shutil.copytree(model_dir, self.folder / key)  # the test's folder may go before the server
+            engine = VLLMServerEngine(**SETTINGS)
+            engine.start(kept, seed=0)
+            self.engines[key] = engine
+        return self.engines[key].url
+
+    def tiny_url(self) -> str:
+        """The address of a server of ``build_tiny_model``'s model (whatever its seed)."""
+        from amir_lightning.models import build_tiny_model
+
+        return self.url(build_tiny_model(self.folder / "tiny", seed=0))
+
+    def tiny_yaml_url(self) -> str:
+        """The address of a server of configs/tiny.yaml's model."""
+        from amir_lightning.models import TinyModel
+
+        policy = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())["model"]["policy"]
+        return self.url(TinyModel(**policy["init_args"], cache_dir=str(self.folder / "models")).resolve())
+
+    def engine_arg(self, url: str, **init_args) -> str:
+        """``--data.engine``'s value for a server engine at ``url``."""
+        given = {"url": url, "max_model_len": SETTINGS["max_model_len"], **init_args}
+        return json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": given})
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.close()
