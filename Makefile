@@ -14,9 +14,10 @@ OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 VLLM_EN
 # TORCHDYNAMO_DISABLE: vLLM compiles one small sampler function (the rank of each sampled token) with torch.compile,
 # 1.8 s of every process that starts an engine here, and most of the suite's runs start one (eager: the same integers).
 RUNENV := $(OFFLINE) OMP_NUM_THREADS=1 TORCHDYNAMO_DISABLE=1
-# Tests run in two processes (pytest-xdist), each test file whole in one of them (its module-scoped engines with it).
+# Tests run in two processes (pytest-xdist), each test file whole in one of them (its module-scoped engines with it),
+# handed out in collection order: tests/conftest.py puts the files with slow tests first.
 WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: install test check lint compat demo bench clean
 

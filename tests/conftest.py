@@ -1,5 +1,6 @@
 """Shared test set-up: offline, single-threaded, deterministic; GPU tests deselected without CUDA."""
 
+import collections
 import os
 
 # Before any Hugging Face import: an accidental download must fail fast, not hang.
@@ -17,10 +18,12 @@ torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
-    # The files with slow tests first (the order within a file kept): pytest-xdist hands whole files to its workers
-    # in this order, and a long file handed out last would hold the suite's end while the other worker idles.
+    # The files with slow tests first, then those with more tests (the order within a file kept): pytest-xdist hands
+    # whole files to its workers in this order (``--no-loadscope-reorder``, Makefile), and a long file handed out
+    # last would hold the suite's end while the other worker idles.
     slow = {item.path for item in items if "slow" in item.keywords}
-    items.sort(key=lambda item: item.path not in slow)
+    count = collections.Counter(item.path for item in items)
+    items.sort(key=lambda item: (item.path not in slow, -count[item.path]))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (none present)")
@@ -147,9 +150,10 @@ def read_scalars(log_dir):
     return scalars
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """vLLM servers that this test process's runs share by ``url`` (``tests/helpers/served.py``)."""
+    """vLLM servers that a test file's runs share by ``url`` (``tests/helpers/served.py``), stopped after its last
+    test (an idle server takes a few percent of a core)."""
     from helpers.served import Served
 
     servers = Served(tmp_path_factory.mktemp("served"))

@@ -1,4 +1,4 @@
-"""vLLM servers that the runs of one test process share, reached as a user reaches a server they started
+"""vLLM servers that the runs of one test file share, reached as a user reaches a server they started
 (``data.engine.init_args.url``).
 
 A server's start costs about 17 s of CPU here (vLLM imported twice: the API server and its engine core). A run pushes
