@@ -32,6 +32,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def _log_streams_open(monkeypatch):
+    """A stream handler that a library added during an earlier test (vLLM's, as it is first imported) writes to that
+    test's captured stream, closed once it ended: such a handler writes to this test's stderr instead (a write to
+    the closed stream printed a "Logging error" traceback into the test's output)."""
+    import sys
+
+    for handler in stream_handlers():
+        if getattr(handler.stream, "closed", False):
+            monkeypatch.setattr(handler, "stream", sys.stderr)
+
+
+def stream_handlers() -> set:
+    """The plain stream handlers of every logger (files' handlers aside)."""
+    import logging
+
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    return {h for lg in loggers for h in getattr(lg, "handlers", ()) if type(h) is logging.StreamHandler}
+
+
 def run_amir(args, tmp_path, timeout=600, console_script=False, env=None):
     """Run the ``amir`` CLI in a process of its own (each gets its own in-process vLLM engine), offline: ``python -m
     amir_lightning``, forked from a process that has imported it (``tests/helpers/forks.py``).
@@ -72,7 +92,6 @@ def amir_here(args, tmp_path, monkeypatch, capsys) -> tuple[int, str, str]:
     No interpreter to start and no vLLM to import: the runs that test what the CLI wires (loggers, callbacks, data
     checks, resume, faults) and not the engine use this with ``HF_ENGINE``; ``run_amir`` is for what needs a process.
     """
-    import logging
     import sys
     from pathlib import Path
 
@@ -85,8 +104,7 @@ def amir_here(args, tmp_path, monkeypatch, capsys) -> tuple[int, str, str]:
     monkeypatch.setattr(sys, "argv", ["amir"])
     # A stream handler an earlier run in this process left (Lightning's, logging's own) writes to this test's stderr,
     # not to an earlier test's, closed by now.
-    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
-    for handler in {h for lg in loggers for h in getattr(lg, "handlers", ()) if type(h) is logging.StreamHandler}:
+    for handler in stream_handlers():
         monkeypatch.setattr(handler, "stream", sys.stderr)
     capsys.readouterr()
     try:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import run_amir
 from helpers import forks
-from helpers.processes import group_after
+from helpers.processes import count_after, group_after
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -125,7 +125,7 @@ def test_a_run_two_rollouts_ahead_with_pushes_in_flight_killed_mid_generation_re
     No rollout trains on weights older than two updates: the uninterrupted run's checkpoint after rollout 2 holds
     rollout 3 (the first weights') and rollout 4 (rollout 1's update's), scored, each token tagged with the weights
     that sampled it (each checkpoint waits for the rollouts in flight, so no push falls inside a generation there).
-    The killed run starts its server; the uninterrupted and the resumed runs share one (``url``)."""
+    The killed run starts its server, which goes with it; the uninterrupted and the resumed runs share one (``url``)."""
     import json
 
     server = {"max_model_len": 64, "kv_cache_memory_bytes": 32 * 1024**2, "threads": 1}
@@ -156,6 +156,8 @@ def test_a_run_two_rollouts_ahead_with_pushes_in_flight_killed_mid_generation_re
         timeout=900,
     )
     assert killed.returncode == -9 and "test: SIGKILL with" in killed.stderr, killed.stderr[-3000:]
+    server = int(killed.stderr.split("started the vLLM server at ")[1].split("(process ")[1].split(";")[0])
+    assert count_after(server, set())[0] == 0  # the server it started, and its engine core, went with it
     checkpoint = tmp_path / "runs" / "cut" / "version_0" / "checkpoints" / "last.ckpt"
     saved = torch.load(checkpoint, weights_only=True)
     # Which checkpoint the kill finds depends on the machine's speed: after rollout 1 (rollouts 2 and 3 pending) on an

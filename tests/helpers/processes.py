@@ -1,5 +1,5 @@
 """The processes a vLLM server leaves, read from ``/proc``, and a run's output lines as they come, for
-``tests/e2e/test_server_processes.py``."""
+``tests/e2e/test_server_processes.py`` and the kill in flight of ``tests/e2e/test_stops.py``."""
 
 from __future__ import annotations
 
