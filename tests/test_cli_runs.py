@@ -172,3 +172,17 @@ def test_help_lists_every_subcommand_and_a_subcommands_help_is_its_own(tmp_path,
     assert code == 0 and all(f"    {name} " in out for name in ("fit", "validate", "test"))
     code, out, _ = amir_here(["validate", "--help"], tmp_path, monkeypatch, capsys)
     assert code == 0 and out.startswith("usage: amir [options] validate") and "--trainer.max_epochs" in out
+
+
+def test_the_pipe_safe_stdout_is_closed_when_the_stream_it_writes_to_is():
+    """A logging handler holding ``amir``'s stdout sees it closed once the stream beneath closes (a test's capture,
+    a file), as it would see that stream itself; the broken pipe it survives is another matter."""
+    import io
+
+    from amir_lightning.helpers.console import PipeSafeStdout
+
+    beneath = io.StringIO()
+    stdout = PipeSafeStdout(beneath)
+    assert stdout.write("a line\n") == 7 and not stdout.closed
+    beneath.close()
+    assert stdout.closed

@@ -62,6 +62,11 @@ class PipeSafeStdout(io.TextIOBase):
         except BrokenPipeError:
             self._drop()
 
+    @property
+    @override
+    def closed(self) -> bool:
+        return self.stream.closed  # the stream it writes to is what can close
+
     @override
     def isatty(self) -> bool:
         return self.stream.isatty()
