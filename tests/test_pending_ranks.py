@@ -168,7 +168,7 @@ def test_two_processes_resumed_a_rollout_ahead_end_where_an_uninterrupted_run_do
     assert min(scalars["rollout/sync_verified_tensors"]) > 0 and max(scalars["rollout/sync_logp_diff"]) < 1e-4
     assert scalars["rollout/staleness"] == [0.0, 1.0, 1.0]
     (second,) = (runs / "full" / "version_0" / "checkpoints").glob("epoch=1-*")  # rollout 2's, of 0, 1, 2
-    shared = ["--data.engine", served.engine_arg(served.tiny_yaml_url())]
+    shared = ["--data.engine", served.tiny_yaml_engine()]
     run_amir([*common, *shared, "--trainer.logger.init_args.name", "part", "--ckpt_path", str(second)], tmp_path)
     difference = max_abs_difference(runs / "full" / "version_0", runs / "part" / "version_0")
     print(f"max abs weight difference, resumed vs uninterrupted ({stale_logps}): {difference}")

@@ -132,7 +132,7 @@ def test_a_run_two_rollouts_ahead_with_pushes_in_flight_killed_mid_generation_re
     common = ["fit", "--config", CONFIG, "--trainer.check_val_every_n_epoch", "50", "--trainer.max_epochs", "5"]
     common += ["--data.rollout.max_staleness", "2", "--data.rollout.partial_rollouts", "true"]
     common += ["--data.sampling.max_new_tokens", "12"]
-    plain = served.engine_arg(served.tiny_yaml_url())
+    plain = served.tiny_yaml_engine()
     killing = json.dumps({"class_path": "server_runs.KillsMidGeneration", "init_args": {**server, "at_call": 4}})
     run_amir([*common, "--data.engine", plain, "--trainer.logger.init_args.name", "clean", "--checkpoint.save_top_k",
               "-1"], tmp_path)  # fmt: skip

@@ -121,7 +121,7 @@ def _become(request: dict, fds: list[int], base_path: list[str]) -> None:
 
 
 class Forks:
-    """The forking process, started on first use and ended with the test process."""
+    """The forking process, started on first use; it ends when this process does (its channel closes)."""
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -171,10 +171,6 @@ class Forks:
                 if not self._next("pid", left) and pid not in self.ended:
                     return None
             return self.ended[pid]
-
-    def close(self) -> None:
-        self.channel.close()
-        self.process.wait(30)
 
 
 _forks: Forks | None = None

@@ -38,7 +38,8 @@ class Served:
         tokenizer = model_dir / "tokenizer.json"
         key = hashlib.sha256(json.dumps(config, sort_keys=True).encode() + tokenizer.read_bytes()).hexdigest()[:16]
         if key not in self.engines:
-            kept = shutil.copytree(model_dir, self.folder / key)  # the test's folder may go before the server
+            # a test's folder may go before the server
+            kept = model_dir if self.folder in model_dir.parents else shutil.copytree(model_dir, self.folder / key)
             engine = VLLMServerEngine(**SETTINGS)
             engine.start(kept, seed=0)
             self.engines[key] = engine
@@ -48,18 +49,16 @@ class Served:
         """The address of a server of ``build_tiny_model``'s model (whatever its seed)."""
         from amir_lightning.models import build_tiny_model
 
-        return self.url(build_tiny_model(self.folder / "tiny", seed=0))
+        model = self.folder / "tiny"
+        return self.url(model if (model / "config.json").is_file() else build_tiny_model(model, seed=0))
 
-    def tiny_yaml_url(self) -> str:
-        """The address of a server of configs/tiny.yaml's model."""
+    def tiny_yaml_engine(self) -> str:
+        """``--data.engine``'s value for the server engine at a server of configs/tiny.yaml's model."""
         from amir_lightning.models import TinyModel
 
         policy = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())["model"]["policy"]
-        return self.url(TinyModel(**policy["init_args"], cache_dir=str(self.folder / "models")).resolve())
-
-    def engine_arg(self, url: str, **init_args) -> str:
-        """``--data.engine``'s value for a server engine at ``url``."""
-        given = {"url": url, "max_model_len": SETTINGS["max_model_len"], **init_args}
+        url = self.url(TinyModel(**policy["init_args"], cache_dir=str(self.folder / "models")).resolve())
+        given = {"url": url, "max_model_len": SETTINGS["max_model_len"]}
         return json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": given})
 
     def close(self) -> None:
