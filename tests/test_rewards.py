@@ -136,3 +136,69 @@ def test_grading_workers_default_to_the_process_share_of_the_cores(cores, env, e
     assert sandbox.default_workers() == expected
     grader = SandboxedGrader()
     assert grader.num_workers is None  # decided when the first answer is graded, in the launched process
+
+
+SCRIPT = """
+import sys
+import torch  # what a training script imports at its top, as the `amir` console script imports the whole CLI
+
+from amir_lightning.rewards import SandboxedGrader
+from probe import loaded
+
+with open("runs.log", "a") as log:
+    log.write("top level\\n")
+
+
+def here(name):
+    return 1.0
+
+
+if __name__ == "__main__":
+    grader = SandboxedGrader(timeout_s=20.0, num_workers=1)
+    try:
+        print("loaded", grader.map(loaded, [("torch",), ("math_verify",), ("probe",)]))
+        try:
+            grader.map(here, [("x",)])
+        except ValueError as err:
+            print("refused", err)
+    finally:
+        grader.close()
+"""
+
+
+@pytest.mark.slow
+def test_a_grading_worker_imports_neither_torch_nor_the_script_that_runs_it(tmp_path):
+    """A worker imports the grading function's module, math-verify and the sandbox, nothing more: the script that
+    runs the grader (``amir``'s console script imports the whole CLI) runs once, and torch is not imported in the
+    worker. The function's module is found where the script finds it. A function of the script itself is refused
+    with the reason."""
+    import subprocess
+    import sys
+
+    (tmp_path / "probe.py").write_text("import sys\n\n\ndef loaded(name):\n    return float(name in sys.modules)\n")
+    (tmp_path / "train.py").write_text(SCRIPT)
+    result = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "loaded [0.0, 1.0, 1.0]" in result.stdout, result.stdout
+    assert (tmp_path / "runs.log").read_text() == "top level\n"
+    assert "refused here is defined in the script being run" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_grading_function_a_worker_cannot_import_is_named():
+    """A function whose module exists only in the trainer's process (made at run time) stops the grading with its
+    name, not a timeout score for every answer."""
+    import sys
+    import types
+
+    module = types.ModuleType("made_at_run_time")
+    exec("def grade(x):\n    return 1.0\n", module.__dict__)
+    module.grade.__module__ = module.__name__
+    sys.modules[module.__name__] = module
+    grader = SandboxedGrader(timeout_s=20.0, num_workers=1)
+    try:
+        with pytest.raises(RuntimeError, match=r"cannot load made_at_run_time\.grade \(ModuleNotFoundError"):
+            grader.map(module.grade, [(1,)])
+    finally:
+        grader.close()
+        del sys.modules[module.__name__]

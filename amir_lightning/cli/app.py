@@ -18,6 +18,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
+from amir_lightning import rewards
 from amir_lightning.checkpoints.checks import (
     check_base_model,
     check_checkpoint,
@@ -33,6 +34,11 @@ from amir_lightning.systems.datamodule import RolloutDataModule
 from amir_lightning.systems.module import AmirGRPOModule
 from amir_lightning.systems.precision import check_strategy
 from amir_lightning.systems.progress import RunProgressBar
+
+# Every reward class imported (the package imports them on first use): a short class_path in a config
+# (``JudgeReward``) resolves among the imported subclasses of ``Reward``.
+for _name in rewards.__all__:
+    getattr(rewards, _name)
 
 TRAINER_DEFAULTS = {
     "reload_dataloaders_every_n_epochs": 1,  # one epoch == one rollout
