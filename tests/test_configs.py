@@ -145,3 +145,19 @@ def test_sleep_mode_without_a_gpu_is_refused_in_one_line(capsys):
     err = capsys.readouterr().err
     assert "data.engine.init_args.enable_sleep_mode needs a CUDA device" in err and "set it to false" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_a_short_reward_class_path_resolves_in_a_fresh_process():
+    """``class_path: JudgeReward`` resolves as ``amir_lightning.rewards.JudgeReward`` does, though the package imports
+    its classes on first use (the CLI imports every reward class). A fresh process: this one has imported them."""
+    import subprocess
+
+    rewards = "[{class_path: JudgeReward, init_args: {url: 'http://127.0.0.1:1'}}, {class_path: OverlongPenalty}]"
+    args = ["fit", "--config", str(CONFIGS[0].parent / "tiny.yaml"), "--data.rewards", rewards, "--print_config"]
+    command = [sys.executable, "-m", "amir_lightning", *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = yaml.safe_load(result.stdout)["data"]["rewards"]
+    paths = [reward["class_path"] for reward in printed]
+    assert paths == ["amir_lightning.rewards.JudgeReward", "amir_lightning.rewards.OverlongPenalty"]
