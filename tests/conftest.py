@@ -18,12 +18,16 @@ torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
-    # The files with slow tests first, then those with more tests (the order within a file kept): pytest-xdist hands
-    # whole files to its workers in this order (``--no-loadscope-reorder``, Makefile), and a long file handed out
-    # last would hold the suite's end while the other worker idles.
+    # The files that share vLLM servers first (``served``: a worker keeps its servers from one such file to the next
+    # and stops them at its first file without), then the files with slow tests, then those with more tests (the
+    # order within a file kept): pytest-xdist hands whole files to its workers in this order
+    # (``--no-loadscope-reorder``, Makefile), and a long file handed out last would hold the suite's end while the
+    # other worker idles.
+    serving = {item.path for item in items if "served" in getattr(item, "fixturenames", ())}
+    config.stash[SERVING] = serving
     slow = {item.path for item in items if "slow" in item.keywords}
     count = collections.Counter(item.path for item in items)
-    items.sort(key=lambda item: (item.path not in slow, -count[item.path]))
+    items.sort(key=lambda item: (item.path not in serving, item.path not in slow, -count[item.path]))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (none present)")
@@ -168,12 +172,30 @@ def read_scalars(log_dir):
     return scalars
 
 
+#: The test files that use ``served`` (set at collection).
+SERVING = pytest.StashKey[set]()
+_servers = None
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """vLLM servers that a test file's runs share by ``url`` (``tests/helpers/served.py``), stopped after its last
-    test (an idle server takes a few percent of a core)."""
-    from helpers.served import Served
+    """vLLM servers that the runs of the test files using this fixture share by ``url`` (``tests/helpers/served.py``):
+    this process's, kept from one such file to the next (they run first, ``pytest_collection_modifyitems``)."""
+    global _servers
+    if _servers is None:
+        from helpers.served import Served
 
-    servers = Served(tmp_path_factory.mktemp("served"))
-    yield servers
-    servers.close()
+        _servers = Served(tmp_path_factory.mktemp("served"))
+    return _servers
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _served_stopped_where_unused(request):
+    """A test file that shares no server stops this process's (an idle server takes about 2 % of a core)."""
+    if _servers is not None and request.node.path not in request.config.stash.get(SERVING, set()):
+        _servers.close()
+
+
+def pytest_sessionfinish(session):
+    if _servers is not None:
+        _servers.close()

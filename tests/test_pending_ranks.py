@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.helpers.distributed import all_reduce
-from amir_lightning.helpers.serving import free_port
+from amir_lightning.helpers.serving import free_port, group_members
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rollout.collect import RolloutSettings, make_rollout
 from amir_lightning.rollout.engine import Completion
@@ -161,7 +161,9 @@ def test_two_processes_resumed_a_rollout_ahead_end_where_an_uninterrupted_run_do
     common += ["--data.rollout.max_staleness", "1", "--data.rollout.stale_logps", stale_logps]
     common += ["--data.rollout.prompts_per_process", "4", "--data.rollout.micro_batch_groups", "4"]
     common += ["--trainer.check_val_every_n_epoch", "50", "--trainer.max_epochs", "3"]
-    run_amir([*common, "--checkpoint.save_top_k", "-1", "--trainer.logger.init_args.name", "full"], tmp_path)
+    full = run_amir([*common, "--checkpoint.save_top_k", "-1", "--trainer.logger.init_args.name", "full"], tmp_path)
+    pid = int(full.stderr.split("started the vLLM server at ")[1].split("(process ")[1].split(";")[0])
+    assert group_members(pid) == []  # the server the first process started, and what it started, ended with the run
     runs = tmp_path / "runs"
     scalars = read_scalars(runs / "full" / "version_0")
     assert len(scalars["rollout/reward_mean"]) == 3 and len(scalars["train/loss"]) == 3

@@ -1,7 +1,10 @@
 """VLLMServerEngine against a real vLLM server on this machine: sampling, the weight push, the exact sync check, and a
-fit that learns with the trainer and the server in two processes."""
+fit that learns with the trainer and the server in two processes.
 
-import json
+The engines reach the test process's servers by ``url`` (``tests/helpers/served.py``), as a user reaches a server they
+started; a server that a run starts, and its end with the run, are tested in tests/e2e/test_server_processes.py and
+tests/test_pending_ranks.py. The tensor-parallel server is this file's own."""
+
 import os
 from pathlib import Path
 
@@ -10,7 +13,6 @@ import torch
 from conftest import read_scalars, run_amir
 from helpers.engines import ServerDropsHalf, ServerSwapsParts, SkipsPushes, perturb
 
-from amir_lightning.helpers.serving import group_members
 from amir_lightning.models import HFModel, build_tiny_model
 from amir_lightning.rollout import SamplingConfig, VLLMServerEngine
 from amir_lightning.rollout.policy import Policy
@@ -26,18 +28,27 @@ def tiny_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=1)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_dir):
-    engine = VLLMServerEngine(**SERVER)
-    engine.start(tiny_dir, seed=0)
-    yield engine
-    engine.close()
-
-
 def policy_of(model_dir) -> Policy:
     policy = Policy(HFModel(str(model_dir)))
     policy.build(torch.float32)
     return policy
+
+
+def new_check(policy: Policy) -> SyncCheck:
+    check = SyncCheck()
+    check.set_probe(policy.tokenizer, policy.tokenizer("12+4=")["input_ids"], "16 = 12 + 4")
+    return check
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, served):
+    """An engine at a running server of the tiny model's architecture, holding ``tiny_dir``'s weights (pushed)."""
+    engine = VLLMServerEngine(url=served.url(tiny_dir), max_model_len=SERVER["max_model_len"])
+    engine.start(tiny_dir, seed=0)
+    policy = policy_of(tiny_dir)
+    new_check(policy).push_and_verify(policy, engine)
+    yield engine
+    engine.close()
 
 
 def hf_logps(model, prompt, completion, temperature):
@@ -72,34 +83,30 @@ def test_server_holds_exactly_the_pushed_weights_and_a_lost_push_stops_the_run(s
     workers (the tied LM head's packed kernel too) and finds the pushed values. A push the server never gets, or gets
     half of, is caught at once."""
     policy = policy_of(tiny_dir)
-    check = SyncCheck()
-    check.set_probe(policy.tokenizer, policy.tokenizer("12+4=")["input_ids"], "16 = 12 + 4")
+    check = new_check(policy)
+    before = server.pushes
     first = check.push_and_verify(policy, server)
     assert first.verified > 0 and first.gap < 1e-4
     for seed in (1, 2):
         perturb(policy.model, 0.01, seed=seed)  # an optimiser step
         report = check.push_and_verify(policy, server)
         assert report.verified == first.verified and report.gap < 1e-4
-    assert server.pushes == 3
+    assert server.pushes == before + 3
     perturb(policy.model, 0.01, seed=3)
     with pytest.raises(StaleEngineError, match="holds other weights"):
         check.push_and_verify(policy, SkipsPushes(server))
 
 
-def test_a_server_that_gets_half_a_push_is_stopped(tiny_dir):
+def test_a_server_that_gets_half_a_push_is_stopped(tiny_dir, served):
     policy = policy_of(tiny_dir)
-    engine = ServerDropsHalf(**SERVER)
+    engine = ServerDropsHalf(url=served.url(tiny_dir), max_model_len=SERVER["max_model_len"])
     engine.start(tiny_dir, seed=0)
     try:
-        check = SyncCheck()
-        check.set_probe(policy.tokenizer, policy.tokenizer("12+4=")["input_ids"], "16 = 12 + 4")
         perturb(policy.model, 0.01, seed=4)
         with pytest.raises(StaleEngineError, match="holds other weights"):
-            check.push_and_verify(policy, engine)
-        process = engine.process
+            new_check(policy).push_and_verify(policy, engine)
     finally:
         engine.close()
-    assert process.poll() is not None  # the server ended with its engine
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two vLLM CPU workers need a core each")
@@ -112,8 +119,7 @@ def test_a_tensor_parallel_server_is_verified_exactly_and_stopped_when_k_and_v_a
     engine = ServerSwapsParts(parts="kv", good_pushes=3, tensor_parallel_size=2, **SERVER)
     engine.start(tiny_dir, seed=0)
     try:
-        check = SyncCheck()
-        check.set_probe(policy.tokenizer, policy.tokenizer("12+4=")["input_ids"], "16 = 12 + 4")
+        check = new_check(policy)
         for sync in range(3):
             report = check.push_and_verify(policy, engine)
             assert report.verified == 16 and report.gap < 1e-4
@@ -124,16 +130,13 @@ def test_a_tensor_parallel_server_is_verified_exactly_and_stopped_when_k_and_v_a
         engine.close()
 
 
-def test_a_fit_with_the_server_engine_learns_the_tiny_task(tmp_path):
+def test_a_fit_with_the_server_engine_learns_the_tiny_task(tmp_path, served):
     """configs/tiny.yaml with its rollouts from a vLLM server in a second process: every sync verified exactly, the
     copy-a-digit reward rises, and validation runs before and during the fit (no distributed group exists in the
     trainer here, unlike with an in-process engine: evaluation still runs under no_grad)."""
-    engine = json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": SERVER})
-    args = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.engine", engine]
+    args = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.engine", served.tiny_yaml_engine()]
     args += ["--validate_before_fit", "true", "--trainer.check_val_every_n_epoch", "10"]
-    result = run_amir([*args, "--trainer.max_epochs", "20"], tmp_path)
-    pid = int(result.stderr.split("started the vLLM server at ")[1].split("(process ")[1].split(";")[0])
-    assert group_members(pid) == []  # the server and what it started ended with the run
+    run_amir([*args, "--trainer.max_epochs", "20"], tmp_path)
     scalars = read_scalars(tmp_path / "runs" / "tiny" / "version_0")
     reward = scalars["rollout/reward_mean"]
     assert len(reward) == 20

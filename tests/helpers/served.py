@@ -1,5 +1,5 @@
-"""vLLM servers that the runs of one test file share, reached as a user reaches a server they started
-(``data.engine.init_args.url``).
+"""vLLM servers that the runs of the test files using the ``served`` fixture share, reached as a user reaches a server
+they started (``data.engine.init_args.url``); each test process keeps its own, from one such file to the next.
 
 A server's start costs about 17 s of CPU here (vLLM imported twice: the API server and its engine core). A run pushes
 its weights in full at its first sync (``Sampler.push``), so runs in turn can share one server of their model's
@@ -62,5 +62,7 @@ class Served:
         return json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": given})
 
     def close(self) -> None:
+        """Stop every server (a later ``url`` starts its own)."""
         for engine in self.engines.values():
             engine.close()
+        self.engines.clear()
