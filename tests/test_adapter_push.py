@@ -229,12 +229,16 @@ def test_a_run_on_a_server_pushes_adapters_and_samples_with_them(tmp_path, monke
 
     from conftest import read_scalars, run_here
 
+    from amir_lightning.helpers.serving import group_members
+
     config = Path(__file__).parents[1] / "configs" / "tiny.yaml"
     server = {"max_model_len": 64, "kv_cache_memory_bytes": 32 * 1024**2, "threads": 1, "push_adapters": True}
     engine = json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": server})
     args = ["fit", "--config", str(config), "--model.lora", "{r: 8, alpha: 16}", "--data.engine", engine]
     args += ["--trainer.max_epochs", "3", "--trainer.check_val_every_n_epoch", "9"]
-    run_here(args, tmp_path, monkeypatch, capsys, caplog)
+    run = run_here(args, tmp_path, monkeypatch, capsys, caplog)
+    pid = int(run.stderr.split("started the vLLM server at ")[1].split("(process ")[1].split(";")[0])
+    assert group_members(pid) == []  # a run in this process (a notebook's) stops its server as it ends
     scalars = read_scalars(tmp_path / "runs" / "tiny" / "version_0")
     mib, verified = scalars["rollout/sync_mib"], scalars["rollout/sync_verified_tensors"]
     assert len(mib) == 3 and mib[0] > 4 * mib[1] and mib[1] == mib[2]

@@ -8,6 +8,7 @@ trainer, the module and the data module, which ``attach`` joins to the module's 
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import sys
 
@@ -39,6 +40,8 @@ from amir_lightning.systems.progress import RunProgressBar
 # (``JudgeReward``) resolves among the imported subclasses of ``Reward``.
 for _name in rewards.__all__:
     getattr(rewards, _name)
+
+log = logging.getLogger(__name__)
 
 TRAINER_DEFAULTS = {
     "reload_dataloaders_every_n_epochs": 1,  # one epoch == one rollout
@@ -188,6 +191,20 @@ class AmirCLI(LightningCLI):
         if type(bar) in (TQDMProgressBar, RichProgressBar):  # Lightning's default: a bar per epoch, here a rollout
             trainer.callbacks[trainer.callbacks.index(bar)] = RunProgressBar(refresh_rate=bar.refresh_rate)
         return trainer
+
+    @override
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        finally:
+            # The engine ends with the run, however it ends: a vLLM server this process started (and the memory it
+            # holds) does not outlive a `main()` called in a notebook or a sweep, where no exit would stop it.
+            engine = getattr(self.datamodule, "engine", None)
+            try:
+                if engine is not None:
+                    engine.close()
+            except Exception as err:  # what the user must see is how the run ended, not this
+                log.warning("closing the rollout engine failed: %s", err)
 
     def before_fit(self) -> None:  # noqa: D102
         if self.config[self.subcommand].get("validate_before_fit"):
