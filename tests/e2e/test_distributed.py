@@ -32,11 +32,11 @@ def model_dir(tmp_path_factory):
 
 def launch(model_dir, out_dir, devices: int, runs: dict[str, dict]) -> str:
     """One launch of dp_step.py on ``devices`` processes, running every one of ``runs`` (name: settings) in turn;
-    its output (both ranks')."""
+    its output (both ranks'). The first process is forked (``tests/helpers/forks.py``); Lightning starts the second."""
     runs = json.dumps([{"name": name, **settings} for name, settings in runs.items()])
     cmd = [sys.executable, str(HELPER), str(model_dir), str(out_dir), "--devices", str(devices), "--runs", runs]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=out_dir)
+    result = forks.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=out_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
