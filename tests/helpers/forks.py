@@ -6,8 +6,9 @@ does anything; the suite's end-to-end runs spent most of their time there. A for
 its session when asked, its signals, its pipes, its exit status) that runs ``amir``'s entry point with the test's
 arguments, working directory, environment and ``sys.path``, as ``python -m amir_lightning`` would. What the forks share
 is the interpreter's start: the modules imported before the fork (read from the environment the test process had)
-and the hash seed. The runs that test the start itself (the installed ``amir`` script, a wheel in a fresh venv, the
-ranks Lightning launches, a vLLM server) still start a fresh interpreter.
+and the hash seed. The ranks Lightning launches from a forked run are forked alike (``_Launches``). The runs that test
+the start itself (the installed ``amir`` script, a wheel in a fresh venv, a vLLM server) still start a fresh
+interpreter.
 
 Used through ``run`` and ``popen``, which take the command a test would give ``subprocess`` (``[sys.executable, "-m",
 "amir_lightning", ...]`` or ``[sys.executable, script, ...]``) and answer as ``subprocess.run`` and ``Popen`` do.
@@ -50,43 +51,77 @@ def _send(channel: socket.socket, message: dict) -> None:
     channel.sendall(json.dumps(message).encode())
 
 
-def _serve(channel: socket.socket) -> tuple[dict, list[int]] | None:
-    """Import, then fork one child per request until the test process goes away. Returns, in a child, its request and
-    its three descriptors (stdin, stdout, stderr); in this process, ``None`` when there is nothing more to do."""
+def _serve(channel: socket.socket) -> tuple[dict, list[int], socket.socket] | None:
+    """Import, then fork one child per request until the test process goes away. Returns, in a child, its request,
+    its three descriptors (stdin, stdout, stderr) and its own channel here (for the ranks it launches); in this
+    process, ``None`` when there is nothing more to do."""
     for name in PRELOAD:
         importlib.import_module(name)
     _send(channel, {"ready": os.getpid()})
-    running: set[int] = set()
+    channels = [channel]  # the test process's, then each child's
+    asked_by: dict[int, socket.socket] = {}  # each running child: the channel that asked for it
     while True:
-        readable, _, _ = select.select([channel], [], [], 0.05)
-        while running:  # report every child that ended, by its raw wait status
+        readable, _, _ = select.select(channels, [], [], 0.05)
+        while asked_by:  # report every child that ended, by its raw wait status, to whoever asked for it
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
                 break
-            running.discard(pid)
-            _send(channel, {"pid": pid, "status": status})
-        if not readable:
-            continue
-        data, fds, _, _ = socket.recv_fds(channel, 1 << 20, 3)
-        if not data:
-            return None
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            channel.close()
-            return json.loads(data), fds
-        for fd in fds:
-            os.close(fd)
-        running.add(pid)
-        _send(channel, {"started": pid})
+            try:
+                _send(asked_by.pop(pid), {"pid": pid, "status": status})
+            except OSError:  # a run that launched ranks ended before them
+                pass
+        for asker in readable:
+            data, fds, _, _ = socket.recv_fds(asker, 1 << 20, 3)
+            if not data:
+                if asker is channel:
+                    return None
+                channels.remove(asker)
+                asker.close()
+                continue
+            sys.stdout.flush()
+            sys.stderr.flush()
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            pid = os.fork()
+            if pid == 0:
+                for other in [*channels, ours]:
+                    other.close()
+                return json.loads(data), fds, theirs
+            theirs.close()
+            for fd in fds:
+                os.close(fd)
+            channels.append(ours)
+            asked_by[pid] = asker
+            try:
+                _send(asker, {"started": pid})
+            except OSError:
+                pass
 
 
-def _become(request: dict, fds: list[int], base_path: list[str]) -> None:
+class _Launches:
+    """Lightning's launcher's ``subprocess`` in a forked run: the ranks it launches (this interpreter's commands) are
+    forked from the forking process too, each a process of its own as ``Popen`` gives; anything else starts as it
+    would."""
+
+    def __getattr__(self, name: str):
+        return getattr(subprocess, name)
+
+    @staticmethod
+    def Popen(command, env=None, cwd=None, **kwargs):  # noqa: N802 (subprocess's name)
+        if kwargs or command[0] != sys.executable:
+            return subprocess.Popen(command, env=env, cwd=cwd, **kwargs)
+        return Forked(command, cwd, env)
+
+
+def _become(request: dict, fds: list[int], channel: socket.socket, base_path: list[str]) -> None:
     """In the child: the process ``python <argv>`` would be, then run it (its exit is this process's)."""
+    global _forks
+    _forks = Forks(channel)  # what this run forks (Lightning's ranks) comes from the forking process
+    from lightning.pytorch.strategies.launchers import subprocess_script
+
+    subprocess_script.subprocess = _Launches()
     if request["session"]:
         os.setsid()
     for fd, target in zip(fds, (0, 1, 2)):
@@ -123,16 +158,21 @@ def _become(request: dict, fds: list[int], base_path: list[str]) -> None:
 class Forks:
     """The forking process, started on first use; it ends when this process does (its channel closes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, channel: socket.socket | None = None) -> None:
+        """Start the forking process, or (``channel``, in a forked run) ask the one that forked this process."""
+        self.lock = threading.Lock()
+        self.ended: dict[int, int] = {}
+        self.started: list[int] = []
+        self.log = None
+        if channel is not None:
+            self.channel = channel
+            return
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.log = tempfile.TemporaryFile()
         self.process = subprocess.Popen([sys.executable, __file__, str(theirs.fileno())], pass_fds=[theirs.fileno()],
                                         stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log)  # fmt: skip
         theirs.close()
         self.channel = ours
-        self.lock = threading.Lock()
-        self.ended: dict[int, int] = {}
-        self.started: list[int] = []
         self._next("ready", 600)
 
     def _next(self, key: str, timeout: float | None) -> bool:
@@ -145,8 +185,11 @@ class Forks:
                 return False
             data = self.channel.recv(1 << 16)
             if not data:
-                self.log.seek(0)
-                raise RuntimeError(f"the forking process ended:\n{self.log.read().decode(errors='replace')[-3000:]}")
+                said = ""
+                if self.log is not None:
+                    self.log.seek(0)
+                    said = self.log.read().decode(errors="replace")[-3000:]
+                raise RuntimeError(f"the forking process ended:\n{said}")
             message = json.loads(data)
             if "pid" in message:
                 self.ended[message["pid"]] = os.waitstatus_to_exitcode(message["status"])
@@ -280,4 +323,4 @@ if __name__ == "__main__":
     _request = _serve(_channel)
     if _request is not None:
         del _channel
-        _become(*_request, _base)
+        _become(*_request, base_path=_base)
