@@ -122,12 +122,14 @@ def test_an_engine_left_unclosed_does_not_take_the_next_engines_parallel_state(t
     collector; vLLM's model loader collects while the next engine starts, and an engine's shutdown destroys vLLM's
     process-wide parallel groups. The next engine then failed at its first generation ("pipeline model parallel
     group is not initialized", as a test file that followed such a run did in CI). Run in a process of its own
-    (``helpers/unclosed_engine.py``): in this one, what earlier tests imported and left decides what is collectable."""
-    import subprocess
+    (``helpers/unclosed_engine.py``, forked from a process that has imported vLLM and made no engine): in this one,
+    what earlier tests imported and left decides what is collectable."""
     import sys
     from pathlib import Path
 
+    from helpers import forks
+
     script = Path(__file__).parent / "helpers" / "unclosed_engine.py"
-    done = subprocess.run([sys.executable, str(script), str(tiny_dir)], capture_output=True, text=True, timeout=300)
+    done = forks.run([sys.executable, str(script), str(tiny_dir)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines().count("generated") == 3, done.stdout[-3000:]  # vLLM logs to stdout too

@@ -13,6 +13,7 @@ import torch
 from conftest import read_scalars, run_amir
 from helpers.engines import ServerDropsHalf, ServerSwapsParts, SkipsPushes, perturb
 
+from amir_lightning.helpers.http import ServerError
 from amir_lightning.models import HFModel, build_tiny_model
 from amir_lightning.rollout import SamplingConfig, VLLMServerEngine
 from amir_lightning.rollout.policy import Policy
@@ -147,3 +148,22 @@ def test_a_fit_with_the_server_engine_learns_the_tiny_task(tmp_path, served):
     assert min(scalars["rollout/sync_verified_tensors"]) > 0
     assert max(scalars["rollout/sync_logp_diff"]) < 1e-4
     assert len(scalars["val/accuracy"]) == 3  # before the fit, after rollouts 10 and 20
+
+
+def test_a_server_left_with_non_finite_weights_is_named_when_a_run_reaches_it(tiny_dir, server):
+    """A server at a given ``url`` keeps what the last run pushed. Left with a NaN weight (a push an earlier run left
+    half done), a run that reaches it stops at its start with what to do, not the server's JSON error alone."""
+    policy = policy_of(tiny_dir)
+    broken = policy_of(tiny_dir)
+    with torch.no_grad():
+        broken.model.model.norm.weight[0] = float("nan")
+    try:
+        with broken.export_weights() as named:
+            server.load_weights(named)
+        reaching = VLLMServerEngine(url=server.url, max_model_len=SERVER["max_model_len"])
+        with pytest.raises(ServerError, match=r"give non-finite log-probs \(a push an earlier run left half done\?\); "
+                                              r"restart the server"):  # fmt: skip
+            reaching.start(tiny_dir, seed=0)
+        reaching.close()
+    finally:
+        new_check(policy).push_and_verify(policy, server)  # whole weights again, for the runs that come next

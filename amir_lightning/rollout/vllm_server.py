@@ -171,7 +171,14 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
             self._post("/init_weight_transfer_engine", {"init_info": {}})
             # the first request is seconds slower; its answer shows the server sends what generate reads
             warm = {"prompt": [0], "max_tokens": 1, "logprobs": 0, "return_token_ids": True}
-            server_setup.completions(self.endpoint, self._post("/v1/completions", warm), 1)
+            try:
+                server_setup.completions(self.endpoint, self._post("/v1/completions", warm), 1)
+            except ServerError as err:
+                if "Out of range float" not in str(err):
+                    raise
+                # a log-prob it cannot write as JSON: NaN or infinite weights, before this run pushed any
+                raise ServerError(f"{err}: the server's weights give non-finite log-probs (a push an earlier run "
+                                  "left half done?); restart the server", err.tail) from None  # fmt: skip
         _barrier()
         self._started = True
 
