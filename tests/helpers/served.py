@@ -3,7 +3,9 @@ they started (``data.engine.init_args.url``); each test process keeps its own, f
 
 A server's start costs about 17 s of CPU here (vLLM imported twice: the API server and its engine core). A run pushes
 its weights in full at its first sync (``Sampler.push``), so runs in turn can share one server of their model's
-architecture and tokenizer. What a server's own process does (started by the run, the first training process
+architecture and tokenizer. An engine's start asks the server for one token before any push, so a test that leaves
+a server with broken weights (a torn push, a NaN) pushes whole ones again before it ends. What a server's own process
+does (started by the run, the first training process
 starting it for the others, stopped with the run, hung, killed) is tested on servers the runs start themselves.
 """
 
