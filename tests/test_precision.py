@@ -130,3 +130,15 @@ def test_the_reference_copy_scores_as_the_policy_at_step_zero(model_dir, precisi
         policy = completion_logps(module.model, ids, torch.ones_like(ids), 8)[0]
         ref = completion_logps(reference, ids, torch.ones_like(ids), 8)[0]
     torch.testing.assert_close(ref, policy, rtol=0, atol=1e-6)
+
+
+def test_the_precision_is_checked_as_given_with_lightnings_older_names():
+    """The CLI checks ``trainer.precision`` before the engine starts (``check_precision``): Lightning's older names
+    are read as Lightning reads them, so ``bf16`` and ``32`` pass and ``16`` is refused as ``16-mixed``."""
+    from amir_lightning.systems.precision import check_precision
+
+    for given in (None, 32, "32", "32-true", "bf16", "bf16-mixed", "bf16-true"):
+        check_precision(given)
+    for given, read in ((16, "16-mixed"), ("16-true", "16-true"), ("64", "64-true")):
+        with pytest.raises(ValueError, match=f"trainer.precision='{read}' is not supported"):
+            check_precision(given)

@@ -33,7 +33,7 @@ from amir_lightning.helpers.messages import close_option_hint, moved_key_hint, u
 from amir_lightning.helpers.preflight import check_trainer
 from amir_lightning.systems.datamodule import RolloutDataModule
 from amir_lightning.systems.module import AmirGRPOModule
-from amir_lightning.systems.precision import check_strategy
+from amir_lightning.systems.precision import check_precision, check_strategy
 from amir_lightning.systems.progress import RunProgressBar
 
 # Every reward class imported (the package imports them on first use): a short class_path in a config
@@ -160,6 +160,7 @@ class AmirCLI(LightningCLI):
         check_trainer(config["trainer"])
         strategy = config["trainer"]["strategy"]
         check_strategy(strategy if isinstance(strategy, str) else strategy.get("class_path", ""))
+        check_precision(config["trainer"].get("precision"))
         if self.subcommand:  # no checkpoint without a subcommand
             keep_given_model_values(self.given[self.subcommand]["model"], config)
         link_completion_length(config)

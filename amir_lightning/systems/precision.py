@@ -43,6 +43,19 @@ def compute_dtype(precision: str) -> torch.dtype:
     return COMPUTE_DTYPES[precision]
 
 
+#: Lightning's older names for its precision settings, as it reads them.
+_ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
+
+
+def check_precision(precision) -> None:
+    """``trainer.precision`` as given (Lightning's older names too): an unsupported one is an error naming the key.
+
+    The CLI checks it before anything starts, not after the engine has loaded the model.
+    """
+    if precision is not None:
+        compute_dtype(_ALIASES.get(str(precision), str(precision)))
+
+
 def take_over_precision(trainer) -> torch.dtype:
     """Replace the trainer's precision plugin by a no-op and return the compute dtype it asked for.
 
