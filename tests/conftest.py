@@ -157,6 +157,11 @@ def stop_and_resume(run, tmp_path, common, first_half=()):
     return checkpoint
 
 
+def started_server_pid(stderr: str) -> int:
+    """The pid of the vLLM server a run started, read from its line "started the vLLM server at ... (process N; ..."."""
+    return int(stderr.split("started the vLLM server at ")[1].split("(process ")[1].split(";")[0])
+
+
 def read_scalars(log_dir):
     """All scalars of the TensorBoard event files under ``log_dir``: {tag: [values in step order]}."""
     from pathlib import Path

@@ -227,7 +227,7 @@ def test_a_run_on_a_server_pushes_adapters_and_samples_with_them(tmp_path, monke
     what it sampled are the trainer's (the requests name the adapter: without it they would be the base model's)."""
     from pathlib import Path
 
-    from conftest import read_scalars, run_here
+    from conftest import read_scalars, run_here, started_server_pid
 
     from amir_lightning.helpers.serving import group_members
 
@@ -237,7 +237,7 @@ def test_a_run_on_a_server_pushes_adapters_and_samples_with_them(tmp_path, monke
     args = ["fit", "--config", str(config), "--model.lora", "{r: 8, alpha: 16}", "--data.engine", engine]
     args += ["--trainer.max_epochs", "3", "--trainer.check_val_every_n_epoch", "9"]
     run = run_here(args, tmp_path, monkeypatch, capsys, caplog)
-    pid = int(run.stderr.split("started the vLLM server at ")[1].split("(process ")[1].split(";")[0])
+    pid = started_server_pid(run.stderr)
     assert group_members(pid) == []  # a run in this process (a notebook's) stops its server as it ends
     scalars = read_scalars(tmp_path / "runs" / "tiny" / "version_0")
     mib, verified = scalars["rollout/sync_mib"], scalars["rollout/sync_verified_tensors"]

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import read_scalars, run_amir
+from conftest import read_scalars, run_amir, started_server_pid
+from helpers.served import SETTINGS
 from safetensors.torch import load_file
 
 from amir_lightning.data.base import Prompt
@@ -22,7 +23,6 @@ from amir_lightning.rollout.pending import PendingRollout, SavedRollout
 from amir_lightning.rollout.saved import gather_saved, restore, saved_for_rank
 
 ROOT = Path(__file__).parents[1]
-SERVER = {"max_model_len": 64, "kv_cache_memory_bytes": 32 * 1024**2, "threads": 1}
 FSDP2 = "{class_path: lightning.pytorch.strategies.ModelParallelStrategy}"
 
 #: What each of two processes trains on, as in the report of the bug: rank 1 must never get rank 0's answer.
@@ -155,14 +155,14 @@ def test_two_processes_resumed_a_rollout_ahead_end_where_an_uninterrupted_run_do
     (two rollouts ahead, killed mid-generation) in tests/e2e/test_stops.py, and DDP on two processes in
     tests/e2e/test_distributed.py."""
     strategy, stale_logps = FSDP2, "sampler"
-    engine = json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": SERVER})
+    engine = json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": SETTINGS})
     common = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.engine", engine]
     common += ["--trainer.devices", "2", "--trainer.strategy", strategy, "--trainer.deterministic", "true"]
     common += ["--data.rollout.max_staleness", "1", "--data.rollout.stale_logps", stale_logps]
     common += ["--data.rollout.prompts_per_process", "4", "--data.rollout.micro_batch_groups", "4"]
     common += ["--trainer.check_val_every_n_epoch", "50", "--trainer.max_epochs", "3"]
     full = run_amir([*common, "--checkpoint.save_top_k", "-1", "--trainer.logger.init_args.name", "full"], tmp_path)
-    pid = int(full.stderr.split("started the vLLM server at ")[1].split("(process ")[1].split(";")[0])
+    pid = started_server_pid(full.stderr)
     assert group_members(pid) == []  # the server the first process started, and what it started, ended with the run
     runs = tmp_path / "runs"
     scalars = read_scalars(runs / "full" / "version_0")

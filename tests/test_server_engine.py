@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import read_scalars, run_amir
 from helpers.engines import ServerDropsHalf, ServerSwapsParts, SkipsPushes, perturb
+from helpers.served import SETTINGS
 
 from amir_lightning.helpers.http import ServerError
 from amir_lightning.models import HFModel, build_tiny_model
@@ -21,7 +22,6 @@ from amir_lightning.rollout.sync import StaleEngineError, SyncCheck
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[1]
-SERVER = {"max_model_len": 64, "kv_cache_memory_bytes": 32 * 1024**2, "threads": 1}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def new_check(policy: Policy) -> SyncCheck:
 @pytest.fixture(scope="module")
 def server(tiny_dir, served):
     """An engine at a running server of the tiny model's architecture, holding ``tiny_dir``'s weights (pushed)."""
-    engine = VLLMServerEngine(url=served.url(tiny_dir), max_model_len=SERVER["max_model_len"])
+    engine = VLLMServerEngine(url=served.url(tiny_dir), max_model_len=SETTINGS["max_model_len"])
     engine.start(tiny_dir, seed=0)
     policy = policy_of(tiny_dir)
     new_check(policy).push_and_verify(policy, engine)
@@ -100,7 +100,7 @@ def test_server_holds_exactly_the_pushed_weights_and_a_lost_push_stops_the_run(s
 
 def test_a_server_that_gets_half_a_push_is_stopped(tiny_dir, server):
     policy = policy_of(tiny_dir)
-    engine = ServerDropsHalf(url=server.url, max_model_len=SERVER["max_model_len"])
+    engine = ServerDropsHalf(url=server.url, max_model_len=SETTINGS["max_model_len"])
     engine.start(tiny_dir, seed=0)
     try:
         perturb(policy.model, 0.01, seed=4)
@@ -120,7 +120,7 @@ def test_a_tensor_parallel_server_is_verified_exactly_and_stopped_when_k_and_v_a
     stopped this engine at its first sync); the fourth sends k and v exchanged, and is stopped."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # vLLM binds CPU workers to NUMA nodes; here: one core each
     policy = policy_of(tiny_dir)
-    engine = ServerSwapsParts(parts="kv", good_pushes=3, tensor_parallel_size=2, **SERVER)
+    engine = ServerSwapsParts(parts="kv", good_pushes=3, tensor_parallel_size=2, **SETTINGS)
     engine.start(tiny_dir, seed=0)
     try:
         check = new_check(policy)
@@ -160,7 +160,7 @@ def test_a_server_left_with_non_finite_weights_is_named_when_a_run_reaches_it(ti
     try:
         with broken.export_weights() as named:
             server.load_weights(named)
-        reaching = VLLMServerEngine(url=server.url, max_model_len=SERVER["max_model_len"])
+        reaching = VLLMServerEngine(url=server.url, max_model_len=SETTINGS["max_model_len"])
         with pytest.raises(ServerError, match=r"give non-finite log-probs \(a push an earlier run left half done\?\); "
                                               r"restart the server"):  # fmt: skip
             reaching.start(tiny_dir, seed=0)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_amir
+from conftest import run_amir, started_server_pid
 from helpers import forks
 from helpers.processes import count_after, group_after
 from safetensors.torch import load_file
@@ -156,7 +156,7 @@ def test_a_run_two_rollouts_ahead_with_pushes_in_flight_killed_mid_generation_re
         timeout=900,
     )
     assert killed.returncode == -9 and "test: SIGKILL with" in killed.stderr, killed.stderr[-3000:]
-    server = int(killed.stderr.split("started the vLLM server at ")[1].split("(process ")[1].split(";")[0])
+    server = started_server_pid(killed.stderr)
     assert count_after(server, set())[0] == 0  # the server it started, and its engine core, went with it
     checkpoint = tmp_path / "runs" / "cut" / "version_0" / "checkpoints" / "last.ckpt"
     saved = torch.load(checkpoint, weights_only=True)
