@@ -75,9 +75,12 @@ class PromptFeed:
         """``draw``, from the refill stream (dynamic sampling's further rounds on a rollout sampled ahead)."""
         return _share(self.refill_stream.take(per_rank * ranks), rank, per_rank)
 
-    def tokenize(self, tokenizer, prompts: list[Prompt]) -> list[list[int]]:
-        """Chat-templated token ids; a prompt over the limit (``prompt_limit``) is an error naming it."""
-        return render_prompts(tokenizer, prompts, self.chat, self.prompt_limit, self.source.describe())
+    def tokenize(self, tokenizer, prompts: list[Prompt], where: str | None = None) -> list[list[int]]:
+        """Chat-templated token ids; a prompt over ``prompt_limit`` is an error naming it and ``where`` it is from.
+
+        ``where`` defaults to the training source's description (held-out prompts and benchmarks give their own).
+        """
+        return render_prompts(tokenizer, prompts, self.chat, self.prompt_limit, where or self.source.describe())
 
     def screen(self, tokenizer, grading_reward, report: bool) -> int:
         """Render every prompt of a finite source once; leave out (or stop on) the ones that cannot be used.

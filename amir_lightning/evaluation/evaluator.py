@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -11,7 +11,8 @@ import torch
 from amir_lightning.data.base import Prompt, PromptSource
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rewards.math import MathAnswerReward
-from amir_lightning.rollout.engine import Completion, SamplingConfig
+from amir_lightning.rollout.engine import SamplingConfig
+from amir_lightning.rollout.schedule import At, Schedule
 from amir_lightning.rollout.types import Group
 
 
@@ -49,6 +50,20 @@ class EvaluationSettings:
             )
         raise_errors(errors)
 
+    def prompt_sets(
+        self, stage: str, benchmarks: Sequence[PromptSource], heldout: PromptSource | None
+    ) -> list[tuple[PromptSource, int]]:
+        """The prompt sources ``stage`` evaluates, with how many prompts of each (the first ones).
+
+        ``test``: every problem of every benchmark, else the first ``val_size`` held-out prompts, as for ``fit`` and
+        ``validate``.
+        """
+        if stage == "test" and benchmarks:
+            return [(source, len(source)) for source in benchmarks]
+        if heldout is None or stage not in ("fit", "validate", "test"):
+            return []
+        return [(heldout, min(self.val_size, len(heldout)))]
+
     def with_length_limit(self, max_new_tokens: int) -> EvaluationSettings:
         """These settings with the paper's evaluation sampling (temperature 0.6, top_p 1.0) where none is given."""
         paper = SamplingConfig(temperature=0.6, top_p=1.0, max_new_tokens=max_new_tokens)
@@ -58,28 +73,22 @@ class EvaluationSettings:
 class Evaluator:
     """Held-out validation and ``amir test`` benchmarks: sample, grade, and batch the results per benchmark.
 
-    The rollout data module composes it from its own steps, so evaluation samples exactly as training does.
+    It samples through the training schedule (``Schedule.sample_evaluation``), so evaluation renders, pushes and
+    seeds exactly as training does.
 
     Args:
         settings: Sizes, samples, sampling and the k of pass@k (``with_length_limit`` applied).
-        tokenize: Prompts to chat-templated token ids.
-        sync: ``(probe prompt ids, probe answer)``: push the policy's weights into the engine (once per step).
-        generate: ``(prompt ids, n, sampling, purpose)``: ``n`` seeded completions per prompt.
+        schedule: The run's schedule: the push of this step's weights, then seeded sampling.
+        at: Where the run stands (the step of the push and of the seeds).
         grader: The correctness check (a ``MathAnswerReward``).
         progress: Show a progress bar while the answers are graded.
     """
 
     def __init__(
-        self,
-        settings: EvaluationSettings,
-        tokenize: Callable[[list[Prompt]], list[list[int]]],
-        sync: Callable[[list[int], str], float],
-        generate: Callable[[list[list[int]], int, SamplingConfig, int], list[list[Completion]]],
-        grader: MathAnswerReward,
-        progress: bool = False,
+        self, settings: EvaluationSettings, schedule: Schedule, at: At, grader: MathAnswerReward, progress: bool = False
     ) -> None:
-        self.settings, self.progress = settings, progress
-        self.tokenize, self.sync, self.generate, self.grader = tokenize, sync, generate, grader
+        self.settings, self.schedule, self.at, self.grader, self.progress = settings, schedule, at, grader, progress
+        self.sync_metrics: dict[str, float] = {}  # of the push before the first sampling (once per step)
 
     def evaluate(
         self, name: str, prompts: list[Prompt], samples: int, sampling: SamplingConfig, purpose: int = 1
@@ -91,9 +100,8 @@ class Evaluator:
         ``temperature``; ``environment_reward`` ``[P, samples]`` where the environment scored every episode (a
         verifiers taskset's reward: ``val/environment_reward``).
         """
-        prompt_ids = self.tokenize(prompts)
-        self.sync(prompt_ids[0], prompts[0].answer)
-        completions = self.generate(prompt_ids, samples, sampling, purpose, prompts=prompts)
+        prompt_ids, completions, sync = self.schedule.sample_evaluation(self.at, prompts, samples, sampling, purpose)
+        self.sync_metrics |= sync
         texts = [c.text for group in completions for c in group]
         answers = [p.answer for p in prompts for _ in range(samples)]
         label = f"grading {name}" if self.progress else None
@@ -117,24 +125,23 @@ class Evaluator:
 
     def validation_batches(self, source: PromptSource | None) -> list[dict]:
         """The held-out evaluation of ``fit`` and ``amir validate``: the first ``val_size`` prompts of ``source``."""
-        if source is None:
-            return []
         s = self.settings
-        prompts = [source[i] for i in range(min(s.val_size, len(source)))]
-        return [self.evaluate("heldout", prompts, s.val_samples, s.val_sampling)]
+        return [
+            self.evaluate("heldout", [source[i] for i in range(count)], s.val_samples, s.val_sampling)
+            for source, count in s.prompt_sets("validate", [], source)
+        ]
 
     def test_batches(self, benchmarks: Sequence[PromptSource], heldout: PromptSource | None) -> list[dict]:
         """``amir test``: every problem of every benchmark (else the held-out prompts), one batch per benchmark.
 
         Each batch also carries the ``ks`` of its pass@k and where its per-sample log-probs come from (``logps``).
         """
-        sources = list(benchmarks) or ([heldout] if heldout is not None else [])
-        if not sources:
-            raise ValueError("amir test needs data.benchmarks or data.val_prompts")
         s, batches = self.settings, []
-        for source in sources:
-            size = len(source) if benchmarks else min(s.val_size, len(source))
-            prompts = [source[i] for i in range(size)]
+        sets = s.prompt_sets("test", benchmarks, heldout)
+        if not sets:
+            raise ValueError("amir test needs data.benchmarks or data.val_prompts")
+        for source, count in sets:
+            prompts = [source[i] for i in range(count)]
             batch = self.evaluate(getattr(source, "name", "heldout"), prompts, s.samples, s.sampling, purpose=2)
             batches.append({**batch, "ks": list(s.ks), "logps": s.logps})
         return batches

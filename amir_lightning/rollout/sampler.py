@@ -1,5 +1,7 @@
 """The rollout engine as the loop uses it: generation seeded by its place in the run, and the verified weight push.
 
+Which rollout settings an engine can serve is checked here too, at configuration (``setting_errors``).
+
 A generation's seed is a pure function of (the run's seed, the optimisation step, the rank, the purpose): a rollout
 is then a function of the weights and its place in the run, not of hidden engine state, so a resumed run draws the
 same rollouts as an uninterrupted one. In-process engines sample from the global RNG, forked and seeded per call, so
@@ -13,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from amir_lightning.data.base import Prompt
+from amir_lightning.rollout.collect import RolloutSettings
 from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig
 from amir_lightning.rollout.episodes import Environment, Turn
 from amir_lightning.rollout.pending import PendingRollout
@@ -36,6 +39,37 @@ def round_seed(seed: int, index: int) -> int:
 def turn_seed(seed: int, turn: int) -> int:
     """The seed of an episode's ``turn``-th turn (the first turn's is the generation's)."""
     return (seed + 7919 * turn) % 2**63
+
+
+def setting_errors(
+    engine: RolloutEngine, rollout: RolloutSettings, sampling: SamplingConfig, environment: Environment | None
+) -> list[str]:
+    """What ``data.rollout`` and ``data.sampling`` ask of the engine and the environment that they cannot do."""
+    errors = []
+    room = getattr(engine, "max_model_len", None)
+    if room is not None and room - sampling.max_new_tokens < 1:
+        errors.append(
+            f"data.sampling.max_new_tokens ({sampling.max_new_tokens}) leaves no room for a prompt in "
+            f"data.engine.init_args.max_model_len ({room})"
+        )
+    if rollout.max_staleness and not engine.runs_apart:
+        errors.append(
+            f"data.rollout.max_staleness {rollout.max_staleness} needs an engine in its own process "
+            f"(amir_lightning.rollout.VLLMServerEngine): {type(engine).__name__} generates inside the training "
+            "process, so generation and training cannot overlap"
+        )
+    elif rollout.partial_rollouts and not engine.takes_updates_in_flight:
+        errors.append(f"data.rollout.partial_rollouts needs an engine that takes pushes with requests in flight "
+                      f"(amir_lightning.rollout.VLLMServerEngine), not {type(engine).__name__}")  # fmt: skip
+    elif rollout.partial_rollouts and getattr(engine, "push_adapters", False):
+        errors.append("data.rollout.partial_rollouts with data.engine.init_args.push_adapters: a push in flight "
+                      "would replace the adapter that the running requests name; set push_adapters false to "
+                      "push merged weights")  # fmt: skip
+    if rollout.partial_rollouts and environment is not None:
+        errors.append("data.rollout.partial_rollouts with data.environment: a multi-turn episode's turns are "
+                      "not tagged with the weights that sampled them yet; sample episodes with partial_rollouts "
+                      "false")  # fmt: skip
+    return errors
 
 
 class Sampler:

@@ -121,6 +121,21 @@ class Schedule(ABC):
     def finish_sampling(self) -> None:  # noqa: B027 (in turn, nothing samples between rollouts)
         """Wait until the engine samples nothing for this schedule (before a push from elsewhere: evaluation)."""
 
+    def sample_evaluation(
+        self, at: At, prompts: list[Prompt], n: int, sampling: SamplingConfig, purpose: int
+    ) -> tuple[list[list[int]], list[list[Completion]], dict[str, float]]:
+        """Held-out ``prompts`` sampled from this step's weights: their ids, ``n`` completions each, the sync's metrics.
+
+        What samples ahead finishes first, on the weights it started with; the push is once per step, as training's.
+        """
+        self.finish_sampling()
+        prompt_ids = self.feed.tokenize(self.policy.tokenizer, prompts)
+        sync = self._push(at, prompts, prompt_ids)
+        del sync["rollout/sync_s"]  # the training rollout's time; evaluation's is its own metric
+        seed = self._seed(at, purpose)
+        completions = self.sampler.generate(prompt_ids, n, sampling, seed, prompts, self.policy.tokenizer)
+        return prompt_ids, completions, sync
+
     def state_dict(self) -> dict:
         """The prompt stream's position and the record of the rollout the run is in.
 

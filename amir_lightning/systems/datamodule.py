@@ -19,9 +19,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from amir_lightning.data.base import Prompt, PromptSource
+from amir_lightning.data.base import PromptSource
 from amir_lightning.data.feed import PromptFeed
-from amir_lightning.data.templates import ChatFormat, read_template, render_prompts
+from amir_lightning.data.templates import ChatFormat, read_template
 from amir_lightning.evaluation.evaluator import EvaluationSettings, Evaluator
 from amir_lightning.helpers.distributed import mean_over_processes
 from amir_lightning.helpers.tracking import log_metrics
@@ -30,11 +30,11 @@ from amir_lightning.rewards.base import FunctionReward, Reward
 from amir_lightning.rewards.math import MathAnswerReward
 from amir_lightning.rollout.batch import agree_on_plan, build_steps, plan_steps
 from amir_lightning.rollout.collect import RolloutSettings
-from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig
+from amir_lightning.rollout.engine import RolloutEngine, SamplingConfig
 from amir_lightning.rollout.episodes import Environment
 from amir_lightning.rollout.policy import Policy
 from amir_lightning.rollout.rewarding import RewardGuard
-from amir_lightning.rollout.sampler import Sampler, generation_seed
+from amir_lightning.rollout.sampler import Sampler, setting_errors
 from amir_lightning.rollout.schedule import Ahead, At, InTurn, Schedule
 from amir_lightning.rollout.sync import SyncCheck, SyncSettings
 from amir_lightning.rollout.tools import ToolEnvironment
@@ -114,35 +114,11 @@ class RolloutDataModule(LightningDataModule):
         check_number(errors, "data.max_prompt_tokens", max_prompt_tokens, ge=1)
         if bad_prompts not in ("skip", "error"):
             errors.append(f"data.bad_prompts must be skip or error, got {bad_prompts!r}")
-        room = getattr(engine, "max_model_len", None)
-        if room is not None and room - sampling.max_new_tokens < 1:
-            errors.append(
-                f"data.sampling.max_new_tokens ({sampling.max_new_tokens}) leaves no room for a prompt in "
-                f"data.engine.init_args.max_model_len ({room})"
-            )
-        if rollout.max_staleness and not engine.runs_apart:
-            errors.append(
-                f"data.rollout.max_staleness {rollout.max_staleness} needs an engine in its own process "
-                f"(amir_lightning.rollout.VLLMServerEngine): {type(engine).__name__} generates inside the training "
-                "process, so generation and training cannot overlap"
-            )
-        elif rollout.partial_rollouts and not engine.takes_updates_in_flight:
-            errors.append(f"data.rollout.partial_rollouts needs an engine that takes pushes with requests in flight "
-                          f"(amir_lightning.rollout.VLLMServerEngine), not {type(engine).__name__}")  # fmt: skip
-        elif rollout.partial_rollouts and getattr(engine, "push_adapters", False):
-            errors.append("data.rollout.partial_rollouts with data.engine.init_args.push_adapters: a push in flight "
-                          "would replace the adapter that the running requests name; set push_adapters false to "
-                          "push merged weights")  # fmt: skip
         if tools and environment is not None:
             errors.append("data.tools and data.environment are both given: tools are a ToolEnvironment; give its "
                           "tools in data.environment.init_args.tools")  # fmt: skip
-        elif tools:
-            environment = ToolEnvironment(tools)
-        if rollout.partial_rollouts and environment is not None:
-            errors.append("data.rollout.partial_rollouts with data.environment: a multi-turn episode's turns are "
-                          "not tagged with the weights that sampled them yet; sample episodes with partial_rollouts "
-                          "false")  # fmt: skip
-        raise_errors(errors)
+        environment = ToolEnvironment(tools) if tools and environment is None else environment
+        raise_errors(errors + setting_errors(engine, rollout, sampling, environment))
         if warning := sampling.mismatch_warning():  # top-p/k, min-p: the weight is the kept mass Z <= 1
             log.warning(warning)
         self.prompts, self.engine = prompts, engine
@@ -152,7 +128,7 @@ class RolloutDataModule(LightningDataModule):
         template, template_kwargs = read_template(chat_template), dict(chat_template_kwargs or {})
         self.chat = ChatFormat(system_prompt, template, template_kwargs, tool_schemas, example_turns)
         self.max_prompt_tokens = max_prompt_tokens
-        # a prompt and its completion must fit the engine's context
+        room = getattr(engine, "max_model_len", None)  # a prompt and its completion must fit the engine's context
         self.prompt_limit = min(max_prompt_tokens, room - sampling.max_new_tokens) if room else max_prompt_tokens
         self._rollout_times: list[float] = []  # when each rollout of this process's run was logged
         self.sampler = Sampler(engine, environment, SyncCheck(sync))
@@ -213,7 +189,9 @@ class RolloutDataModule(LightningDataModule):
             for reward in self.rewards:  # a judge's server starts here, not after the first generation
                 reward.fit_to_sampling(self.sampling.max_new_tokens)
                 reward.setup()
-        self.screen_evaluation_prompts(stage)
+        for source, count in self.evaluation.prompt_sets(stage, self.benchmarks, self.val_prompts):
+            # one over the limit is an error naming it: leaving it out would change what evaluation measures
+            self.feed.tokenize(self.tokenizer, [source[i] for i in range(count)], source.describe())
         if not self.engine.started:
             trainer = self.trainer
             seed, device = self.seed + trainer.global_rank, trainer.strategy.root_device
@@ -255,51 +233,6 @@ class RolloutDataModule(LightningDataModule):
         if self.sampler.environment is not None:
             self.sampler.environment.close()  # its servers and threads (a verifiers environment's)
 
-    # ------------------------------------------------------------------ prompts
-    def tokenize(self, prompts: list[Prompt]) -> list[list[int]]:
-        """Chat-templated token ids; a prompt over the limit (``prompt_limit``) is an error naming it."""
-        return self.feed.tokenize(self.tokenizer, prompts)
-
-    def screen_evaluation_prompts(self, stage: str) -> None:
-        """Render the prompts evaluation will use before the engine starts; one over ``prompt_limit`` is an error.
-
-        The held-out prompts for fit and validate, the benchmarks (else the held-out prompts) for test. The error
-        names the prompt; leaving it out would change what the evaluation measures.
-        """
-        size = self.evaluation.val_size
-        sources = [(s, len(s)) for s in self.benchmarks] if stage == "test" and self.benchmarks else []
-        if not sources and self.val_prompts is not None and stage in ("fit", "validate", "test"):
-            sources = [(self.val_prompts, min(size, len(self.val_prompts)))]
-        for source, count in sources:
-            prompts = [source[i] for i in range(count)]
-            render_prompts(self.tokenizer, prompts, self.chat, self.prompt_limit, source.describe())
-
-    # ------------------------------------------------------------------ the engine
-    def generate(
-        self,
-        prompt_ids: list[list[int]],
-        n: int,
-        sampling: SamplingConfig,
-        purpose: int,
-        prompts: list[Prompt] | None = None,
-    ) -> list[list[Completion]]:
-        """Sample with the seed of (seed, optimisation step, rank, ``purpose``), episodes with ``prompts``."""
-        seed = generation_seed(self.seed, self.trainer.global_step, self.trainer.global_rank, purpose)
-        return self.sampler.generate(prompt_ids, n, sampling, seed, prompts, self.tokenizer)
-
-    def sync(self, probe_prompt: list[int], probe_answer: str) -> float:
-        """Push the policy into the engine (once per optimisation step) and verify it; returns the probe gap.
-
-        The first sync fixes the probe (this prompt and its answer) for the rest of the run.
-        """
-        self.schedule.finish_sampling()  # a rollout sampling ahead finishes on the weights it started with
-        at = self.at()
-        report = self.sampler.push(self.policy, at.step, (probe_prompt, probe_answer), at.max_over_processes)
-        if report is None:  # pushed at this step already
-            return 0.0
-        log_metrics(self.trainer, report.metrics())
-        return report.gap
-
     # ------------------------------------------------------------------ loaders
     @override
     def train_dataloader(self) -> DataLoader:
@@ -325,27 +258,26 @@ class RolloutDataModule(LightningDataModule):
 
     @override
     def val_dataloader(self) -> DataLoader | list:
-        batches = self.evaluator().validation_batches(self.val_prompts)
+        evaluator = self.evaluator()
+        batches = evaluator.validation_batches(self.val_prompts)
+        log_metrics(self.trainer, evaluator.sync_metrics)
         return DataLoader(batches, batch_size=None, collate_fn=_identity) if batches else []
 
+    @override
     def test_dataloader(self) -> DataLoader:
         """``amir test``: every benchmark of ``benchmarks`` (else the held-out prompts), one batch each."""
-        batches = self.evaluator().test_batches(self.benchmarks, self.val_prompts)
+        evaluator = self.evaluator()
+        batches = evaluator.test_batches(self.benchmarks, self.val_prompts)
+        log_metrics(self.trainer, evaluator.sync_metrics)
         return DataLoader(batches, batch_size=None, collate_fn=_identity)
 
     def evaluator(self) -> Evaluator:
-        """Evaluation through this module's engine, with its prompt rendering, weight sync and seeding."""
+        """Evaluation through the training schedule, graded by the first ``MathAnswerReward`` of the rewards."""
+        grader = next((r for r in self.rewards if isinstance(r, MathAnswerReward)), None)
+        if grader is None:  # none among the rewards: one of evaluation's own, closed at teardown
+            self._eval_grader = grader = self._eval_grader or MathAnswerReward()
         progress = self.trainer.is_global_zero and self.trainer.progress_bar_callback is not None
-        return Evaluator(self.evaluation, self.tokenize, self.sync, self.generate, self.grader(), progress)
-
-    def grader(self) -> MathAnswerReward:
-        """The correctness check of evaluation: the first ``MathAnswerReward`` of the rewards, or a default one."""
-        found = next((r for r in self.rewards if isinstance(r, MathAnswerReward)), None)
-        if found is None:
-            if self._eval_grader is None:
-                self._eval_grader = MathAnswerReward()
-            found = self._eval_grader
-        return found
+        return Evaluator(self.evaluation, self.schedule, self.at(), grader, progress)
 
     # ------------------------------------------------------------------ logging
     def _log(self, metrics: dict[str, float], at: At) -> None:
