@@ -126,6 +126,9 @@ class VLLMEngine(ServesAdapters, RolloutEngine):
         self.push_adapters, self._lora_request = push_adapters, None
         self.llm = None
 
+    #: vLLM engines this process has started (the first start has no earlier engine to let go).
+    starts = 0
+
     @override
     def start(self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -171,15 +174,25 @@ class VLLMEngine(ServesAdapters, RolloutEngine):
         # An engine left behind unclosed (a finished run's, kept by a reference cycle) is shut down by the garbage
         # collector, and vLLM collects while the next engine loads: that shutdown destroys the process-wide parallel
         # groups the new engine just made ("pipeline model parallel group is not initialized" at its first
-        # generation). Let such engines go before this one starts.
+        # generation). Let such engines go before this one starts (only a process that started one can hold one).
         gc.unfreeze()  # vLLM freezes the heap once an engine is up; frozen garbage is never collected
-        gc.collect()
+        if VLLMEngine.starts:
+            gc.collect()
+        # What exists now stays (the imported libraries, the trainer): frozen, it is not scanned by the full
+        # collections vLLM runs while it loads, about 0.4 s each with lightning, transformers and vLLM imported.
+        # vLLM freezes the whole heap itself once the engine is up.
+        gc.freeze()
+        VLLMEngine.starts += 1
         try:
             self.llm = vllm.LLM(**kwargs)
         except ValueError as err:
+            gc.unfreeze()
             if "cache" not in str(err):
                 raise
             raise ValueError(self._memory_message(err, on_gpu)) from None
+        except BaseException:
+            gc.unfreeze()
+            raise
         finally:
             torch.set_num_threads = set_num_threads
         self._vllm = vllm
