@@ -67,7 +67,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for mode, r in rows:
         (wall, cpu, gc_s, full), (close, close_gc, close_full) = r["start"], r["close"]
-        print(f"| {mode} | {wall:.2f} | {cpu:.2f} | {gc_s:.2f} ({full}) | {close:.2f} | {close_gc:.2f} ({close_full}) |")
+        cells = [f"{wall:.2f}", f"{cpu:.2f}", f"{gc_s:.2f} ({full})", f"{close:.2f}", f"{close_gc:.2f} ({close_full})"]
+        print(f"| {mode} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":
