@@ -1,37 +1,21 @@
 """Dynamic sampling (``data.rollout.dynamic_sampling``): groups without reward variance are dropped and more prompts
 sampled, from the same weights, until each process has its groups with variance, within ``max_sampling_rounds``."""
 
-import os
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import ranks
+from helpers.ranks import G, a_round
 from test_datamodule import Watch, build, cut_and_resume, make_trainer
 
-from amir_lightning.data.base import Prompt
-from amir_lightning.helpers.distributed import all_reduce
 from amir_lightning.helpers.serving import free_port
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rollout import VLLMServerEngine
 from amir_lightning.rollout.collect import RolloutSettings
-from amir_lightning.rollout.dynamic import Round, has_variance, needs_more, prompts_to_draw, refill
-from amir_lightning.rollout.engine import Completion
-from amir_lightning.rollout.rewarding import Scores
-
-G = 2
-
-
-def a_round(name: str, totals: list[list[float]]) -> Round:
-    """A scored round of prompts named ``name0``, ``name1``...: group ``i`` has the rewards ``totals[i]``."""
-    count = len(totals)
-    prompts = [Prompt(f"{name}{i}", "") for i in range(count)]
-    completions = [[Completion([i, k], f"{name}{i}.{k}", [0.0, 0.0], "stop") for k in range(G)] for i in range(count)]
-    flat = torch.tensor([float(v) for group in totals for v in group])
-    scores = Scores(flat, {"rollout/reward_mean": float(flat.nan_to_num().mean())}, torch.full_like(flat, 1.0), 0.5)
-    return Round(prompts, [[i] for i in range(len(totals))], completions, scores, 2.0)
+from amir_lightning.rollout.dynamic import has_variance, needs_more, prompts_to_draw, refill
 
 
 def one_process(values: list[float]) -> list[float]:
@@ -99,32 +83,11 @@ def test_a_further_round_is_needed_when_a_group_lacks_variance_on_some_process_a
     assert needs_more(full, 2, G, 4, lambda values: [1.0])  # another process misses a group
 
 
-def _two_ranks(rank: int, port: int, out: str) -> None:
-    """Rank 0's first round is full, rank 1's has no group with variance: both run the same rounds and draw as many
-    prompts in each; rank 0 draws its share without sampling it."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        first = a_round("a", [[0, 1], [0, 1]] if rank == 0 else [[1, 1], [1, 1]])
-        asked = []
-
-        def more(count, index, sample):
-            asked.append((count, index, sample))
-            return a_round("b", [[1, 1], [0, 3]][:count]) if sample else None
-
-        def max_over(values):
-            return all_reduce(torch.tensor(values, dtype=torch.float64), "max").tolist()
-
-        chosen, metrics = refill(first, more, 2, G, 3, max_over)
-        Path(f"{out}.{rank}").write_text(repr((asked, [p.question for p in chosen.prompts], metrics)))
-    finally:
-        dist.destroy_process_group()
-
-
 def test_every_process_runs_the_same_rounds_and_draws_alike(tmp_path):
     port = free_port("127.0.0.1")  # below the ephemeral range: no socket takes it meanwhile
     out = str(tmp_path / "ranks")
-    mp.start_processes(_two_ranks, args=(port, out), nprocs=2, start_method="spawn")
+    # spawned: each process imports the helper alone (torch and the rollout's parts), not this file's imports
+    mp.start_processes(ranks.refill_rounds, args=(port, out), nprocs=2, start_method="spawn")
     rank0, rank1 = (eval(Path(f"{out}.{rank}").read_text()) for rank in (0, 1))  # noqa: S307 (our own repr)
     # round 1: rank 1 needs 2 (none seen with variance); round 2: rank 1 has 1 of 4, needs ceil(1 * 4 / 1) > 2: 2
     assert rank0[0] == [(2, 1, False), (2, 2, False)] and rank1[0] == [(2, 1, True), (2, 2, True)]

@@ -2,18 +2,16 @@
 are logged under ``reward/`` and in the sample table, and survive sampling ahead, dynamic sampling and checkpoints."""
 
 import io
-import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import HF_ENGINE, read_scalars, run_here
+from helpers import ranks
 
 from amir_lightning.callbacks import RolloutSampleLogger
 from amir_lightning.data.base import Prompt
-from amir_lightning.helpers.distributed import mean_over_processes
 from amir_lightning.helpers.serving import free_port
 from amir_lightning.rewards import FunctionReward, RunState
 from amir_lightning.rewards.base import RewardError
@@ -138,21 +136,11 @@ def test_the_sample_table_shows_the_logged_columns():
     assert "parsed a0.1: `a0.1`" in logger.render(groups)
 
 
-def _two_processes(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        mine = {"shared": float(rank), "reward/only_rank_1": 5.0} if rank else {"shared": 0.0}
-        Path(f"{out}.{rank}").write_text(repr(mean_over_processes(mine)))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.slow
 def test_a_metric_only_some_processes_logged_is_averaged_over_those(tmp_path):
     """A reward's ``log_metric`` can run on one process only: the others must not hang or shift the other keys."""
     out = str(tmp_path / "means")
-    mp.start_processes(_two_processes, args=(free_port("127.0.0.1"), out), nprocs=2, start_method="spawn")
+    mp.start_processes(ranks.mean_over, args=(free_port("127.0.0.1"), out), nprocs=2, start_method="spawn")
     for rank in (0, 1):
         assert eval(Path(f"{out}.{rank}").read_text()) == {"reward/only_rank_1": 5.0, "shared": 0.5}  # noqa: S307
 
