@@ -80,8 +80,8 @@ CASES = [
      ["the judge (judge) at {url} answered /v1/models with text/html, not JSON ('<html><body>Please sign in"]),
     ("judge url at a server of other JSON", "json", MODELS, lambda url: judge(url=url, retries=0), 3,
      ["the judge (judge) at {url} answered /v1/chat/completions without what it must send (KeyError: 'choices'"]),
-    ("judge url at a silent server", "silent", MODELS, lambda url: judge(url=url, timeout_s=2), 3,
-     ["the judge (judge) at {url} did not answer /v1/chat/completions within 2 s (data.rewards: judge.timeout_s); "
+    ("judge url at a silent server", "silent", MODELS, lambda url: judge(url=url, timeout_s=1), 3,
+     ["the judge (judge) at {url} did not answer /v1/chat/completions within 1 s (data.rewards: judge.timeout_s); "
       "it was not started by this run and answers /health (busy)"]),
     ("judge url at a server that answers 500", "500", MODELS, lambda url: judge(url=url, retries=1), 3,
      ["the judge (judge) at {url} refused /v1/chat/completions (500): oops"]),
@@ -120,6 +120,21 @@ def test_a_judge_server_that_fails_is_asked_again_only_where_asking_again_can_he
             with pytest.raises(ServerError, match="/v1/chat/completions"):
                 reward.ask(reward.messages("1+1?", "2", "2"))
         assert server.requests["/v1/chat/completions"] == asked, (mode, server.requests)
+
+
+def test_a_silent_judge_is_asked_no_more_than_the_requests_in_flight():
+    """The run stops after one ``timeout_s``: before, the requests queued behind those in flight were sent too, so a
+    silent judge held the run for ``timeout_s`` once per ``concurrency`` completions (20 minutes at the defaults, for
+    a rollout of 128)."""
+    from amir_lightning.helpers.http import ServerError
+    from amir_lightning.rewards import JudgeReward
+
+    with JunkServer("silent", MODELS) as server:
+        reward = JudgeReward(url=server.url, model="judge", concurrency=2, timeout_s=1)
+        reward.setup()
+        with pytest.raises(ServerError, match="did not answer /v1/chat/completions within 1 s"):
+            reward.score(["1"] * 8, ["1"] * 8, prompts=["What is 1 + 0?"] * 8)
+    assert server.requests["/v1/chat/completions"] == 2
 
 
 # ---------------------------------------------------------------------------------------------- reward models

@@ -26,6 +26,7 @@ import os
 import re
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +43,11 @@ from amir_lightning.rewards.judge_parse import parse_score, strip_thinking
 from amir_lightning.rewards.judge_server import JudgeServer
 
 log = logging.getLogger(__name__)
+
+
+class _NotAsked(Exception):
+    """A request not sent because another of the same ``score`` failed (that one's error is what the run reports)."""
+
 
 DEFAULT_TEMPLATE = (
     "You are grading an answer to a question.\n\nQuestion:\n{question}\n\nReference answer (may be empty):\n{answer}"
@@ -243,8 +249,20 @@ class JudgeReward(Reward):
             self.setup()
         questions = [p if isinstance(p, str) else _last_user(p) for p in kwargs["prompts"]]
         requests = [self.messages(q, c, a) for q, c, a in zip(questions, completions, answers)]
+        failed = threading.Event()
+
+        def judge(messages: list[dict[str, str]]) -> tuple[float | None, str, int]:
+            if failed.is_set():  # the run stops on the first error: the requests not yet sent are not sent
+                raise _NotAsked
+            try:
+                return self.judge(messages)
+            except BaseException:
+                failed.set()
+                raise
+
+        # Without the stop, a silent judge held the run for timeout_s once per `concurrency` completions.
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(requests)) or 1) as pool:
-            judged = list(pool.map(self.judge, requests))
+            judged = list(pool.map(judge, requests))
         scores = [s for s, _, _ in judged]
         missing = [i for i, s in enumerate(scores) if s is None]
         count = max(len(scores), 1)
