@@ -10,7 +10,7 @@ the trainer's random stream is untouched; an engine in its own process takes the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -84,6 +84,16 @@ class Sampler:
     def __init__(self, engine: RolloutEngine, environment: Environment | None, sync_check: SyncCheck) -> None:
         self.engine, self.environment, self.sync_check = engine, environment, sync_check
         self.synced_at_step: int | None = None
+
+    def start(
+        self, policy: Policy, seed: int, device: torch.device, local_rank: int, samplings: Sequence[SamplingConfig]
+    ) -> None:
+        """Start the engine on the policy's files (unless it runs); check it can sample as each of ``samplings``."""
+        if not self.engine.started:
+            self.engine.take_adapters(policy.lora)  # LoRA layers in the engine, or merged pushes
+            self.engine.start(policy.model_dir, seed=seed, device=device, local_rank=local_rank)
+        for sampling in samplings:
+            self.engine.check_sampling(sampling)
 
     def generate(
         self,

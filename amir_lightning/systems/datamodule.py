@@ -192,13 +192,9 @@ class RolloutDataModule(LightningDataModule):
         for source, count in self.evaluation.prompt_sets(stage, self.benchmarks, self.val_prompts):
             # one over the limit is an error naming it: leaving it out would change what evaluation measures
             self.feed.tokenize(self.tokenizer, [source[i] for i in range(count)], source.describe())
-        if not self.engine.started:
-            trainer = self.trainer
-            seed, device = self.seed + trainer.global_rank, trainer.strategy.root_device
-            self.engine.take_adapters(self.policy.lora)  # LoRA layers in the engine, or merged pushes
-            self.engine.start(self.policy.model_dir, seed=seed, device=device, local_rank=trainer.local_rank)
-        for sampling in (self.sampling, self.evaluation.val_sampling, self.evaluation.sampling):
-            self.engine.check_sampling(sampling)
+        trainer, samplings = self.trainer, (self.sampling, self.evaluation.val_sampling, self.evaluation.sampling)
+        seed, device = self.seed + trainer.global_rank, trainer.strategy.root_device
+        self.sampler.start(self.policy, seed, device, trainer.local_rank, samplings)
 
     @override
     def state_dict(self) -> dict:
