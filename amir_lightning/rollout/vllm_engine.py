@@ -61,6 +61,23 @@ def _import_vllm():
     return vllm
 
 
+def _freeze_heap(collect_first: bool) -> None:
+    """Freeze what the process holds before an engine starts, so vLLM's full collections while it loads skip it.
+
+    Each took about 0.4 s with lightning, transformers and vLLM imported; vLLM freezes the whole heap itself once the
+    engine is up (``benchmarks/engine_start.py``).
+
+    ``collect_first``: an engine left behind unclosed (a finished run's, kept by a reference cycle) is shut down by
+    the garbage collector whenever it runs; during the next engine's life, that shutdown destroys the process-wide
+    parallel groups the new engine made ("pipeline model parallel group is not initialized" at its first generation).
+    Such engines go first; only a process that started an engine before can hold one.
+    """
+    gc.unfreeze()  # vLLM froze the heap when the earlier engine was up; frozen garbage is never collected
+    if collect_first:
+        gc.collect()
+    gc.freeze()
+
+
 class VLLMEngine(ServesAdapters, RolloutEngine):
     """Generate with vLLM in the training process.
 
@@ -171,27 +188,14 @@ class VLLMEngine(ServesAdapters, RolloutEngine):
         # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op; the trainer shares this
         # process and keeps control of its threads.
         set_num_threads = torch.set_num_threads
-        # An engine left behind unclosed (a finished run's, kept by a reference cycle) is shut down by the garbage
-        # collector, and vLLM collects while the next engine loads: that shutdown destroys the process-wide parallel
-        # groups the new engine just made ("pipeline model parallel group is not initialized" at its first
-        # generation). Let such engines go before this one starts (only a process that started one can hold one).
-        gc.unfreeze()  # vLLM freezes the heap once an engine is up; frozen garbage is never collected
-        if VLLMEngine.starts:
-            gc.collect()
-        # What exists now stays (the imported libraries, the trainer): frozen, it is not scanned by the full
-        # collections vLLM runs while it loads, about 0.4 s each with lightning, transformers and vLLM imported.
-        # vLLM freezes the whole heap itself once the engine is up.
-        gc.freeze()
+        _freeze_heap(collect_first=VLLMEngine.starts > 0)
         VLLMEngine.starts += 1
         try:
             self.llm = vllm.LLM(**kwargs)
-        except ValueError as err:
-            gc.unfreeze()
-            if "cache" not in str(err):
-                raise
-            raise ValueError(self._memory_message(err, on_gpu)) from None
-        except BaseException:
-            gc.unfreeze()
+        except BaseException as err:
+            gc.unfreeze()  # what the failed start made is collectable again
+            if isinstance(err, ValueError) and "cache" in str(err):
+                raise ValueError(self._memory_message(err, on_gpu)) from None
             raise
         finally:
             torch.set_num_threads = set_num_threads
