@@ -131,7 +131,7 @@ class Schedule(ABC):
         self.finish_sampling()
         prompt_ids = self.feed.tokenize(self.policy.tokenizer, prompts)
         sync = self._push(at, prompts, prompt_ids)
-        del sync["rollout/sync_s"]  # the training rollout's time; evaluation's is its own metric
+        del sync["rollout/sync_s"]  # the time of a training rollout's push, not evaluation's
         seed = self._seed(at, purpose)
         completions = self.sampler.generate(prompt_ids, n, sampling, seed, prompts, self.policy.tokenizer)
         return prompt_ids, completions, sync
