@@ -130,8 +130,7 @@ class Schedule(ABC):
         """
         self.finish_sampling()
         prompt_ids = self.feed.tokenize(self.policy.tokenizer, prompts)
-        sync = self._push(at, prompts, prompt_ids)
-        del sync["rollout/sync_s"]  # the time of a training rollout's push, not evaluation's
+        sync = self._verified_push(at, prompts, prompt_ids)  # untimed: rollout/sync_s is a training rollout's
         seed = self._seed(at, purpose)
         completions = self.sampler.generate(prompt_ids, n, sampling, seed, prompts, self.policy.tokenizer)
         return prompt_ids, completions, sync
@@ -173,9 +172,13 @@ class Schedule(ABC):
         The run's first push fixes the probe (this rollout's first prompt and its answer) for the rest of the run.
         """
         start = time.perf_counter()
-        report = self.sampler.push(self.policy, at.step, (prompt_ids[0], prompts[0].answer), at.max_over_processes)
-        metrics = report.metrics() if report is not None else {}  # None: pushed at this step already
+        metrics = self._verified_push(at, prompts, prompt_ids)
         return metrics | {"rollout/sync_s": time.perf_counter() - start}
+
+    def _verified_push(self, at: At, prompts: list[Prompt], prompt_ids: list[list[int]]) -> dict[str, float]:
+        """``_push`` without its time: the sync report's metrics (none when this step's weights are in already)."""
+        report = self.sampler.push(self.policy, at.step, (prompt_ids[0], prompts[0].answer), at.max_over_processes)
+        return report.metrics() if report is not None else {}
 
     def _run_state(self, at: At, drawn_at: int) -> RunState:
         """The rewards' ``trainer_state`` of a rollout drawn at stream position ``drawn_at`` by epoch ``at``."""
