@@ -18,6 +18,7 @@ from amir_lightning.helpers.http import ServerError
 from amir_lightning.models import HFModel, build_tiny_model
 from amir_lightning.rollout import SamplingConfig, VLLMServerEngine
 from amir_lightning.rollout.policy import Policy
+from amir_lightning.rollout.sampler import AHEAD, generation_seed
 from amir_lightning.rollout.sync import StaleEngineError, SyncCheck
 
 pytestmark = pytest.mark.slow
@@ -77,6 +78,20 @@ def test_server_samples_with_the_policys_logprobs_and_the_callers_seed(server, t
             assert len(c.sampling_logps) == len(c.token_ids) and c.finish_reason in ("stop", "length")
             expected = hf_logps(policy.model, prompt, c.token_ids, 0.7)
             torch.testing.assert_close(torch.tensor(c.sampling_logps), expected, rtol=0, atol=1e-4)
+
+
+def test_two_ranks_sampling_the_same_prompts_ahead_never_draw_the_same_group(server):
+    """2 processes sample 16 copies of one prompt x 8 ahead from one server with their generation seeds: 32 groups,
+    all different. Seeds added up (a rank's 8 above the other's, a prompt's n = 8 above the one before) made rank 1's
+    group i rank 0's group i + 1: 15 of 16 groups copies."""
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=6)
+    prompts = [[5, 6, 7]] * 16
+    groups = [
+        tuple(tuple(c.token_ids) for c in group)
+        for rank in (0, 1)
+        for group in server.generate(prompts, 8, sampling, seed=generation_seed(0, 3, rank, AHEAD))
+    ]
+    assert len(groups) == 32 and len(set(groups)) == 32
 
 
 def test_server_holds_exactly_the_pushed_weights_and_a_lost_push_stops_the_run(server, tiny_dir):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
@@ -12,6 +13,31 @@ import torch
 
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rollout.digest import ColumnSample, Reading, WeightLayout
+
+#: Request seeds stay below this: vLLM adds ``j`` for a request's ``j``-th sample, and some of its paths keep the
+#: seed in a signed 32-bit integer.
+SEED_LIMIT = 2**30
+
+
+def mix_seed(*parts: int) -> int:
+    """A seed that is a hash of ``parts`` (63 bits): seeds of different parts share no arithmetic progression.
+
+    Seeds made by adding offsets collide wherever two offsets meet (a rank's ``+ 8`` against a prompt's ``+ n``);
+    hashed seeds collide only by chance. The one addition left is vLLM's own: a request's ``j``-th sample is
+    seeded ``seed + j``.
+    """
+    data = b",".join(str(int(part)).encode() for part in parts)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+def request_seed(seed: int, index: int) -> int:
+    """The seed of the ``index``-th prompt's request of a generation seeded ``seed`` (below ``SEED_LIMIT``).
+
+    Its ``n`` samples are seeded ``request_seed(seed, index) + j`` by vLLM: ``n`` consecutive seeds of a range that
+    starts at a hash, so two requests of a run share a seed with probability about ``2 n / SEED_LIMIT``.
+    """
+    return mix_seed(seed, index) % SEED_LIMIT
+
 
 #: Sampling settings that are fields of ``SamplingConfig``, or that the rollout sets itself: not passed through.
 RESERVED = {

@@ -2,10 +2,13 @@
 
 Which rollout settings an engine can serve is checked here too, at configuration (``setting_errors``).
 
-A generation's seed is a pure function of (the run's seed, the optimisation step, the rank, the purpose): a rollout
-is then a function of the weights and its place in the run, not of hidden engine state, so a resumed run draws the
-same rollouts as an uninterrupted one. In-process engines sample from the global RNG, forked and seeded per call, so
-the trainer's random stream is untouched; an engine in its own process takes the seed with the request.
+A generation's seed is a hash of (the run's seed, the optimisation step, the rank, the purpose), a further round's
+or turn's a hash of that and its index, and a request's a hash of that and its prompt (``rollout/engine.py``
+``request_seed``): a rollout is then a function of the weights and its place in the run, not of hidden engine state,
+so a resumed run draws the same rollouts as an uninterrupted one, and no two ranks, rounds, turns or prompts share
+a stream (offsets added to a seed would: a rank's next to a prompt's). In-process engines sample from the global
+RNG, forked and seeded per call, so the trainer's random stream is untouched; an engine in its own process takes
+the seed with the request.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.rollout.collect import RolloutSettings
-from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig
+from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig, mix_seed
 from amir_lightning.rollout.episodes import Environment, Turn
 from amir_lightning.rollout.pending import PendingRollout
 from amir_lightning.rollout.policy import Policy
@@ -24,21 +27,23 @@ from amir_lightning.rollout.sync import SyncCheck, SyncReport
 
 #: What a generation is for: the training rollout in turn, validation and tests, the rollout sampled ahead.
 TRAIN, EVALUATE, AHEAD = 0, 1, 2
+#: What a derived seed is derived for (its place in the hash): a further round of sampling, a further turn.
+ROUND, TURN = 1, 2
 
 
 def generation_seed(seed: int, step: int, rank: int, purpose: int) -> int:
-    """The seed of a generation at optimisation ``step`` on process ``rank`` for ``purpose``."""
-    return (((seed * 1_000_003 + step) * 65_537 + rank) * 8 + purpose) % 2**63
+    """The seed of a generation at optimisation ``step`` on process ``rank`` for ``purpose`` (a hash of the four)."""
+    return mix_seed(seed, step, rank, purpose)
 
 
 def round_seed(seed: int, index: int) -> int:
     """The seed of a rollout's ``index``-th round of sampling (dynamic sampling; the first round's is ``seed``)."""
-    return seed if index == 0 else (seed + 104_729 * index) % 2**63
+    return seed if index == 0 else mix_seed(seed, ROUND, index)
 
 
 def turn_seed(seed: int, turn: int) -> int:
     """The seed of an episode's ``turn``-th turn (the first turn's is the generation's)."""
-    return (seed + 7919 * turn) % 2**63
+    return seed if turn == 0 else mix_seed(seed, TURN, turn)
 
 
 def setting_errors(

@@ -51,7 +51,14 @@ from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rollout import server_setup
 from amir_lightning.rollout.adapters import ServesAdapters
 from amir_lightning.rollout.digest import ColumnSample, Reading, WeightSlot
-from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig, WeightLayout, check_passed_through
+from amir_lightning.rollout.engine import (
+    Completion,
+    RolloutEngine,
+    SamplingConfig,
+    WeightLayout,
+    check_passed_through,
+    request_seed,
+)
 from amir_lightning.rollout.server_setup import KEY
 from amir_lightning.rollout.shards import merge_workers
 from amir_lightning.rollout.vllm_worker import decode
@@ -215,13 +222,14 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
 
         A rollout is then a function of the run's seed and its place in the run (the data module forks and seeds
         torch's RNG around every generation, or passes the seed when it generates in the background). vLLM seeds a
-        request's n samples with seed, seed + 1, ...: each prompt gets its own range, so no two share a stream.
+        request's n samples with seed, seed + 1, ...: each prompt's range starts at a hash of the generation's seed and
+        its place (``request_seed``), so no two prompts, ranks or rounds share a stream but by chance.
         """
-        base = int(torch.randint(0, 2**30, ()).item()) if seed is None else seed % 2**30
+        base = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
         body = {"n": n, **sampling.vllm_params(), "logprobs": 0, "return_token_ids": True} | self._model()
 
         def one(index: int) -> list[Completion]:
-            prompt, seeded = list(prompts[index]), base + index * n
+            prompt, seeded = list(prompts[index]), request_seed(base, index)
             if self.updates_in_flight:  # the route that says which weights sampled each token
                 params = {k: v for k, v in body.items() if k not in ("return_token_ids", "model")} | {"seed": seeded}
                 request = {"token_ids": prompt, "sampling_params": params, "output_mode": "text"} | self._model()
