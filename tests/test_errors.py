@@ -236,7 +236,7 @@ MORE_CASES = [
         "sampling.temperature must be > 0",
     ),
     ("zero logprob chunk", ["--model.scoring.chunk_size", "0"], "model.scoring.chunk_size must be >= 1, got 0"),
-    ("NaN LoRA dropout", ["--model.lora", "{r: 4, dropout: .nan}"], "model.lora needs r >= 1"),
+    ("NaN LoRA dropout", ["--model.lora", "{r: 4, dropout: .nan}"], "model.lora.dropout nan: must be 0"),
     (
         "infinite LoRA alpha",
         ["--model.lora", "{r: 4, alpha: .inf}"],

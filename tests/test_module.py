@@ -122,26 +122,32 @@ def test_lora_export_merges_out_of_place(tmp_path):
         torch.testing.assert_close(plain(ids).logits, mod.model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_old_logprobs_and_probe_run_without_lora_dropout(tmp_path):
-    """LoRA dropout 0.5 stays on in the training forward (the user asked for it) but not where the module stands in
-    for the sampling policy: old log-probs and the sync probe are deterministic and equal the eval-mode forward."""
+def test_a_policy_whose_config_sets_dropout_trains_the_function_the_engine_samples(tmp_path):
+    """A LoRA policy whose config sets attention dropout 0.3 (a float its attention layers read, not a ``Dropout``
+    module) computes in train mode what it computes in eval mode, as the engine and the old log-probs do: on-policy
+    ratios are exactly 1. With the dropout left on, the same weights gave ratios 0.650-1.621 and clip_frac 0.075.
+    LoRA's own dropout is refused at start, naming its key."""
+    import json
+
     from amir_lightning.models import LoraSettings
 
     model_dir = build_tiny_model(tmp_path / "model", seed=3)
-    mod = AmirGRPOModule(policy=HFModel(str(model_dir)), lora=LoraSettings(r=4, alpha=8, dropout=0.5))
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(config | {"attention_dropout": 0.3}))
+    mod = AmirGRPOModule(policy=HFModel(str(model_dir)), lora=LoraSettings(r=4, alpha=8))
     mod.configure_model()
     with torch.no_grad():
         for name, p in mod.model.named_parameters():
             if "lora_B" in name:
-                p.add_(0.5 * torch.randn_like(p))  # adapters that matter, so dropout on them would show
+                p.add_(0.5 * torch.randn_like(p))  # adapters that matter
     batch = make_batch(make_groups(mod), mod.policy.pad_token_id)
-    first, second = mod.policy.logps(batch), mod.policy.logps(batch)
+    old = mod.policy.logps(batch)  # eval mode: the old policy's log-probs
     assert mod.model.training  # restored
-    torch.testing.assert_close(first, second, atol=0, rtol=0)
-    prompt, completion = batch.input_ids[0, :3].tolist(), batch.completion_ids[0, :2].tolist()
-    assert mod.policy.score_tokens(prompt, completion) == mod.policy.score_tokens(prompt, completion)
-    mod.model.eval()
-    torch.testing.assert_close(mod.policy.logps(batch), first)
+    with torch.no_grad():
+        trained = mod.policy.completion_logps(mod.model, batch, mod.temperature)[0]  # train mode, as the step
+    torch.testing.assert_close(trained, old, atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"model\.lora\.dropout 0\.3: must be 0"):
+        LoraSettings(r=4, alpha=8, dropout=0.3)
 
 
 def test_full_fine_tuning_does_not_decay_biases_and_norm_weights(tmp_path):

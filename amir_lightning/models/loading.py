@@ -21,7 +21,9 @@ class LoraSettings:
     Attributes:
         r: Adapter rank.
         alpha: Scaling numerator (scale = alpha / r).
-        dropout: Dropout on the adapter input.
+        dropout: Dropout on the adapter input: must be 0. The engine samples without dropout, and the ratio of
+            the policy-gradient loss compares the trained forward with the sampling one: with dropout, on-policy
+            ratios spread around 1 (dropout 0.3: 0.65-1.62) and clipping cuts on-policy tokens.
         target_modules: Module names to adapt, or ``all-linear``.
     """
 
@@ -31,8 +33,13 @@ class LoraSettings:
     target_modules: list[str] | str = field(default="all-linear")
 
     def __post_init__(self) -> None:
-        if self.r < 1 or self.alpha <= 0 or not 0 <= self.dropout < 1:
-            raise ValueError(f"model.lora needs r >= 1, alpha > 0, 0 <= dropout < 1; got {self}")
+        if self.r < 1 or self.alpha <= 0:
+            raise ValueError(f"model.lora needs r >= 1 and alpha > 0; got {self}")
+        if self.dropout != 0:
+            raise ValueError(
+                f"model.lora.dropout {self.dropout}: must be 0. The engine samples without dropout and the loss's "
+                "ratio compares the training forward with the sampling one; with dropout on-policy ratios are not 1"
+            )
 
 
 def load_policy(
@@ -54,12 +61,16 @@ def load_policy(
     from transformers import AutoModelForCausalLM
 
     load_dtype = frozen_dtype if lora is not None else trainable_dtype
+    config = without_dropout(model_dir, trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=load_dtype, trust_remote_code=trust_remote_code, **_attention(attn_implementation)
+        model_dir,
+        config=config,
+        dtype=load_dtype,
+        trust_remote_code=trust_remote_code,
+        **_attention(attn_implementation),
     )
     model.config.use_cache = False
-    # RL log-prob ratios assume the forward that scores is the one that sampled: no dropout (TRL does the same).
-    for module in model.modules():
+    for module in model.modules():  # a dropout a model's code sets without its config
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     if gradient_checkpointing:
@@ -72,7 +83,6 @@ def load_policy(
         config = LoraConfig(
             r=lora.r,
             lora_alpha=lora.alpha,
-            lora_dropout=lora.dropout,
             target_modules=lora.target_modules,
             task_type="CAUSAL_LM",
         )
@@ -82,6 +92,25 @@ def load_policy(
             if param.requires_grad and param.dtype != trainable_dtype:
                 param.data = param.data.to(trainable_dtype)
     return model
+
+
+def without_dropout(model_dir: Path, trust_remote_code: bool = False):
+    """``model_dir``'s config with every dropout probability 0 (``attention_dropout``, GPT-2's ``attn_pdrop``...).
+
+    RL's log-prob ratios compare the forward that trains with the one that sampled (the engine, which has no
+    dropout): the policy trains in train mode (gradient checkpointing needs it), so dropout must be off in the model
+    itself. Attention dropout is a float the attention layers read, not a ``Dropout`` module, so it is set in the
+    config before the model is built. An exported policy's config says 0 too: it is the model that trained.
+    """
+    from transformers import AutoConfig, PretrainedConfig
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    configs = [config, *(value for value in vars(config).values() if isinstance(value, PretrainedConfig))]
+    for part in configs:  # a multimodal model's text config too
+        for key, value in vars(part).items():
+            if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+                setattr(part, key, 0.0)
+    return config
 
 
 def policy_shapes(

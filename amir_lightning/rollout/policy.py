@@ -141,7 +141,7 @@ class Policy:
         trust, attention = self.source.trust_remote_code, self.scoring.attn_implementation
         frozen = frozen_dtype or compute_dtype
         model = load_policy(self.model_dir, frozen, trainable_dtype, gradient_checkpointing, lora, trust, attention)
-        model.train()  # dropout is disabled at load time, so train mode changes nothing but intent
+        model.train()  # dropout is off in the model itself (load_policy), so train mode computes what eval mode does
         self.bind(model, compute_dtype, mesh is None)  # its head checks run on the whole model, before sharding
         if mesh is not None:
             shard_fsdp2(model, mesh.device_type, compute_dtype)  # in place: ``self.model`` is the sharded one
@@ -205,7 +205,7 @@ class Policy:
 
     @contextmanager
     def eval_mode(self) -> Iterator[None]:
-        """The policy without dropout (LoRA's own ``dropout`` included), as the engine that samples it."""
+        """The policy in eval mode, as the engine that samples it (the same function: it is built without dropout)."""
         training = self.model.training
         self.model.eval()
         try:
