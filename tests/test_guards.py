@@ -16,7 +16,7 @@ from amir_lightning.rollout.batch import build_steps, plan_steps
 from amir_lightning.rollout.engine import Completion
 from amir_lightning.rollout.policy import ScoringSettings
 from amir_lightning.rollout.rewarding import RewardGuard, score_completions
-from amir_lightning.rollout.types import Group
+from amir_lightning.rollout.types import Group, Rollout
 from amir_lightning.systems.module import AmirGRPOModule
 
 AGGREGATIONS = ["grpo", "bnpo", "dr_grpo", "dapo"]
@@ -63,6 +63,32 @@ def test_nan_rewards_are_counted_and_their_groups_carry_no_signal():
     assert torch.equal(advantages, torch.zeros(8))
     loss = AmirGRPOLoss()(-torch.rand(8, 3, requires_grad=True), torch.ones(8, 3), advantages, total, 4)
     assert torch.isfinite(loss.loss) and loss.stats["amir/num_pairs"] == 0
+
+
+@pytest.mark.parametrize("drop_zero_std", [False, True])
+def test_a_group_with_a_nan_reward_is_not_trained_on_nor_counted_in_the_normalisers(drop_zero_std):
+    """4 groups, the last with a NaN reward: the step trains on the 3 others with the gradient they get alone. Counted
+    in the step (NaN != NaN, so it never read as "all rewards equal"), it scaled every other group's gradient by 0.75
+    (``grpo``: a mean over the step's sequences)."""
+    rewards = [torch.tensor([0.0, 1, 0, 1]), torch.tensor([1.0, 2, 3, 4]), torch.tensor([0.0, 0, 1, 0])]
+    rewards.append(torch.tensor([1.0, float("nan"), 0, 1]))
+    groups = [
+        Group([1], [Completion([5, 6], "", [0.0] * 2, "stop")] * 4, r, group_advantages(r, 4).nan_to_num(nan=0.0))
+        for r in rewards
+    ]
+    trained = Rollout(groups, {}).trained_groups(drop_zero_std)
+    assert trained == groups[:3]
+    logps = -torch.rand(16, 2, dtype=torch.float64)
+
+    def first_group_gradient(kept):
+        leaf = logps[: 4 * len(kept)].clone().requires_grad_()
+        advantages, total = torch.cat([g.advantages for g in kept]), torch.cat([g.rewards for g in kept])
+        out = GRPOLoss()(leaf, torch.ones_like(leaf), advantages.double(), total.double(), 4)
+        return torch.autograd.grad(out.loss, leaf)[0][:4]
+
+    torch.testing.assert_close(first_group_gradient(trained), first_group_gradient(groups[:3]), atol=0, rtol=0)
+    scale = first_group_gradient(groups) / first_group_gradient(groups[:3])
+    assert torch.allclose(scale[scale.isfinite()], torch.tensor(0.75, dtype=torch.float64))  # what counting it did
 
 
 def test_reward_guard_stops_after_consecutive_bad_rollouts():

@@ -63,6 +63,19 @@ class Rollout:
         """Per group: all its rewards are equal (no policy gradient)."""
         return [bool((g.rewards == g.rewards[0]).all()) for g in self.groups]
 
+    @property
+    def unscored(self) -> list[bool]:
+        """Per group: a reward is NaN or infinite (a broken reward; ``rollout/rewarding.py``)."""
+        return [not bool(torch.isfinite(g.rewards).all()) for g in self.groups]
+
     def trained_groups(self, drop_zero_std: bool) -> list[Group]:
-        """The groups the step trains on: all, or those with reward variance."""
-        return [g for g, zero in zip(self.groups, self.zero_std) if not (drop_zero_std and zero)]
+        """The groups the step trains on: every scored group, or those with reward variance.
+
+        A group with a non-finite reward is never trained on: its advantages are zeroed, and counted in the step's
+        normalisers it would shrink every other group's gradient (NaN is not equal to NaN, so it is not "zero std").
+        """
+        return [
+            g
+            for g, zero, bad in zip(self.groups, self.zero_std, self.unscored)
+            if not bad and not (drop_zero_std and zero)
+        ]
