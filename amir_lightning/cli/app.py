@@ -8,6 +8,7 @@ trainer, the module and the data module, which ``attach`` joins to the module's 
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import os
 import sys
@@ -31,6 +32,7 @@ from amir_lightning.checkpoints.resume import fit_checkpoints_to_storage, keep_g
 from amir_lightning.checkpoints.writing import install_atomic_checkpoints
 from amir_lightning.helpers.messages import close_option_hint, moved_key_hint, user_message
 from amir_lightning.helpers.preflight import check_trainer
+from amir_lightning.rollout.tools import ToolEnvironment
 from amir_lightning.systems.datamodule import RolloutDataModule
 from amir_lightning.systems.module import AmirGRPOModule
 from amir_lightning.systems.precision import check_precision, check_strategy
@@ -59,18 +61,24 @@ TRAINER_DEFAULTS = {
 def link_completion_length(config) -> None:
     """``dr_grpo``'s constant ``L`` is the policy-token limit of a completion unless given (``max_new_tokens`` a turn).
 
-    ``L`` is ``data.sampling.max_new_tokens``, times ``data.environment.init_args.max_turns`` for multi-turn episodes.
-    Dr. GRPO divides every step by the same ``N * L`` (arXiv 2503.20783); without a value the loss would take each
-    step's longest completion, a length dependence of its own. The step's tokens are the policy's own (a tool's
-    replies are not counted), and each of an episode's turns may write ``max_new_tokens`` of them. An environment
-    without a ``max_turns`` argument leaves ``L`` to be given.
+    ``L`` is ``data.sampling.max_new_tokens``, times the episode's ``max_turns`` for multi-turn episodes: that of
+    ``data.environment.init_args``, or ``ToolEnvironment``'s default where ``data.tools`` builds it. Dr. GRPO divides
+    every step by the same ``N * L`` (arXiv 2503.20783); without a value the loss would take each step's longest
+    completion, a length dependence of its own. The step's tokens are the policy's own (a tool's replies are not
+    counted), and each of an episode's turns may write ``max_new_tokens`` of them. An environment without a
+    ``max_turns`` argument leaves ``L`` to be given.
     """
     loss = config["model"].get("loss")
     init = loss.get("init_args") if loss is not None and hasattr(loss, "get") else None
     if init is None or init.get("aggregation") != "dr_grpo" or init.get("max_completion_length") is not None:
         return
     environment = config["data"].get("environment")
-    turns = 1 if environment is None else (environment.get("init_args") or {}).get("max_turns")
+    if environment is not None:
+        turns = (environment.get("init_args") or {}).get("max_turns")
+    elif config["data"].get("tools"):  # the shorthand builds ToolEnvironment(tools), its other arguments default
+        turns = inspect.signature(ToolEnvironment).parameters["max_turns"].default
+    else:
+        turns = 1
     if turns is not None:
         init["max_completion_length"] = config["data"]["sampling"]["max_new_tokens"] * turns
 
