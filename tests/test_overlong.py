@@ -59,3 +59,41 @@ def test_the_penalty_adds_to_the_total_with_its_weight():
     completions = [[Completion([1, 2], "a", [0.0] * 2, "stop"), Completion([1, 2, 3, 4], "b", [0.0] * 4, "length")]]
     total, metrics, _, _ = score_completions([reward], [Prompt("q", "")], completions)
     assert total.tolist() == [0.0, -0.5] and metrics["rollout/reward/overlong"] == -0.5
+
+
+def episode(turns: list[int], reply: int, finish_reason: str = "stop") -> Completion:
+    """A multi-turn episode whose policy turns have ``turns`` tokens, a tool reply of ``reply`` tokens (masked out of
+    the loss, as ``run_episodes`` writes it) between each two."""
+    ids, mask = [], []
+    for number, length in enumerate(turns):
+        if number:
+            ids, mask = ids + [7] * reply, mask + [0] * reply
+        ids, mask = ids + [5] * length, mask + [1] * length
+    return Completion(ids, "x", [0.0] * len(ids), finish_reason, mask, tool_calls=len(turns) - 1, turns=len(turns))
+
+
+def test_an_episode_is_penalised_by_its_longest_policy_turn_against_the_turn_cap():
+    """The cap applies to each policy turn (``max_new_tokens``): a tool's replies and the other turns do not count.
+    Before, the penalty counted every token: the untruncated 2-turn episode of 40 policy tokens (20 + 20, a reply of
+    30 between them, 70 tokens in all) scored -1.0 against a cap of 64; by its longest turn (20) it is 0.0. A turn
+    of 60 tokens is inside the buffer: (48 - 60) / 16 = -0.75."""
+    reward = OverlongPenalty(buffer_tokens=16)
+    reward.fit_to_sampling(64)
+    completions = [[episode([20, 20], reply=30), episode([10, 60], reply=30, finish_reason="length")]]
+    total, metrics, _, _ = score_completions([reward], [Prompt("q", "")], completions)
+    assert total.tolist() == [0.0, -0.75]
+    single = [[Completion([1] * 60, "a", [0.0] * 60, "stop")]]  # no mask: every token is the policy's
+    assert score_completions([reward], [Prompt("q", "")], single)[0].tolist() == [-0.75]
+
+
+def test_a_cap_above_the_runs_max_new_tokens_is_refused_naming_the_key():
+    """No turn runs past ``data.sampling.max_new_tokens``: a ``max_tokens`` above it never reaches -1 at the cut, and
+    from 64 + buffer up never applies at all. Before, it was accepted."""
+    reward = OverlongPenalty(buffer_tokens=16, max_tokens=128)
+    with pytest.raises(ValueError) as info:
+        reward.fit_to_sampling(64)
+    assert str(info.value) == (
+        "data.rewards: OverlongPenalty.max_tokens (128) is above data.sampling.max_new_tokens (64), the most tokens "
+        "a turn can have: the penalty would never reach -1 (give at most 64, or leave it unset)"
+    )
+    OverlongPenalty(buffer_tokens=16, max_tokens=64).fit_to_sampling(64)  # the cap itself is fine

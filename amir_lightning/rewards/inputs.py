@@ -2,7 +2,8 @@
 
 ``prompts``, ``completion_ids``, ``finish_reasons``, the reference ``answer``, every column of the dataset row by
 name, ``trainer_state`` (where the run stood, ``RunState``), and ``log_metric`` / ``log_extra`` (``RewardLog``);
-in episodes of tool calls, each episode as messages and the calls it made.
+in multi-turn episodes, which of their tokens are the policy's (``completion_mask``), and in episodes of tool calls,
+each episode as messages and the calls it made.
 """
 
 from __future__ import annotations
@@ -108,6 +109,9 @@ class RewardInputs:
             else ``None``.
         outcomes: Per completion, its environment's own scoring (``Completion.outcome``: ``reward``, ``rewards``,
             ``metrics``), passed as ``environment_scores``; ``None`` where the environment scores nothing.
+        completion_mask: Per completion, 1 on each token the policy wrote, 0 on its environment's replies
+            (``Completion.loss_mask``: a multi-turn episode's turns are the runs of 1); ``None`` for a completion
+            that is the policy's alone, and for the whole rollout where none has replies.
         state: Where the run stood when the rollout's sampling started (``trainer_state``).
         log: Where ``log_metric`` and ``log_extra`` write.
         caller: The reward these inputs are given to (``copy``), named by what it logs.
@@ -123,6 +127,7 @@ class RewardInputs:
     state: RunState = field(default_factory=RunState)
     log: RewardLog | None = None
     caller: str = "reward"
+    completion_mask: list[list[int] | None] | None = None
 
     @property
     def answers(self) -> list[str]:
@@ -160,6 +165,7 @@ class RewardInputs:
             self.state,
             self.log,
             caller,
+            None if self.completion_mask is None else [m if m is None else list(m) for m in self.completion_mask],
         )
 
     def kwargs(self) -> dict[str, list]:
@@ -167,8 +173,8 @@ class RewardInputs:
 
         Every dataset column by name (TRL's ``prompt`` and ``completion`` excepted), ``prompts``,
         ``completion_ids``, ``finish_reasons``, the reference ``answer`` when no column has that name,
-        ``trainer_state``, ``log_metric`` and ``log_extra``, ``tool_calls`` in episodes of tool calls, and
-        ``environment_scores`` where the environment scores its episodes.
+        ``trainer_state``, ``log_metric`` and ``log_extra``, ``completion_mask`` in multi-turn episodes, ``tool_calls``
+        in episodes of tool calls, and ``environment_scores`` where the environment scores its episodes.
         """
         keys = list(dict.fromkeys(key for p in self.prompts for key in p.row))
         out: dict[str, list[Any]] = {k: [p.row.get(k) for p in self.prompts] for k in keys if k not in NOT_PASSED}
@@ -179,6 +185,8 @@ class RewardInputs:
         out["trainer_state"] = self.state
         log = self.log or RewardLog(len(self.completions))  # called outside a rollout: logged nowhere
         out["log_metric"], out["log_extra"] = log.for_reward(self.caller)
+        if self.completion_mask is not None:
+            out["completion_mask"] = self.completion_mask
         if self.tool_calls is not None:
             out["tool_calls"] = self.tool_calls
         if self.outcomes is not None:

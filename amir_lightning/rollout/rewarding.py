@@ -126,6 +126,7 @@ def score_completions(
         [c.outcome for _, c in rows] if any(c.outcome is not None for _, c in rows) else None,
         state or RunState(),
         logged,
+        completion_mask=[c.loss_mask for _, c in rows] if any(c.loss_mask is not None for _, c in rows) else None,
     )
     count = len(rows)
     total = torch.zeros(count, dtype=torch.float32)
