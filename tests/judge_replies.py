@@ -40,4 +40,29 @@ REPLIES = [
     ("I cannot grade this answer.", None),
     ("Score: N/A", None),
     ("Grade: B+", None),
+    # a count in the reasoning is not the score: it names what it counts ("parts", "test cases")
+    ("Score: 3. The answer is half right (it scored 1 of 2 parts).", 3),
+    ("8 out of 10 test cases pass. Score: 6", 6),
+    ("Rating: 7. The answer scores 2 of 3 rubric items.", 7),
+    ("3/4 of the steps are right.", None),
+    # a score on the scale the reply states, read on the judge's
+    ("Rating: 3 out of 5", 6),
+    ("Score: 4/5", 8),
+    ("4/5", 8),
+    ("I rate the answer 4 out of 5 stars.", 8),
+    ("Score: 85%", 8.5),
+    ("Score: 0.5/10", 0.5),
+    ("Rating: 3 (scale 0-5)", 6),
+    ("Score: 4 on a scale of 1 to 5", 7.5),
+    # a decimal in [0, 1] on a 0-10 scale: a fraction of it; 1.0 is either end of the scale, so no score
+    ("Score: 0.8", 8),
+    ("0.75", 7.5),
+    ("Score: 0.0", 0),
+    ("Score: 1.0", None),
+    # markdown or template marks around the number
+    ("Final verdict: **2**", 2),
+    ("**Verdict:** 8", 8),
+    ("Rating: [[7]]", 7),
+    ("Final grade: __6__", 6),
+    ("Score: `9`", 9),
 ]

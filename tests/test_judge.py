@@ -30,8 +30,16 @@ def test_a_pattern_of_ones_own_replaces_the_forms_and_the_scale_still_holds():
     assert tagged.parse("<score>4</score> then <score>7</score>") == 0.8  # 7 is off the 0-5 scale
     assert tagged.parse("Score: 4") is None
     judge = JudgeReward(url="http://unused:1", max_score=4)
-    assert judge.parse("3/4") == 0.75 and judge.parse("8/10") is None and judge.parse("2.5/4.0") == 0.625
+    assert judge.parse("3/4") == 0.75 and judge.parse("2.5/4.0") == 0.625
+    assert judge.parse("8/10") == 0.8 and judge.parse("12/10") is None  # read on the scale it states, when on it
     assert judge.messages("2+2?", "4", "4")[-1]["content"].count("4") >= 2  # completion and reference filled in
+
+
+def test_a_decimal_on_a_scale_of_0_to_1_is_the_score_as_written():
+    """On a 0-1 judge a decimal is a point of its own scale, 1.0 its top: only a scale above 1 reads 0.8 as a
+    fraction of it, and leaves 1.0 (either end) to be asked again."""
+    judge = JudgeReward(url="http://unused:1", max_score=1)
+    assert [judge.parse(r) for r in ("Score: 0.8", "Score: 1.0", "0.75", "8/10")] == [0.8, 1.0, 0.75, 0.8]
 
 
 def _completions(texts_per_prompt: list[list[str]]) -> list[list[Completion]]:
