@@ -33,6 +33,7 @@ episode still calling at ``max_turns``, end the episode (``tools/cut_frac``). A 
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import threading
 import time
@@ -78,16 +79,46 @@ def load_tool(tool: str | Callable) -> Callable:
 
 
 def tool_schema(function: Callable) -> dict[str, Any]:
-    """The tool's JSON schema (``get_json_schema``: from its type hints and its docstring's ``Args:``)."""
+    """The tool's JSON schema (``get_json_schema``: from its type hints and its docstring's ``Args:``).
+
+    Raises:
+        ValueError: The function has no schema, or one its calls could never follow (``signature_problem``).
+    """
     from transformers.utils import get_json_schema
 
+    name = getattr(function, "__qualname__", function)
+    if problem := signature_problem(function):
+        raise ValueError(
+            f"data.tools: {name} {problem}: a call passes each argument by name (the JSON object the policy writes), "
+            "so it could never be called as its schema says; give every argument a name"
+        )
     try:
         return get_json_schema(function)
     except Exception as err:  # noqa: BLE001 - transformers says what is missing; say which tool
         raise ValueError(
-            f"data.tools: {getattr(function, '__qualname__', function)} needs type hints on every argument and a "
-            f"docstring with a description and an Args: line per argument ({type(err).__name__}: {err})"
+            f"data.tools: {name} needs type hints on every argument and a docstring with a description and an Args: "
+            f"line per argument ({type(err).__name__}: {err})"
         ) from None
+
+
+def signature_problem(function: Callable) -> str | None:
+    """What in ``function``'s signature no call by keyword can reach, as ``takes *values``; ``None``: nothing.
+
+    The schema makes a required property of ``*values`` and of ``**extra`` alike, and lists positional-only ones:
+    ``function(values=3)`` raises, and ``function(extra=...)`` arrives as ``{"extra": ...}``.
+    """
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return "has no signature Python can read"
+    for parameter in parameters:
+        if parameter.kind is parameter.VAR_POSITIONAL:
+            return f"takes *{parameter.name}"
+        if parameter.kind is parameter.VAR_KEYWORD:
+            return f"takes **{parameter.name}"
+        if parameter.kind is parameter.POSITIONAL_ONLY:
+            return f"takes {parameter.name} by position only"
+    return None
 
 
 def argument_problem(schema: dict[str, Any], arguments: dict[str, Any]) -> str | None:
@@ -234,7 +265,8 @@ class ToolEnvironment(Environment):
     """Tools as Python functions, the calls written as the policy's chat template says (``rollout/tools.py``).
 
     Args:
-        tools: The tools: ``module.function`` paths, or the functions. Each needs type hints and a docstring with an
+        tools: The tools: ``module.function`` paths, or the functions. Each needs named arguments (no ``*args``,
+            ``**kwargs`` or positional-only ones: calls pass them by name), type hints and a docstring with an
             ``Args:`` line per argument (its schema, which the chat template shows, is made from them).
         tool_parser: How a turn's calls are read: one of vLLM's tool parsers by name (``hermes`` for Qwen2.5 and
             Hermes-format templates such as ``configs/templates/chatml_tools.jinja``, ``llama3_json``, ...), or

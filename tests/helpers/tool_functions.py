@@ -71,3 +71,32 @@ def sees_conversations(completions, tool_calls, **kwargs):
     assert all(isinstance(c, list) and c and c[0]["role"] == "assistant" for c in completions), completions[:1]
     assert len(tool_calls) == len(completions) and all(isinstance(calls, list) for calls in tool_calls)
     return [float(sum(m["role"] == "assistant" for m in c)) for c in completions]
+
+
+def total(*values: int) -> int:
+    """The sum of the numbers (a signature no call by name can reach: ``total(values=...)`` raises).
+
+    Args:
+        values: The numbers.
+    """
+    return sum(values)
+
+
+def first(a: int, /, b: int) -> int:
+    """The first argument (positional only: ``first(a=1, b=2)`` raises).
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a
+
+
+def options(name: str, **extra: str) -> str:
+    """The options given (the schema asks for an argument named ``extra``, which arrives as ``{"extra": ...}``).
+
+    Args:
+        name: A name.
+        extra: More options.
+    """
+    return name
