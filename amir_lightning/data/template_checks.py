@@ -7,7 +7,8 @@ where a Python object's internals are out of reach. That sandbox turns many such
 out, and computed ones on the path of a prompt it renders, so the template is refused at start naming them and their
 line; what it cannot see stays inside transformers' sandbox. ``check_structure`` refuses a template that would train
 on prompts that are not what the user asked: one that drops the user's message or the system prompt, or writes no
-generation prompt (the policy would go on writing the user's turn).
+generation prompt (the policy would go on writing the user's turn). ``ignores_tools`` finds a template that renders no
+tools at all (SmolLM2's ChatML), which a run with tools refuses.
 """
 
 from __future__ import annotations
@@ -127,3 +128,18 @@ def check_structure(tokenizer, template: str, system_prompt: str | None, kwargs:
         f"assistant's header {header!r} that it writes for a reply, so the policy would go on with the user's turn "
         f"(end it with {{% if add_generation_prompt %}}{{{{ {header!r} }}}}{{% endif %}})"
     )
+
+
+def ignores_tools(tokenizer, template: str | None, kwargs: dict[str, Any], messages, tools) -> bool:
+    """Whether ``template`` (``None``: the tokenizer's) renders the prompt of ``messages`` the same with ``tools``.
+
+    A template that never reads ``tools`` shows the policy no schema: it could only guess at the tools' names and
+    arguments, and what it learns to call is not what the template of a later inference shows.
+    """
+
+    def prompt(shown) -> str:
+        return tokenizer.apply_chat_template(
+            messages, chat_template=template, tools=shown, add_generation_prompt=True, tokenize=False, **kwargs
+        )
+
+    return prompt(tools) == prompt(None)

@@ -44,6 +44,7 @@ from typing import Any
 from typing_extensions import override
 
 from amir_lightning.data.base import Prompt
+from amir_lightning.data.template_checks import PROBE_QUESTION, ignores_tools
 from amir_lightning.helpers.process_state import process_state, put_back
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rollout.episodes import Environment
@@ -312,10 +313,22 @@ class ToolEnvironment(Environment):
 
     @override
     def prepare(self, tokenizer, chat) -> None:
-        """Read the chat template once: where the results go between two turns; the parser for the turns."""
-        self._parser = ToolCallParser(self.tool_parser, tokenizer, self.schemas)
+        """Read the chat template once: where the results go between two turns; the parser for the turns.
+
+        Raises:
+            ValueError: The template cannot show a tool's result, or shows no tools (``ignores_tools``).
+        """
         self._tokenizer = tokenizer
         self._replies = ToolReplies(tokenizer, chat, next(iter(self.functions)), self.max_reply_tokens)
+        messages = chat.messages(Prompt(question=PROBE_QUESTION, answer=""))
+        if ignores_tools(tokenizer, chat.template, chat.template_kwargs, messages, self.schemas):
+            which = "data.chat_template" if chat.template else f"the chat template of {tokenizer.name_or_path}"
+            raise ValueError(
+                f"data.tools: {which} renders the prompt the same with and without the tools, so the policy would "
+                "never see their schemas: give one that shows them in data.chat_template "
+                "(configs/templates/chatml_tools.jinja does, in ChatML)"
+            )
+        self._parser = ToolCallParser(self.tool_parser, tokenizer, self.schemas)
 
     @override
     def reset(self, prompt: Prompt) -> None:
