@@ -268,6 +268,7 @@ class Ahead(Schedule):
         self.current: PendingRollout | None = None  # the rollout this epoch trains
         self.refill_from: int | None = None  # the refill stream's position before this epoch's further rounds
         self.ahead: deque[PendingRollout] = deque()  # sampling now, oldest first: at most max_staleness of them
+        self.started_now = 0  # how many of ``ahead`` (the newest) this epoch started, from its own weights
 
     @override
     def next_rollout(self, at: At) -> Rollout:
@@ -325,7 +326,8 @@ class Ahead(Schedule):
         """
         sync: dict[str, float] = {}
         keep = self.settings.stale_logps == "sampler"  # the weights that will score them
-        for index in range(self.settings.max_staleness - len(self.ahead)):
+        self.started_now = self.settings.max_staleness - len(self.ahead)
+        for index in range(self.started_now):
             drawn_at = self.feed.position
             prompts, prompt_ids = self._draw(at)
             sync = sync or self._push(at, prompts, prompt_ids)  # once per epoch
@@ -347,11 +349,15 @@ class Ahead(Schedule):
     def _next_to_train(self) -> tuple[list[PendingRollout | SavedRollout], int | None]:
         """The rollouts a resumed run trains next, oldest first, and the stream position it resumes at.
 
-        After this rollout's steps started, those are the ones sampling meanwhile; before, this one, which then runs
-        again, drawing its successors again from where they were drawn.
+        After this rollout's steps started, those are the ones sampling meanwhile. Before, this one, which then runs
+        again, and those that earlier epochs started (from older weights, which the resumed run no longer has); the
+        ones this epoch started are started again, from these same weights, drawing their prompts again from where
+        they were drawn.
         """
         if self.current is not None and not self.steps_started:
-            return [self.current], self.ahead[0].drawn_at if self.ahead else self.feed.position
+            older = list(self.ahead)[: len(self.ahead) - self.started_now]
+            cursor = self.ahead[len(older)].drawn_at if self.started_now else self.feed.position
+            return [self.current, *older], cursor
         return (list(self.ahead) if self.ahead else list(self._saved or [])), None
 
     @override
@@ -377,7 +383,7 @@ class Ahead(Schedule):
     def load_state_dict(self, state: dict, at: At) -> None:
         super().load_state_dict(state, at)
         self.feed.refill_position = int(state.get("refill_cursor", 0))
-        self.current, self.refill_from = None, None
+        self.current, self.refill_from, self.started_now = None, None, 0
         self.ahead.clear()
 
     def _restore_saved(self, at: At) -> PendingRollout | None:

@@ -170,6 +170,34 @@ def test_a_run_two_rollouts_ahead_with_pushes_in_flight_killed_mid_generation_re
         assert torch.equal(clean[key], resumed[key]), key
 
 
+@pytest.mark.parametrize(("ahead", "versions"), [(2, [0, 1]), (3, [0, 0, 1])])
+def test_a_checkpoint_between_an_epochs_draw_and_its_first_step_keeps_the_rollouts_older_weights_sampled(
+    tmp_path, served, ahead, versions
+):
+    """max_staleness N (2, 3) with partial_rollouts: a checkpoint written as rollout 3 starts, after it took its
+    rollout and before its first step (where SLURM's requeue signal or a SIGTERM can come), holds that rollout and the
+    N - 1 that earlier epochs started, from older weights (``versions``); the one this epoch started is started again
+    by the resumed run, from the same weights and seed. Resumed from it, the run ends with the uninterrupted run's
+    weights, bitwise. Keeping only the rollout in training, the resumed run sampled the others again from newer
+    weights: 2 (N 2) or 3 (N 3) of the later rollouts differed, their staleness 2 read 1."""
+    cut = tmp_path / "cut.ckpt"
+    common = ["fit", "--config", CONFIG, "--trainer.check_val_every_n_epoch", "50", "--trainer.max_epochs", "5"]
+    common += ["--data.rollout.max_staleness", str(ahead), "--data.rollout.partial_rollouts", "true"]
+    common += ["--data.sampling.max_new_tokens", "12", "--data.engine", served.tiny_yaml_engine()]
+    env = dict(os.environ, PYTHONPATH=str(HELPERS) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    writes = ["--trainer.callbacks+=faults.CheckpointBeforeFirstStep", "--trainer.callbacks.epoch", "2"]
+    writes += ["--trainer.callbacks.path", str(cut)]
+    run_amir([*common, *writes, "--trainer.logger.init_args.name", "full"], tmp_path, env=env)
+    state = torch.load(cut, weights_only=True)
+    assert state["global_step"] == 2 and state["RolloutDataModule"]["rollout"]["steps_started"] == 0
+    assert [one["version"] for one in state["RolloutDataModule"]["pending"]["ranks"][0]] == versions
+    run_amir([*common, "--trainer.logger.init_args.name", "part", "--ckpt_path", str(cut)], tmp_path, env=env)
+    full, part = policy(tmp_path, "full"), policy(tmp_path, "part")
+    assert full.keys() == part.keys()
+    for key in full:
+        assert torch.equal(full[key], part[key]), key
+
+
 def test_ctrl_c_stops_cleanly_and_leaves_a_loadable_checkpoint(tmp_path):
     """Ctrl-C (SIGINT to the process group) while two workers grade: no traceback, no process left, last.ckpt whole."""
     import os

@@ -141,3 +141,15 @@ class FileSizeLimitFrom(Callback):
 
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of the process being killed
             resource.setrlimit(resource.RLIMIT_FSIZE, (self.limit_bytes, resource.RLIM_INFINITY))
+
+
+class CheckpointBeforeFirstStep(Callback):
+    """Writes ``path`` as epoch ``epoch`` (0-based) starts: after it took its rollout, before its first step, where
+    SLURM's requeue signal or a SIGTERM can come. The run goes on: it is also the uninterrupted run."""
+
+    def __init__(self, epoch: int, path: str) -> None:
+        self.epoch, self.path = epoch, path
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:  # noqa: D102
+        if trainer.current_epoch == self.epoch:
+            trainer.save_checkpoint(self.path)
