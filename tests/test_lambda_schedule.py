@@ -166,3 +166,24 @@ def test_the_lr_schedule_follows_the_runs_length_and_a_resumed_run_stretches_it(
     assert resumed.total_steps == 200 and resumed.last_epoch == 60
     assert longer.param_groups[0]["lr"] == pytest.approx(resumed.factor(60))
     assert resumed.factor(60) > scheduler.factor(60)  # earlier on the longer cosine
+
+
+def test_the_rewards_trainer_state_counts_the_steps_the_lr_schedule_spans():
+    """``trainer_state.max_steps`` reaches the rewards through ``At``: ``max_epochs`` x steps x passes, as the LR
+    schedule's. It left out the passes: 20 where 40 steps were planned (10 rollouts x 2 steps x 2 passes)."""
+    from types import SimpleNamespace
+
+    from amir_lightning.data import ArithmeticPrompts
+    from amir_lightning.rollout import HFEngine
+    from amir_lightning.rollout.collect import RolloutSettings
+    from amir_lightning.systems.datamodule import RolloutDataModule
+    from amir_lightning.systems.summary import planned_steps
+
+    settings = RolloutSettings(prompts_per_process=4, steps_per_rollout=2, passes=2)
+    data = RolloutDataModule(prompts=ArithmeticPrompts(), engine=HFEngine(progress=False), rollout=settings)
+    strategy = SimpleNamespace(root_device=torch.device("cpu"))
+    data.trainer = SimpleNamespace(max_steps=-1, max_epochs=10, datamodule=data, global_step=3, global_rank=0,
+                                   world_size=1, current_epoch=1, strategy=strategy)  # fmt: skip
+    assert data.at().max_steps == planned_steps(data.trainer) == 40
+    data.trainer.max_epochs = -1
+    assert data.at().max_steps == -1  # no set length

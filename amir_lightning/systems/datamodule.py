@@ -39,6 +39,7 @@ from amir_lightning.rollout.schedule import Ahead, At, InTurn, Schedule
 from amir_lightning.rollout.sync import SyncCheck, SyncSettings
 from amir_lightning.rollout.tools import ToolEnvironment
 from amir_lightning.systems.progress import rollout_line, where_it_stopped
+from amir_lightning.systems.summary import run_steps
 
 log = logging.getLogger(__name__)
 
@@ -152,10 +153,7 @@ class RolloutDataModule(LightningDataModule):
         """Where the run stands: Lightning's counters, read here and passed down."""
         trainer = self.trainer
         step, rank, ranks = trainer.global_step, trainer.global_rank, trainer.world_size
-        max_steps = trainer.max_steps
-        if max_steps < 0 and trainer.max_epochs is not None and trainer.max_epochs >= 0:
-            max_steps = trainer.max_epochs * self.settings.steps_per_rollout  # one rollout per epoch
-        return At(trainer.current_epoch, step, rank, ranks, trainer.strategy.root_device, max_steps)
+        return At(trainer.current_epoch, step, rank, ranks, trainer.strategy.root_device, run_steps(trainer))
 
     @property
     def tokenizer(self):

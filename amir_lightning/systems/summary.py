@@ -79,18 +79,29 @@ def estimate_memory(module, data, processes: int, device_memory: float | None = 
     return MemoryEstimate(float(weights), float(activations), float(share * total if total else 0.0), total)
 
 
-def planned_steps(trainer) -> int:
-    """Optimisation steps of the run: ``trainer.max_steps``, else ``trainer.max_epochs`` times a rollout's."""
+def run_steps(trainer) -> int:
+    """Optimisation steps of the run (-1: it has no set length).
+
+    ``trainer.max_steps``, else ``trainer.max_epochs`` times a rollout's: its steps times its passes.
+    """
     if trainer.max_steps and trainer.max_steps > 0:
         return trainer.max_steps
-    if not trainer.max_epochs or trainer.max_epochs < 0:
+    if trainer.max_epochs is None or trainer.max_epochs < 0:
+        return -1
+    settings = getattr(trainer.datamodule, "settings", None)  # RolloutDataModule: steps x passes per rollout
+    per_epoch = settings.steps_per_rollout * settings.passes if settings is not None else 1
+    return trainer.max_epochs * per_epoch
+
+
+def planned_steps(trainer) -> int:
+    """``run_steps``, which a run without a set length cannot give the LR schedule."""
+    steps = run_steps(trainer)
+    if steps <= 0:
         raise ValueError(
             "model.lr_scheduler.init_args.total_steps must be given when the run has no length "
             "(trainer.max_epochs and trainer.max_steps unset)"
         )
-    settings = getattr(trainer.datamodule, "settings", None)  # RolloutDataModule: steps x passes per rollout
-    per_epoch = settings.steps_per_rollout * settings.passes if settings is not None else 1
-    return trainer.max_epochs * per_epoch
+    return steps
 
 
 def run_summary(trainer, module, data, device_memory: float | None = None) -> list[str]:
