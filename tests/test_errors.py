@@ -334,6 +334,12 @@ MORE_CASES = [
         "heldout_fraction must be in (0, 1), got nan",
     ),
     ("NaN max bad steps", ["--model.max_bad_steps", ".nan"], "model.max_bad_steps must be an integer, got 'nan'"),
+    (
+        "more rollouts ahead than the run has",
+        ["--data.engine", "amir_lightning.rollout.VLLMServerEngine", "--data.rollout.max_staleness", "1000"]
+        + ["--data.rollout.partial_rollouts", "true", "--trainer.max_epochs", "2"],
+        "data.rollout.max_staleness 1000 is more than the run's 2 rollouts",
+    ),
 ]
 
 

@@ -144,6 +144,20 @@ class RolloutSettings:
         """Whether a step can see a policy updated since the rollout (it then needs the sampling log-probs)."""
         return self.passes > 1 or self.steps_per_rollout > 1
 
+    def length_errors(self, rollouts: int | None) -> list[str]:
+        """What cannot work in a run of ``rollouts`` rollouts (``None``: no set length).
+
+        ``max_staleness`` rollouts start sampling at once after the first: more than the run has would sample
+        rollouts that no epoch trains (1000 ahead on a 2-rollout run sent 128,000 sequences at once).
+        """
+        if rollouts is None or self.max_staleness <= max(rollouts, 1):
+            return []
+        return [
+            f"data.rollout.max_staleness {self.max_staleness} is more than the run's {rollouts} rollouts "
+            f"(trainer.max_epochs): {self.max_staleness} rollouts would sample at once after the first, and at most "
+            f"{max(rollouts - 1, 0)} of them are trained; set it to {max(rollouts, 1)} or less"
+        ]
+
     def uncorrected_staleness(self, sampling_correction: str | None) -> str | None:
         """A warning when the engine/trainer weights that carry a stale rollout's staleness are off or per sequence."""
         if not (self.max_staleness and self.stale_logps == "current"):

@@ -39,7 +39,7 @@ from amir_lightning.rollout.schedule import Ahead, At, InTurn, Schedule
 from amir_lightning.rollout.sync import SyncCheck, SyncSettings
 from amir_lightning.rollout.tools import ToolEnvironment
 from amir_lightning.systems.progress import rollout_line, where_it_stopped
-from amir_lightning.systems.summary import run_steps
+from amir_lightning.systems.summary import run_rollouts, run_steps
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +181,7 @@ class RolloutDataModule(LightningDataModule):
             args = self.feed, self.sampler, self.policy, self.rewards, self.settings, self.sampling, self.seed
             self.schedule = kind(*args)
         if stage == "fit":
+            raise_errors(self.settings.length_errors(run_rollouts(self.trainer)))
             grading = next((r for r in self.rewards if r.needs_reference), None)
             if skipped := self.feed.screen(self.tokenizer, grading, self.trainer.is_global_zero):
                 log_metrics(self.trainer, {"data/skipped_prompts": skipped})

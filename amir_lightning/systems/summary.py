@@ -88,9 +88,24 @@ def run_steps(trainer) -> int:
         return trainer.max_steps
     if trainer.max_epochs is None or trainer.max_epochs < 0:
         return -1
-    settings = getattr(trainer.datamodule, "settings", None)  # RolloutDataModule: steps x passes per rollout
-    per_epoch = settings.steps_per_rollout * settings.passes if settings is not None else 1
-    return trainer.max_epochs * per_epoch
+    return trainer.max_epochs * run_steps_per_rollout(trainer)
+
+
+def run_steps_per_rollout(trainer) -> int:
+    """A rollout's optimisation steps: its steps times its passes (1 for a data module that is not ours)."""
+    settings = getattr(trainer.datamodule, "settings", None)
+    return settings.steps_per_rollout * settings.passes if settings is not None else 1
+
+
+def run_rollouts(trainer) -> int | None:
+    """Rollouts (epochs) of the run (``None``: it has no set length).
+
+    ``trainer.max_epochs``, else as many as ``trainer.max_steps`` takes.
+    """
+    if trainer.max_epochs is not None and trainer.max_epochs >= 0:
+        return trainer.max_epochs
+    steps = run_steps(trainer)
+    return -(-steps // run_steps_per_rollout(trainer)) if steps > 0 else None
 
 
 def planned_steps(trainer) -> int:
