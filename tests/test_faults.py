@@ -3,11 +3,15 @@ non-zero exit, bad rows are found when the data opens, and every message names i
 
 Most cases run ``amir fit`` in this process on ``configs/tiny.yaml`` with the HF engine (2 rollouts, a few seconds);
 those that need a process of their own (SIGTERM, Ctrl-C, a file-size limit, a closed stdout) are in
-``tests/e2e/test_stops.py``. The reward functions are in ``tests/helpers/bad_rewards.py``.
+``tests/e2e/test_stops.py``. A checkpoint folder that refuses writes is tried on the checkpoint writer alone, in a
+small process of its own (a read-only mount, a folder's mode that root obeys once its override is dropped). The
+reward functions are in ``tests/helpers/bad_rewards.py``.
 """
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -191,6 +195,104 @@ def test_a_checkpoint_cut_short_after_the_start_up_check_is_one_line(tmp_path):
     path.write_bytes(path.read_bytes()[:2000])
     with pytest.raises(ValueError, match=r"last.ckpt could not be loaded \(RuntimeError: .*cut short"):
         AtomicCheckpointIO().load_checkpoint(path)
+
+
+#: Saves a checkpoint of 400 KB at argv[1] in a process of its own and prints the CheckpointWriteError's line (any
+#: other error is a traceback and exit 1). argv[2] "lock": the folder takes no new files from the moment the
+#: checkpoint is being written (its file is open); argv[3]: the largest file the process may write (0: any).
+_SAVE_IN_A_PROCESS = """
+import os, resource, signal, sys
+import torch
+from amir_lightning.checkpoints.writing import AtomicCheckpointIO, CheckpointWriteError
+
+path, lock, limit = sys.argv[1], sys.argv[2] == "lock", int(sys.argv[3])
+
+
+class LocksTheFolder:
+    def __reduce__(self):  # torch pickles the checkpoint once its file is open, before it writes the tensors
+        os.chmod(os.path.dirname(path), 0o555)
+        return int, (0,)
+
+
+checkpoint = {"locked": LocksTheFolder()} if lock else {}
+checkpoint["w"] = torch.zeros(100_000)
+if limit:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+try:
+    AtomicCheckpointIO().save_checkpoint(checkpoint, path)
+except CheckpointWriteError as err:
+    print(err)
+"""
+
+
+def _save_in_a_process(path: Path, lock: bool = False, limit: int = 0, wrapper: tuple = ()) -> str:
+    """The one line ``_SAVE_IN_A_PROCESS`` prints. As root, the process runs without CAP_DAC_OVERRIDE, so a folder's
+    mode holds for it as for any user (root writes into a 0o555 folder otherwise)."""
+    as_a_user = ()
+    if os.geteuid() == 0:
+        as_a_user = ("setpriv", "--inh-caps=-dac_override", "--bounding-set=-dac_override")
+    command = [*wrapper, *as_a_user, sys.executable, "-c", _SAVE_IN_A_PROCESS, str(path), "lock" if lock else "-"]
+    done = subprocess.run([*command, str(limit)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    return done.stdout.strip()
+
+
+def test_a_read_only_checkpoint_folder_is_one_line_naming_it(tmp_path):
+    """The folder is a read-only file system (a tmpfs mounted read-only in a mount namespace of the process's own).
+    Before: the clean-up's ``unlink`` of the temporary file that was never made raised EROFS in the handler, two
+    chained tracebacks (rc 1 through ``amir fit``)."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    namespace = ["unshare", "--mount", "--propagation", "private"]
+    if os.geteuid() != 0:
+        namespace[1:1] = ["--user", "--map-root-user"]
+    mount = 'mount -t tmpfs -o ro tmpfs "$0" && exec "$@"'
+    probe = subprocess.run([*namespace, "sh", "-c", mount, str(folder), "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no read-only file system can be mounted here: {probe.stderr.strip()}")
+    line = _save_in_a_process(folder / "last.ckpt", wrapper=(*namespace, "sh", "-c", mount, str(folder)))
+    assert line == (
+        f"could not write the checkpoint {folder}/last.ckpt: the folder {folder} cannot be written to (Read-only file "
+        "system); no partial file was left, no earlier checkpoint: give checkpoint.dirpath (or the logger's save_dir) "
+        "a folder this run can write"
+    )
+
+
+def test_a_checkpoint_folder_without_write_permission_is_one_line_naming_it(tmp_path):
+    """A folder of mode 0o555 holding an earlier checkpoint: the line names the folder and the cause, and says that no
+    partial file was left (before: "the partial file was removed", and the space, where space was not the matter)."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    torch.save({"global_step": 1}, folder / "epoch=0-step=1.ckpt")
+    folder.chmod(0o555)
+    try:
+        line = _save_in_a_process(folder / "last.ckpt")
+    finally:
+        folder.chmod(0o755)
+    assert line.startswith(
+        f"could not write the checkpoint {folder}/last.ckpt: the folder {folder} cannot be written to (Permission "
+        "denied); no partial file was left, the previous checkpoint is intact: give checkpoint.dirpath"
+    )
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=1.ckpt"]
+
+
+def test_a_partial_file_that_cannot_be_removed_does_not_hide_why_the_write_failed(tmp_path):
+    """The folder takes no more files once the checkpoint's file is open, then the write fails (files may not grow
+    past 50 KB, as on a full disk): the line gives the write's cause and says the partial file is still there. Before:
+    the clean-up's PermissionError replaced "File too large", with two chained tracebacks."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    try:
+        line = _save_in_a_process(folder / "last.ckpt", lock=True, limit=50_000)
+        left = [p.name for p in folder.iterdir()]
+    finally:
+        folder.chmod(0o755)
+    assert len(left) == 1 and left[0].startswith(".last.ckpt.tmp-"), left
+    assert line.startswith(f"could not write the checkpoint {folder}/last.ckpt: File too large (")
+    assert line.endswith(
+        f"; the partial file {folder / left[0]} could not be removed (Permission denied), no earlier checkpoint"
+    )
 
 
 def test_characters_the_tokenizer_cannot_encode_are_reported_once(tmp_path, monkeypatch, capsys, caplog):

@@ -1,12 +1,14 @@
 """How a checkpoint is written: atomically (a temporary file or folder, then a rename), local or remote.
 
 A checkpoint is never half-written, whatever stops the run; a write the disk refuses is one line naming the file,
-the cause, the space the last one took and what is free (``CheckpointWriteError``). What a checkpoint holds is
+the cause, the space the last one took and what is free, and a folder that takes no files (read-only, permission
+denied) one line naming the folder and the cause (``CheckpointWriteError``). What a checkpoint holds is
 ``contents.py``; which one a run resumes from, and where checkpoints go, is ``resume.py``.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import posixpath
@@ -53,9 +55,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                     os.fsync(fh.fileno())
                 os.replace(tmp, target)
             except (OSError, RuntimeError) as err:  # torch reports a failed write as a RuntimeError of its own
-                written = tmp.stat().st_size if tmp.exists() else 0
-                tmp.unlink(missing_ok=True)
-                raise CheckpointWriteError(_write_failure(target, recorded.error or err, written)) from None
+                written = _size(tmp)
+                left = _remove_partial(tmp)
+                raise CheckpointWriteError(_write_failure(target, recorded.error or err, written, left)) from None
             return
         parent = fs._parent(target)
         fs.makedirs(parent, exist_ok=True)
@@ -98,21 +100,54 @@ class _KeepsWriteErrors:
 
 
 class CheckpointWriteError(OSError):
-    """A checkpoint could not be written; the message names the path, the cause and the space it needs."""
+    """A checkpoint could not be written; the message names the path, the cause and, for a full disk, the space."""
 
 
-def _write_failure(target: Path, err: BaseException, written: int) -> str:
-    """One line: which checkpoint, why, how much it needs against how much is free, and what was kept."""
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _remove_partial(tmp: Path) -> str:
+    """Remove what a failed write left at ``tmp``; what became of it, said in the error's line.
+
+    A removal that fails is said, never raised: the write's error is the one to report. ``unlink`` on a read-only
+    file system fails even where there is no file, so the file is looked for first.
+    """
+    if not os.path.lexists(tmp):
+        return "no partial file was left"
+    try:
+        tmp.unlink()
+    except OSError as err:
+        return f"the partial file {tmp} could not be removed ({err.strerror or err})"
+    return "the partial file was removed"
+
+
+def _write_failure(target: Path, err: BaseException, written: int, left: str) -> str:
+    """One line: which checkpoint, why, and what was kept; for a full disk, how much it needs against what is free.
+
+    A folder that takes no files (read-only, not ours) is named with its cause; the space is not the matter there.
+    """
     cause = getattr(err, "strerror", None) or str(err).splitlines()[0]
-    others = [p for p in target.parent.glob("*.ckpt") if p.is_file() and p.resolve() != target.resolve()]
-    largest = max((p.stat().st_size for p in others), default=0)
+    try:
+        others = [p for p in target.parent.glob("*.ckpt") if p.is_file() and p.resolve() != target.resolve()]
+        largest = max((p.stat().st_size for p in others), default=0)
+    except OSError:
+        others, largest = [], 0
+    kept = "the previous checkpoint is intact" if others else "no earlier checkpoint"
+    if getattr(err, "errno", None) in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return (
+            f"could not write the checkpoint {target}: the folder {target.parent} cannot be written to ({cause}); "
+            f"{left}, {kept}: give checkpoint.dirpath (or the logger's save_dir) a folder this run can write"
+        )
     need = f"the last one took {format_bytes(largest)}" if others else f"{format_bytes(written)}+"
     try:
         free = f"{format_bytes(shutil.disk_usage(target.parent).free)} free there"
     except OSError:
         free = "the folder is gone"
-    kept = "the previous checkpoint is intact" if others else "no earlier checkpoint"
-    return f"could not write the checkpoint {target}: {cause} ({need}, {free}); the partial file was removed, {kept}"
+    return f"could not write the checkpoint {target}: {cause} ({need}, {free}); {left}, {kept}"
 
 
 class AtomicFolderSave:
