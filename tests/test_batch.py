@@ -94,15 +94,16 @@ def test_token_budget_keeps_groups_whole_sorts_by_length_and_respects_the_budget
     assert by_tokens == parts
 
 
-def test_fit_plan_splits_the_largest_micro_batch_then_adds_fillers_and_drops_empty_steps():
+def test_fit_plan_splits_the_largest_micro_batch_then_adds_fillers_and_keeps_empty_steps():
     groups = sized_groups([1, 2, 8, 9])
     plan = [[groups[:]], [groups[:1]]]
     fitted = fit_plan(plan, [3, 2, 0])
-    assert [[len(part) for part in step] for step in fitted] == [[2, 1, 1], [1, 0]]
+    assert [[len(part) for part in step] for step in fitted] == [[2, 1, 1], [1, 0], []]
     assert fitted[0][0] == groups[:2]  # the halves balance padded tokens: [1, 2] | [8, 9] -> then [8] | [9]
     with pytest.raises(ValueError, match="more than the agreed 1"):
         fit_plan(fitted, [1, 2])
-    (step, other) = build_steps(fitted, PAD, filler=groups[3])
+    (step, other, empty) = build_steps(fitted, PAD, filler=groups[3])
+    assert empty.micro_batches == [] and empty.lengths.numel() == 0  # no process trains there: the weights stay
     assert [b.filler for b in other.micro_batches] == [False, True]
     assert other.lengths.tolist() == [1, 1] and other.micro_batches[1].input_ids.shape[0] == 2
     assert sum(b.input_ids.shape[0] for b in step.micro_batches) == 8 and not any(b.filler for b in step.micro_batches)

@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 from helpers import ranks
 from helpers.ranks import G, a_round
 from test_datamodule import Watch, build, cut_and_resume, make_trainer
+from transformers import AutoModelForCausalLM
 
 from amir_lightning.helpers.serving import free_port
 from amir_lightning.rewards.base import Reward
@@ -66,6 +67,34 @@ def test_when_the_rounds_run_out_the_rollout_is_filled_with_groups_the_step_drop
     assert [p.question for p in chosen.prompts] == ["a1", "a0", "a2"]  # the one with variance first
     assert has_variance(chosen.scores, G) == [True, False, False]
     assert metrics["rollout/sampling_rounds"] == 2.0 and metrics["rollout/kept_group_frac"] == 1 / 6
+
+
+def test_a_long_refill_says_where_it_stands_and_ends_at_a_stop(monkeypatch, caplog):
+    """100,000 rounds allowed and none with variance: a line says the round and the key (every 30 s; here every
+    round), and a SIGTERM that comes during round 3 ends the refill before round 4 with the run's SIGTERM exit.
+    Before, 100 s went by without a line and the refill ran on past the signal."""
+    from amir_lightning.helpers import stops
+    from amir_lightning.rollout import dynamic
+
+    monkeypatch.setattr(dynamic, "PROGRESS_S", 0.0)
+    asked = []
+
+    def more(count, index, sample):
+        asked.append(index)
+        if index == 3:
+            stops.request_stop("SIGTERM")  # what the run's signal handler does
+        return a_round("b", [[2, 2]] * count)
+
+    restore = stops.catch_stop_signals()
+    try:
+        with caplog.at_level("INFO"), pytest.raises(SystemExit) as stopped:
+            refill(a_round("a", [[1, 1]] * 2), more, 2, G, 100_000, one_process)
+    finally:
+        restore()
+    assert stopped.value.code == 143 and asked == [1, 2, 3]
+    assert (
+        "dynamic sampling: round 3 of at most 100000 (data.rollout.max_sampling_rounds): 0 of 2 groups" in caplog.text
+    )
 
 
 def test_one_round_is_the_rollout_as_sampled():
@@ -141,6 +170,67 @@ def test_a_run_with_dynamic_sampling_trains_full_steps_where_dropping_alone_shri
     assert dynamic[1]["rollout/zero_std_frac"] == pytest.approx(1 - dynamic[1]["rollout/kept_group_frac"])
     for key in ("rollout/reward_mean", "rollout/zero_std_frac"):  # the same first rollout, one round
         assert dropped[0][key] == dynamic[0][key]
+
+
+class Steps(L.Callback):
+    """Each rollout's ``train/steps_in_rollout`` as logged, and the LR each step trained with."""
+
+    def __init__(self) -> None:
+        self.in_rollout, self.lrs = [], []
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self.in_rollout.append(float(trainer.callback_metrics["train/steps_in_rollout"]))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def test_a_rollout_with_fewer_groups_than_steps_keeps_its_step_count_and_the_lr_schedule(tmp_path, caplog):
+    """4 steps a rollout, groups without variance dropped: rollout 1 keeps 4 groups, rollout 2 two. Both take 4
+    steps (2 of rollout 2's leave the weights as they are), so the run takes its 8 planned steps and the linear LR
+    schedule ends where it was planned to; one line names the rollout and the key. Before, rollout 2 took 2 steps:
+    6 of 8, the schedule ended at 75 % of its horizon, and only rollout/groups_kept said so."""
+    settings = RolloutSettings(group_size=4, prompts_per_process=4, micro_batch_groups=2, steps_per_rollout=4,
+                               drop_zero_std_groups=True)  # fmt: skip
+    module, data = build(tmp_path, rollout=settings, new_tokens=3)
+    data.rewards = [VariesOnOddAnswers()]
+    module.scheduler_factory = lambda optimizer: torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.0, total_iters=8)
+    steps = Steps()
+    trainer = make_trainer(tmp_path, 2, [steps])
+    trainer.fit(module, datamodule=data)
+    assert trainer.global_step == 8 and steps.in_rollout == [4.0, 2.0]
+    assert steps.lrs == pytest.approx([0.5 * (1 - k / 8) for k in range(8)])
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 8  # at the end of its horizon
+    assert (
+        "rollout 2: data.rollout.drop_zero_std_groups left 2 group(s) with reward variance, fewer than its 4 "
+        "steps (data.rollout.steps_per_rollout): 2 step(s) train, the other 2 leave the weights" in caplog.text
+    )
+
+
+class NeverVaries(Reward):
+    """Every completion scores 0: no group ever has reward variance (a reward that never fires)."""
+
+    def score(self, completions, answers, **kwargs) -> list[float]:
+        return [0.0] * len(completions)
+
+
+def test_a_rollout_whose_rounds_find_no_group_with_variance_trains_nothing_and_the_run_goes_on(tmp_path, caplog):
+    """A reward that is always 0, dynamic sampling with 2 rounds: each of the 3 rollouts finds no group to train on.
+    Its 2 steps leave the weights as they are, the run goes on to its last rollout, and a line a rollout names
+    data.rollout.max_sampling_rounds. Before, Lightning's "No training batches" ended the fit after rollout 1 and the
+    run exported its untrained policy as if it had finished."""
+    settings = RolloutSettings(group_size=4, prompts_per_process=2, micro_batch_groups=1, steps_per_rollout=2,
+                               dynamic_sampling=True, max_sampling_rounds=2)  # fmt: skip
+    module, data = build(tmp_path, rollout=settings, new_tokens=3)
+    data.rewards = [NeverVaries()]
+    steps = Steps()
+    trainer = make_trainer(tmp_path, 3, [steps])
+    trainer.fit(module, datamodule=data)
+    assert trainer.current_epoch == 3 and trainer.global_step == 6 and steps.in_rollout == [0.0, 0.0, 0.0]
+    start = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
+    assert all(torch.equal(start[k], v) for k, v in module.model.state_dict().items())  # the weights stayed
+    line = "dynamic sampling found 0 group(s) with reward variance within data.rollout.max_sampling_rounds (2)"
+    assert caplog.text.count(line) == 3
 
 
 def test_a_run_with_dynamic_sampling_resumed_at_a_rollouts_end_ends_where_an_uninterrupted_run_does(tmp_path):

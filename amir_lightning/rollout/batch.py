@@ -195,19 +195,23 @@ def split_by_tokens(groups: list[Group], budget: int) -> list[list[Group]]:
 def plan_steps(
     groups: list[Group], steps_per_rollout: int, micro_batch_groups: int, micro_batch_tokens: int | None = None
 ) -> Plan:
-    """Whole groups into ``steps_per_rollout`` steps (in order), each split into micro-batches.
+    """Whole groups into exactly ``steps_per_rollout`` steps (in order), each split into micro-batches.
+
+    The groups are spread evenly (the first steps take one more where they do not divide): a rollout keeps its
+    step count whatever number of groups it trains on (dropped groups, dynamic sampling's rounds run out), so the
+    LR schedule and the run's length hold. With fewer groups than steps, the last steps are empty: no process may
+    have a group there (``agree_on_plan``), and the step then leaves the weights as they are.
 
     The split: ``micro_batch_tokens`` padded tokens at most (``split_by_tokens``), or else ``micro_batch_groups``
     groups per micro-batch, in order.
     """
-    if not groups:
-        return []
-    per_step = -(-len(groups) // steps_per_rollout)  # ceil
-    plan = []
-    for first in range(0, len(groups), per_step):
-        step = groups[first : first + per_step]
+    per_step, more = divmod(len(groups), steps_per_rollout)
+    plan, first = [], 0
+    for index in range(steps_per_rollout):
+        step = groups[first : first + per_step + (index < more)]
+        first += len(step)
         if micro_batch_tokens is not None:
-            plan.append(split_by_tokens(step, micro_batch_tokens))
+            plan.append(split_by_tokens(step, micro_batch_tokens) if step else [])
         else:
             plan.append([step[s : s + micro_batch_groups] for s in range(0, len(step), micro_batch_groups)])
     return plan
@@ -217,8 +221,8 @@ def fit_plan(plan: Plan, counts: list[int]) -> Plan:
     """``plan`` with exactly ``counts[i]`` micro-batches in step ``i`` (the most any process has there).
 
     The micro-batch with most padded tokens is halved (at the point that balances the halves) until the count is
-    reached; when no micro-batch has two groups left, empty micro-batches (fillers) make up the rest. Steps with a
-    count of 0 are dropped: no process has a group there.
+    reached; when no micro-batch has two groups left, empty micro-batches (fillers) make up the rest. A step with a
+    count of 0 stays, empty: no process has a group there.
     """
     fitted = []
     for index, count in enumerate(counts):
@@ -234,8 +238,7 @@ def fit_plan(plan: Plan, counts: list[int]) -> Plan:
             part = parts.pop(i)
             cut = min(range(1, len(part)), key=lambda c: max(padded_tokens(part[:c]), padded_tokens(part[c:])))
             parts[i:i] = [part[:cut], part[cut:]]
-        if count:
-            fitted.append(parts)
+        fitted.append(parts)
     return fitted
 
 
@@ -254,7 +257,8 @@ def build_steps(
 ) -> list[RolloutStep]:
     """The optimisation schedule of a rollout: ``passes`` passes over the steps of ``plan``, padded.
 
-    Empty micro-batches become fillers made of ``filler`` (any group of the rollout). Later passes share the first
+    Empty micro-batches become fillers made of ``filler`` (any group of the rollout); an empty step (no process has
+    a group there) has no micro-batches. Later passes share the first
     pass's micro-batches (the same objects) and continue its step indices. Every step refers to ``rollout``.
     """
     steps = []

@@ -19,15 +19,22 @@ process already full draws its share without sampling it), so the steps that fol
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from amir_lightning.data.base import Prompt
+from amir_lightning.helpers import stops
 from amir_lightning.rollout.engine import Completion
 from amir_lightning.rollout.rewarding import Scores
+
+log = logging.getLogger(__name__)
+#: Seconds between the lines that say where a long refill stands.
+PROGRESS_S = 30.0
 
 
 @dataclass
@@ -104,9 +111,14 @@ def refill(
         ``rollout/zero_std_frac`` (all rewards equal, among those sampled).
     """
     rounds, flags = [first], [has_variance(first.scores, group_size)]
-    index = 1
+    index, said = 1, time.monotonic()
     while index < max_rounds:
+        stops.raise_if_stopped()  # a stop (SIGTERM, Ctrl-C) ends the refill between rounds
         kept, sampled = sum(map(sum, flags)), sum(map(len, flags))
+        if time.monotonic() - said >= PROGRESS_S:
+            said = time.monotonic()
+            log.info("dynamic sampling: round %d of at most %d (data.rollout.max_sampling_rounds): %d of %d groups "
+                     "with reward variance, in %d sampled", index + 1, max_rounds, kept, wanted, sampled)  # fmt: skip
         count = int(max_over_processes([float(prompts_to_draw(wanted, kept, sampled))])[0])
         if count == 0:  # every process is full
             break

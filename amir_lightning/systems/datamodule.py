@@ -14,6 +14,7 @@ import logging
 import time
 from typing import Any, Literal
 
+import torch
 from lightning import LightningDataModule
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
@@ -38,7 +39,7 @@ from amir_lightning.rollout.sampler import Sampler, setting_errors
 from amir_lightning.rollout.schedule import Ahead, At, InTurn, Schedule
 from amir_lightning.rollout.sync import SyncCheck, SyncSettings
 from amir_lightning.rollout.tools import ToolEnvironment
-from amir_lightning.systems.progress import rollout_line, where_it_stopped
+from amir_lightning.systems.progress import rollout_line, short_rollout_line, where_it_stopped
 from amir_lightning.systems.summary import run_rollouts, run_steps
 
 log = logging.getLogger(__name__)
@@ -245,6 +246,7 @@ class RolloutDataModule(LightningDataModule):
         groups = rollout.trained_groups(settings.drops_zero_std)
         plan = plan_steps(groups, settings.steps_per_rollout, settings.micro_batch_groups, settings.micro_batch_tokens)
         plan = agree_on_plan(plan, settings.steps_per_rollout, at.max_over_processes)  # the same steps everywhere
+        self._log_short(at, len(groups), sum(bool(parts) for parts in plan))
         steps = build_steps(plan, self.policy.pad_token_id, settings.passes, filler=rollout.groups[0], rollout=rollout)
         if len(steps) > 1 or rollout.old_weights:  # a step after an update, or a stale rollout: ratios need old logps
             batches = {id(b): b for step in steps for b in step.micro_batches}.values()  # a pass repeats batches
@@ -275,6 +277,17 @@ class RolloutDataModule(LightningDataModule):
         return Evaluator(self.evaluation, self.schedule, self.at(), grader, progress)
 
     # ------------------------------------------------------------------ logging
+    def _log_short(self, at: At, groups: int, steps: int) -> None:
+        """Log how many of this rollout's steps train on groups, and say so when they are fewer than planned.
+
+        Every process must call it (the groups are counted over processes).
+        """
+        settings = self.settings
+        log_metrics(self.trainer, {"train/steps_in_rollout": float(steps * settings.passes)})
+        total = int(at.sum_over_processes(torch.tensor([float(groups)]))[0])
+        if at.rank == 0 and (line := short_rollout_line(at.epoch, total, steps, settings)):
+            log.warning("%s", line)
+
     def _log(self, metrics: dict[str, float], at: At) -> None:
         """Log rollout metrics averaged over processes, and the rollout's line; every process must call it."""
         reduced = mean_over_processes(metrics, at.device)  # a reward's log_metric may reach some processes only

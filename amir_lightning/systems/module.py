@@ -180,6 +180,8 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
 
         Returns the step's loss and, for the read-only monitors, each micro-batch's per-row diagnostics.
         """
+        if not step.micro_batches:
+            return self._empty_step()
         context = self.step_context(step)
         stats: dict[str, torch.Tensor] = {}
         rows, total, bad = [], 0.0, False
@@ -199,6 +201,21 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
             total = total + out.loss.detach()
         self._optimizer_step(stats, bad)
         return {"loss": total, "rows": rows}
+
+    def _empty_step(self) -> dict:
+        """A step that no process has a group for (the rollout trains on fewer groups than it has steps).
+
+        The weights stay as they are, while the step counts: the optimiser steps with no gradient (torch's
+        optimisers leave a parameter without one, and its state, untouched) and the LR schedule moves on, so the
+        run keeps its planned length and schedule whatever a rollout's groups are.
+        """
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        optimizer.zero_grad(set_to_none=True)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        log_metrics(self.trainer, {"train/lr": optimizer.param_groups[0]["lr"]})
+        return {"loss": torch.zeros((), device=self.device), "rows": []}
 
     def _optimizer_step(self, stats: dict[str, torch.Tensor], bad: bool) -> None:
         optimizer, guard, norm = self.optimizers(), self.bad_steps, self.max_grad_norm

@@ -69,6 +69,28 @@ def rollout_line(metrics: dict[str, float], epoch: int, max_epochs: int | None, 
     )
 
 
+def short_rollout_line(epoch: int, groups: int, steps: int, settings) -> str | None:
+    """The warning of rollout ``epoch`` (0-based) when its groups fill fewer than its steps (``None``: they fill all).
+
+    ``groups``: the groups it trains on, over processes; ``steps``: the steps they fill, of
+    ``settings.steps_per_rollout``.
+    """
+    planned = settings.steps_per_rollout
+    if steps >= planned:
+        return None
+    if settings.dynamic_sampling:
+        cause = (f"dynamic sampling found {groups} group(s) with reward variance within "
+                 f"data.rollout.max_sampling_rounds ({settings.max_sampling_rounds})")  # fmt: skip
+    elif settings.drop_zero_std_groups:
+        cause = f"data.rollout.drop_zero_std_groups left {groups} group(s) with reward variance"
+    else:
+        cause = f"{groups} group(s) have finite rewards"
+    return (
+        f"rollout {epoch + 1}: {cause}, fewer than its {planned} steps (data.rollout.steps_per_rollout): "
+        f"{steps} step(s) train, the other {planned - steps} leave the weights as they are (the LR schedule moves on)"
+    )
+
+
 def where_it_stopped(trainer) -> str:
     """Where a SIGTERM stopped the run, and how it resumes (``amir`` prints it as it exits)."""
     if trainer.state.fn != "fit":  # amir test, validate: nothing to resume, run it again
