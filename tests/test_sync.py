@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers.engines import (
     HFDropsHalf,
+    HFForgetsOne,
     HFIgnoresPushesAfter,
     HFLayoutFault,
     HFPartialUpdate,
@@ -202,6 +203,35 @@ def test_a_faulty_engine_is_stopped_at_its_first_wrong_sync(tiny_dir, engine_cls
         assert names in errors[0].partition("the first: ")[2], errors
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("in_layout", [False, True], ids=["no copy", "not read back"])
+def test_a_tensor_the_engine_neither_loads_nor_reads_back_stops_the_run_when_it_changes(tiny_dir, in_layout):
+    """The engine drops model.norm.weight from every push and does not read it back (it says it keeps no copy of
+    it, or says where but does not read it): frozen, it passes 4 syncs (it is what the first sync calibrated);
+    trained, the sync after its first change stops the run naming it. Before, it passed every sync (5 syncs, probe
+    gap up to 0.156), and the probe's warnings said every pushed tensor read back as pushed."""
+    trainer = Trainer(tiny_dir)
+    engine = HFForgetsOne(in_layout=in_layout, progress=False)
+    engine.start(tiny_dir, seed=0)
+    check = SyncCheck()
+    check.set_probe(trainer.tokenizer, trainer.tokenizer("3+4=")["input_ids"], "7")
+    norm = trainer.policy.model.norm.weight
+    for seed in range(1, 5):  # the other weights train, the norm stays
+        check.push_and_verify(trainer, engine)
+        kept = norm.detach().clone()
+        perturb(trainer.policy, 0.01, seed=seed)
+        with torch.no_grad():
+            norm.copy_(kept)
+    with torch.no_grad():
+        norm.add_(0.01)
+    with pytest.raises(StaleEngineError, match=r"the first: model\.norm\.weight, which the engine keeps no copy"):
+        check.push_and_verify(trainer, engine)
+    resumed = SyncCheck()  # a resumed run remembers what the first sync pushed
+    resumed.load_state_dict(check.state_dict())
+    with pytest.raises(StaleEngineError, match=r"model\.norm\.weight"):
+        resumed.push_and_verify(trainer, engine)
 
 
 @pytest.mark.slow

@@ -217,10 +217,14 @@ class PushedDigests:
     Args:
         layout: Where the engine keeps each pushed tensor.
         columns: The columns of kernel-held weights the engine reads back at this sync.
+        watched: The pushed names also digested whole as pushed (``fingerprints``), to see whether they changed
+            since an earlier sync: those the engine cannot show it holds. ``None``: every name (the first sync,
+            before the engine has said what it reads back).
     """
 
-    def __init__(self, layout: WeightLayout, columns: ColumnSample) -> None:
-        self.layout, self.columns = layout, columns
+    def __init__(self, layout: WeightLayout, columns: ColumnSample, watched: set[str] | None = None) -> None:
+        self.layout, self.columns, self.watched = layout, columns, watched
+        self.fingerprints: dict[str, Digest] = {}  # pushed name -> digest of it whole, as pushed (``watched``)
         # engine tensor -> part -> (digests of all of it, of the sampled columns; None where not read back), each way
         # it may load
         self.parts: dict[str, dict[str, tuple[tuple[Digest, ...] | None, tuple[Digest, ...] | None]]] = {}
@@ -237,6 +241,8 @@ class PushedDigests:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Record one pushed tensor."""
+        if self.watched is None or name in self.watched:
+            self.fingerprints[name] = tensor_digest(tensor)
         slot: WeightSlot | None = self.layout.slot(name)
         if slot is None or not (slot.whole or slot.kernel):
             self.unheld.append(name)
@@ -288,6 +294,10 @@ class PushedDigests:
             for key in self.parts
             if any(self._digested(key, w) and not any(r.sampled == w for r in held.get(key, [])) for w in (False, True))
         ]
+
+    def unchecked(self, held: dict[str, list[Reading]]) -> list[str]:
+        """The pushed names the engine cannot show it holds: it keeps no copy of them, or does not read it back."""
+        return self.unheld + [name for key in self.unread(held) for name in self.sources[key]]
 
     def compared(self, held: dict[str, list[Reading]]) -> int:
         """The engine tensors whose read-back was compared with the push."""

@@ -6,8 +6,10 @@ the load every engine tensor must carry exactly the digest of what was pushed in
 the engine's layout. So an engine that ignores a push, takes part of the tensors, applies part of an update, or puts
 a weight in the wrong place (transposed, heads or fused parts exchanged, shards in another order) is stopped at the
 first sync where its weights differ from the trainer's, with one line naming the first tensor that differs; a
-correct engine is never stopped, in any dtype, however long the run. A pushed tensor the engine does not read back
-is a difference too.
+correct engine is never stopped, in any dtype, however long the run. A pushed tensor the engine keeps no copy of,
+or does not read back, cannot be compared: it is checked to stay what it was at the first sync (where the probe
+calibrates the engine against the trainer), and one that changes stops the run, since its update may not reach the
+engine.
 
 The probe stays, as a measurement: after each push the engine and the trainer score the same probe (a prompt, its
 reference answer and EOS), and the largest absolute difference of their log-probs is logged
@@ -33,7 +35,7 @@ import torch
 
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rollout.adapters import adapter_mismatches
-from amir_lightning.rollout.digest import ColumnSample, PushedDigests, WeightLayout
+from amir_lightning.rollout.digest import ColumnSample, Digest, PushedDigests, WeightLayout
 from amir_lightning.rollout.engine import RolloutEngine
 from amir_lightning.rollout.policy import Policy
 
@@ -127,6 +129,8 @@ class SyncCheck:
         self._said_unread = False
         self._base_pushed = False  # an engine that takes adapters holds the trainer's base weights (not saved)
         self._bytes = 0
+        # pushed names the engine cannot show it holds -> their digest at the first sync (None: no sync yet)
+        self._unchecked: dict[str, Digest] | None = None
 
     def set_probe(self, tokenizer, prompt_ids: list[int], answer: str) -> None:
         """Fix the probe (once per run): ``prompt_ids``, then the answer's first tokens and EOS."""
@@ -166,6 +170,7 @@ class SyncCheck:
                 pushed = None
             else:
                 wrong, verified = pushed.mismatches(held), pushed.compared(held)
+                wrong += self._changed_unchecked(pushed, held)
                 checked = len(set(pushed.parts) | set(held))
                 self._say_unread(pushed.unread(held))
         if pushed is None and whole:
@@ -191,7 +196,9 @@ class SyncCheck:
         if self.settings.verify_weights and self._layout is None:
             self._layout = engine.weight_layout()
         columns = ColumnSample(self.syncs, self.settings.kernel_columns)
-        pushed = PushedDigests(self._layout, columns) if self.settings.verify_weights and self._layout else None
+        watched = set(self._unchecked) if self._unchecked is not None else None
+        verify = self.settings.verify_weights and self._layout
+        pushed = PushedDigests(self._layout, columns, watched) if verify else None
         with policy.export_weights() if merged else policy.export_weights(merged=False) as named:
             named = self._counted(named)
             stream = pushed.tap(named) if pushed is not None else iter(named)
@@ -199,8 +206,25 @@ class SyncCheck:
             for _ in stream:  # what the engine did not read still counts as pushed
                 pass
         if pushed is not None and pushed.unheld and self.syncs == 0:
-            log.info("weight sync: the engine keeps no copy of %s (not verified)", ", ".join(pushed.unheld[:8]))
+            log.info("weight sync: the engine keeps no copy of %s: checked to stay as first pushed",
+                     ", ".join(pushed.unheld[:8]))  # fmt: skip
         return pushed
+
+    def _changed_unchecked(self, pushed: PushedDigests, held: dict) -> list[str]:
+        """The pushed tensors the engine cannot show it holds that changed since the first sync, described.
+
+        The first sync records them (the probe calibrates the engine against the trainer there): a frozen weight
+        the engine does not hold passes every sync, a trained one stops the run at its first change.
+        """
+        names = pushed.unchecked(held)
+        if self._unchecked is None:
+            self._unchecked = {name: pushed.fingerprints[name] for name in names}
+        return [
+            f"{name}, which the engine keeps no copy of that it reads back, changed since the first sync (its update "
+            "cannot be verified)"
+            for name, first in self._unchecked.items()
+            if name in pushed.fingerprints and pushed.fingerprints[name] != first
+        ]
 
     def _push_adapters(self, policy: Policy, engine: RolloutEngine) -> tuple[list[str], int]:
         """Push the policy's LoRA factors; the adapted layers the engine holds otherwise, and the slices compared."""
@@ -242,9 +266,10 @@ class SyncCheck:
         level = s.tolerance if s.tolerance is not None else max(s.min_tolerance, s.noise_factor * self.noise_floor)
         if gap > level and gap >= 2 * self._warned_at:
             self._warned_at = gap
+            unchecked = " (those it cannot read back are as first pushed)" if self._unchecked else ""
             weights = (
                 "every pushed tensor reads back from the engine as pushed (values and places in the layout the engine "
-                "reports), so the difference is in how it computes with them"
+                f"reports){unchecked}, so the difference is in how it computes with them"
                 if verified
                 else "the weights themselves are not compared"
             )
@@ -278,7 +303,8 @@ class SyncCheck:
 
     def state_dict(self) -> dict:
         """The probe and the noise floor (the settings come from the configuration)."""
-        return {"probe": self.probe, "noise_floor": self.noise_floor, "syncs": self.syncs}
+        unchecked = None if self._unchecked is None else {k: [d.mixed, d.plain] for k, d in self._unchecked.items()}
+        return {"probe": self.probe, "noise_floor": self.noise_floor, "syncs": self.syncs, "unchecked": unchecked}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` saved."""
@@ -286,3 +312,5 @@ class SyncCheck:
         self.probe = (list(probe[0]), list(probe[1])) if probe is not None else None
         self.noise_floor = state.get("noise_floor")
         self.syncs = int(state.get("syncs", 0))
+        unchecked = state.get("unchecked")
+        self._unchecked = None if unchecked is None else {k: Digest(*v) for k, v in unchecked.items()}

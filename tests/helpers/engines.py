@@ -207,3 +207,25 @@ class VLLMSwapsParts(_SwapsParts, VLLMEngine):
 
 class ServerSwapsParts(_SwapsParts, VLLMServerEngine):
     """``VLLMServerEngine`` that sends k and v (or gate and up) exchanged after ``good_pushes`` correct pushes."""
+
+
+class HFForgetsOne(HFEngine):
+    """Never loads the pushed tensor ``name`` and never reads it back: its updates never reach the engine. With
+    ``in_layout`` the engine still says where it keeps it (a read-back that misses it); without, it says it keeps
+    no copy of it."""
+
+    def __init__(self, name: str = "model.norm.weight", in_layout: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.name, self.in_layout = name, in_layout
+
+    def load_weights(self, named_tensors):  # noqa: D102
+        super().load_weights((n, t) for n, t in named_tensors if n != self.name)
+
+    def weight_layout(self):  # noqa: D102
+        layout = super().weight_layout()
+        if not self.in_layout:
+            del layout.dtypes[self.name]
+        return layout
+
+    def held_weights(self, columns):  # noqa: D102
+        return {key: readings for key, readings in super().held_weights(columns).items() if key != self.name}
