@@ -228,3 +228,15 @@ def test_a_megabyte_reply_trains_as_its_first_tokens_and_is_counted(tmp_path, mo
     weights, same = policy(tmp_path, "megabyte"), policy(tmp_path, "page")
     for key in weights:
         assert torch.equal(weights[key], same[key]), key
+
+
+def test_a_reply_that_is_not_valid_unicode_is_an_error_the_policy_reads_and_counted():
+    """A text-protocol reply holding a lone surrogate. Before: the tokenizer's traceback stopped the run."""
+    from helpers.tools import GarbledReply
+
+    from amir_lightning.rollout.replies import tool_metrics
+
+    group = episodes(GarbledReply(), ["7", "8"])
+    why = "error: the reply is not valid Unicode (surrogates not allowed at character 2)"
+    assert all(c.text == f"7{why}8" and c.tool_errors == c.tool_calls == 1 for c in group)
+    assert tool_metrics(group)["tools/error_frac"] == 1.0

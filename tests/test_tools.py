@@ -40,8 +40,8 @@ def call(name: str, arguments: str) -> str:
     return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
 
 
-def environment(**kwargs) -> tuple[ToolEnvironment, ChatFormat]:
-    env = ToolEnvironment([f"helpers.tool_functions.{name}" for name in TOOLS], **kwargs)
+def environment(tools=TOOLS, **kwargs) -> tuple[ToolEnvironment, ChatFormat]:
+    env = ToolEnvironment([f"helpers.tool_functions.{name}" for name in tools], **kwargs)
     chat = ChatFormat(template=TEMPLATE, tools=env.tool_schemas())
     env.prepare(TOKENIZER, chat)
     return env, chat
@@ -50,6 +50,12 @@ def environment(**kwargs) -> tuple[ToolEnvironment, ChatFormat]:
 def episode(turns, n=1, **kwargs) -> tuple[Completion, list[int]]:
     """One episode of a policy that writes ``turns[t]`` at turn ``t`` (text, or (text, finish reason)), each ended by
     its end-of-turn token unless cut; with the prompt's token ids."""
+    completions, prompt_ids = episodes(turns, n, **kwargs)
+    return completions[0], prompt_ids
+
+
+def episodes(turns, n=1, **kwargs) -> tuple[list[Completion], list[int]]:
+    """``n`` episodes of that policy (``episode``), sampled together."""
     env, chat = environment(**kwargs)
 
     def generate(ids, count, sampling, turn):
@@ -59,7 +65,7 @@ def episode(turns, n=1, **kwargs) -> tuple[Completion, list[int]]:
         return [[Completion(list(own), text, [-0.5] * len(own), finish) for _ in range(count)] for _ in ids]
 
     prompt_ids = chat.render(TOKENIZER, PROMPT)
-    return run_episodes(env, [PROMPT], [prompt_ids], n, SAMPLING, generate, TOKENIZER)[0][0], prompt_ids
+    return run_episodes(env, [PROMPT], [prompt_ids], n, SAMPLING, generate, TOKENIZER)[0], prompt_ids
 
 
 def shown(completion: Completion) -> list[str]:

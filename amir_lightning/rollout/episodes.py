@@ -213,11 +213,15 @@ def run_episodes(
         else:
             inputs = [list(prompt_ids[e.prompt_index]) + e.token_ids for e in active]
             sampled = [group[0] for group in generate(inputs, 1, turn_sampling, turn)]
-        take = _take_whole_turn if environment.whole_turns else _take_turn
+        last = turn == environment.max_turns - 1
         for episode, completion in zip(active, sampled):
             episode.turns += 1
             episode.finish_reason = completion.finish_reason
-            take(environment, episode, completion, tokenizer, turn == environment.max_turns - 1)
+            if not environment.whole_turns:
+                _take_turn(environment, episode, completion, tokenizer, last)
+        if environment.whole_turns:  # every episode's calls of the turn run together
+            _take_whole_turns(environment, active, sampled, last)
+        for episode in active:
             used = len(prompt_ids[episode.prompt_index]) + len(episode.token_ids)
             if not episode.done and room is not None and used + turn_sampling.max_new_tokens > room:
                 # No room for another turn: cut, as a long completion is.
@@ -245,7 +249,8 @@ def _take_turn(environment: Environment, episode: EpisodeRecord, completion: Com
         return
     if overshoot and reply.startswith(overshoot):
         reply = reply[len(overshoot) :]  # the policy already wrote the reply's first characters ("</calc><")
-    reply_ids, cut = encode_reply(tokenizer, reply, environment.max_reply_tokens)
+    reply_ids, cut, unreadable = _reply_tokens(environment, reply, tokenizer)
+    episode.tool_errors += unreadable and not error
     if cut:
         episode.tool_truncated += 1
         said = f"a reply of {len(reply)} characters was cut to {environment.max_reply_tokens} tokens (max_reply_tokens)"
@@ -254,8 +259,35 @@ def _take_turn(environment: Environment, episode: EpisodeRecord, completion: Com
     episode.tool_calls += 1
 
 
-def _take_whole_turn(environment, episode: EpisodeRecord, completion: Completion, tokenizer, last: bool) -> None:
-    """Add the policy's turn to ``episode``; run the tool calls it wrote and add their results, or end it."""
+def _reply_tokens(environment: Environment, reply: str, tokenizer) -> tuple[list[int], bool, bool]:
+    """The reply's tokens (``encode_reply``), whether cut, and whether it was no Unicode: then an error reply."""
+    try:
+        return (*encode_reply(tokenizer, reply, environment.max_reply_tokens), False)
+    except UnicodeEncodeError as err:  # a lone surrogate: no tokenizer reads it; the policy reads why, counted
+        why = f"not valid Unicode ({err.reason} at character {err.start})"
+        say_once(environment, "unicode", f"step replied text that is {why}; the policy reads an error, counted in "
+                                         "tools/error_frac")  # fmt: skip
+        return (*encode_reply(tokenizer, f"error: the reply is {why}", environment.max_reply_tokens), True)
+
+
+def _take_whole_turns(environment, episodes: list[EpisodeRecord], completions: list[Completion], last: bool) -> None:
+    """Add each policy turn to its episode; run the tool calls they wrote, all together, and add their results.
+
+    An episode whose turn calls nothing (its answer), or whose call was cut or came at the last turn allowed, ends.
+    """
+    asking = []
+    for episode, completion in zip(episodes, completions):
+        turn = _read_whole_turn(environment, episode, completion, last)
+        if turn is not None:
+            calls_made = len(episode.calls) - episode.tool_malformed  # the records of malformed turns are not calls
+            asking.append((episode, (turn, completion.token_ids, calls_made)))
+    replies = environment.answer([request for _, request in asking])
+    for (episode, _), reply in zip(asking, replies):
+        _add_reply(environment, episode, reply)
+
+
+def _read_whole_turn(environment, episode: EpisodeRecord, completion: Completion, last: bool):
+    """Add the policy's turn to ``episode`` and read it: the turn when it asks for calls to run, else ``None``."""
     episode.add(completion.token_ids, completion.sampling_logps)
     turn = environment.read(completion.token_ids)
     message: dict[str, Any] = {"role": "assistant", "content": turn.content}
@@ -265,13 +297,16 @@ def _take_whole_turn(environment, episode: EpisodeRecord, completion: Completion
     episode.messages.append(message)
     if not turn.calls and not turn.malformed:  # the policy's answer
         episode.done = True
-        return
+        return None
     # A call cut by the length limit never runs, nor one at the last turn allowed: the episode is cut.
     if completion.finish_reason != "stop" or last:
         episode.done, episode.tool_cut = True, True
-        return
-    calls_made = len(episode.calls) - episode.tool_malformed  # the records of malformed turns are not calls
-    reply = environment.answer(turn, completion.token_ids, calls_made)
+        return None
+    return turn
+
+
+def _add_reply(environment, episode: EpisodeRecord, reply) -> None:
+    """Add a turn's results (``TurnReply``) to ``episode``: its tokens, masked; its messages and calls, counted."""
     episode.add(reply.token_ids)
     episode.messages += reply.messages
     episode.calls += [record.as_dict() for record in reply.calls]

@@ -7,7 +7,9 @@ A tool's faults are outcomes of episodes, counted per rollout (``tool_metrics``)
 - any other exception in ``reset`` or ``step`` is a bug: the run stops with its traceback and one line naming the
   class and ``data.environment`` (exit 1), unless the environment has ``on_step_error="reply"``;
 - a reply that is not a string (or ``None``) stops the run naming what it was (exit 2);
-- a reply is tokenised as text, cut at ``max_reply_tokens`` and counted in ``tools/reply_truncated_frac``.
+- a reply is tokenised as text, cut at ``max_reply_tokens`` and counted in ``tools/reply_truncated_frac``;
+- a reply that is not valid Unicode (a lone surrogate, which no tokenizer reads) becomes an error reply saying where,
+  counted in ``tools/error_frac``.
 """
 
 from __future__ import annotations
@@ -84,12 +86,52 @@ def encode_reply(tokenizer, reply: str, limit: int) -> tuple[list[int], bool]:
     cannot write the chat template's control token, so a tool cannot end the policy's turn or open a user's. Only a
     prefix is tokenised, grown until it holds more than ``limit`` tokens, so a megabyte reply costs about what a
     ``limit``-token one does.
+
+    Raises:
+        UnicodeEncodeError: The prefix read is not Unicode a tokenizer can read (a lone surrogate, ``"\ud800"``).
+    """
+    _, ids = _read_prefix(tokenizer, reply, limit)
+    return ids[:limit], len(ids) > limit
+
+
+def kept_reply(tokenizer, reply: str, limit: int) -> str:
+    """What to keep of ``reply``: the prefix ``encode_reply`` reads its tokens from (all of it when it is short).
+
+    ``encode_reply`` of the prefix gives the same tokens, and says it was cut, as of the whole reply: what an episode
+    keeps of a tool's result (its messages, its calls) is what the policy read, a few times ``limit`` tokens of text
+    however long the result was.
+
+    Raises:
+        UnicodeEncodeError: As ``encode_reply``.
+    """
+    return _read_prefix(tokenizer, reply, limit)[0]
+
+
+def reply_char_bound(tokenizer, limit: int) -> int:
+    """Characters of a reply that hold all ``kept_reply`` keeps of it: a reply may be cut there first, untokenised.
+
+    No token covers more characters than its vocabulary entry has (a byte-level entry is one character a byte), so
+    this many characters hold four times the ``limit + 2`` tokens ``encode_reply`` reads, or the whole reply; the
+    factor is room for normalisers that compose characters. A normaliser that deletes characters (control
+    characters, accents) can need more; none of the chat models' tokenizers has one.
+    """
+    longest = max(map(len, tokenizer.get_vocab()), default=1)
+    return 4 * (limit + 2) * max(longest, _CHARS_PER_TOKEN)
+
+
+def _read_prefix(tokenizer, reply: str, limit: int) -> tuple[str, list[int]]:
+    """The prefix of ``reply`` whose tokens hold the reply's first ``limit`` and one more, and those tokens.
+
+    A prefix of ``_CHARS_PER_TOKEN`` characters a token allowed, grown four times while it holds too few; past the
+    cut, the prefix's tokens are the reply's.
     """
     chars = _CHARS_PER_TOKEN * (limit + 2)
     while True:
-        ids = tokenizer(reply[:chars], add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        if chars >= len(reply) or len(ids) > limit + 1:  # past the cut, the prefix's tokens are the reply's
-            return ids[:limit], len(ids) > limit
+        prefix = reply[:chars]
+        prefix.encode("utf-8")  # a lone surrogate raises here, naming its place, not deep in the tokenizer
+        ids = tokenizer(prefix, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        if chars >= len(reply) or len(ids) > limit + 1:
+            return prefix, ids
         chars *= 4
 
 

@@ -2,7 +2,7 @@ r"""Tools as Python functions, called as the policy's chat template writes calls
 
 A tool is a typed function with a Google-style docstring; ``transformers.utils.get_json_schema`` makes its schema and
 the policy's chat template shows the schemas (``apply_chat_template(..., tools=...)``), as at inference. A policy turn
-runs to its end-of-turn token; the model's own parser reads its calls (``tools/calls.py``: a vLLM tool parser
+runs to its end-of-turn token; the model's own parser reads its calls (``rollout/tool_calls.py``: a vLLM tool parser
 by name, or the tokenizer's response template), several at once if it wrote several. Each call runs, and the results
 come back as ``tool`` messages rendered by the same template::
 
@@ -12,9 +12,12 @@ come back as ``tool`` messages rendered by the same template::
 
 The template's tokens between two policy turns, and the results, are context, not the policy's: masked out of the
 loss, as every environment's replies are (``rollout/episodes.py``). A result is tokenised as text (special-token text
-in it cannot write the template's control tokens).
+in it cannot write the template's control tokens), and an episode keeps of it (its messages, its calls) only the
+prefix the policy's ``max_reply_tokens`` are read from (``kept_reply``), however much the tool printed.
 
-What the policy reads when a call goes wrong (each an ``error: ...`` result; the episode goes on):
+The calls of every episode's turn run together, under one ``timeout_s`` (``tool_runs.py``): a tool that hangs holds
+a turn ``timeout_s`` once, a warning names it, and a stop (SIGTERM, Ctrl-C) ends the wait. What the policy reads when
+a call goes wrong (each an ``error: ...`` result; the episode goes on):
 
 ========================================  ==========================================================================
 malformed call (opened, does not parse)   one result naming what was wrong; the turn counts in ``tools/malformed_frac``
@@ -22,12 +25,15 @@ unknown tool, bad arguments               the tool's name and what was wrong wit
 a tool that raises                        the exception's type and message
 a tool over ``timeout_s``                 that it did not answer in time (its thread is left to finish: Python cannot
                                           stop one; a tool that must be stopped should run its work in a process)
+a result that is not valid Unicode        the tool's name and where (a lone surrogate, which no tokenizer reads)
 calls past ``max_tool_calls``             that the episode's calls are spent
 ========================================  ==========================================================================
 
 Errors count in ``tools/error_frac`` (of calls). A turn cut at ``max_new_tokens`` in the middle of a call, and an
 episode still calling at ``max_turns``, end the episode (``tools/cut_frac``). A tool's changes to the process's state
-(working directory, grad mode, default dtype, threads) are put back after each call, as a reward's are.
+(working directory, grad mode, default dtype, threads) are put back after each turn's calls, as a reward's are. A tool
+whose signature no call by name can reach (``*args``, ``**kwargs``, positional-only), or a chat template that shows
+no tools, is refused at start.
 """
 
 from __future__ import annotations
@@ -35,8 +41,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,11 +49,11 @@ from typing_extensions import override
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.data.template_checks import PROBE_QUESTION, ignores_tools
-from amir_lightning.helpers.process_state import process_state, put_back
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rollout.episodes import Environment
-from amir_lightning.rollout.replies import encode_reply
+from amir_lightning.rollout.replies import encode_reply, kept_reply, reply_char_bound
 from amir_lightning.rollout.tool_calls import ParsedTurn, ToolCall, ToolCallParser
+from amir_lightning.rollout.tool_runs import CallResult, run_together
 
 #: Stand-ins rendered by the chat template where the assistant's text and each result go, then cut out.
 _ANSWER = "\u2063amir-answer\u2063"
@@ -306,6 +310,7 @@ class ToolEnvironment(Environment):
         self._parser: ToolCallParser | None = None
         self._tokenizer = None
         self._replies: ToolReplies | None = None  # the template's text between two turns, read at prepare
+        self._max_chars = 0  # a result's characters kept on its thread (``reply_char_bound``), set at prepare
 
     @override
     def tool_schemas(self) -> list[dict[str, Any]]:
@@ -318,7 +323,7 @@ class ToolEnvironment(Environment):
         Raises:
             ValueError: The template cannot show a tool's result, or shows no tools (``ignores_tools``).
         """
-        self._tokenizer = tokenizer
+        self._tokenizer, self._max_chars = tokenizer, reply_char_bound(tokenizer, self.max_reply_tokens)
         self._replies = ToolReplies(tokenizer, chat, next(iter(self.functions)), self.max_reply_tokens)
         messages = chat.messages(Prompt(question=PROBE_QUESTION, answer=""))
         if ignores_tools(tokenizer, chat.template, chat.template_kwargs, messages, self.schemas):
@@ -332,7 +337,7 @@ class ToolEnvironment(Environment):
 
     @override
     def reset(self, prompt: Prompt) -> None:
-        return None  # an episode's calls so far are the episode's own count (``answer``'s ``calls_made``)
+        return None  # an episode's calls so far are the episode's own count (``answer``'s calls before a turn)
 
     def read(self, token_ids: list[int]) -> ParsedTurn:
         """A policy turn's calls (its end-of-turn token left out of the text the parser reads)."""
@@ -342,58 +347,56 @@ class ToolEnvironment(Environment):
             text = text[: -len(eos)]
         return self._parser.parse(text)
 
-    def answer(self, turn: ParsedTurn, token_ids: list[int], calls_made: int) -> TurnReply:
-        """Run the turn's calls (or say why its call did not parse) and render the results for the next turn.
+    def answer(self, turns: Sequence[tuple[ParsedTurn, list[int], int]]) -> list[TurnReply]:
+        """The replies to a turn of several episodes: their calls run together, then the results rendered.
 
-        ``calls_made``: the episode's calls before this turn (``max_tool_calls`` counts them).
+        ``turns``: per episode, the turn as read, its token ids, and the episode's calls before it (``max_tool_calls``
+        counts them). The calls of every episode run at once under one ``timeout_s`` (``tool_runs.py``); each
+        result is cut to what the policy reads of it before an episode keeps it; one that is no Unicode (a lone
+        surrogate) is an error.
         """
-        records: list[CallRecord] = []
+        slots = [self._checked(turn, calls_made) for turn, _, calls_made in turns]
+        to_run = [slot for episode in slots for slot in episode if isinstance(slot, ToolCall)]
+        runs = [(call.name, self.functions[call.name], call.arguments) for call in to_run]
+        results = iter(run_together(runs, self.timeout_s, self._max_chars))
+        replies = []
+        for (turn, token_ids, _), episode in zip(turns, slots):
+            records = [self._record(slot, next(results)) if isinstance(slot, ToolCall) else slot for slot in episode]
+            ids, truncated = self._replies.tokens([record.result for record in records], token_ids)
+            messages = [{"role": "tool", "name": r.name, "content": r.result} for r in records]
+            replies.append(TurnReply(ids, records, messages, turn.malformed is not None, truncated))
+        return replies
+
+    def _checked(self, turn: ParsedTurn, calls_made: int) -> list[CallRecord | ToolCall]:
+        """The turn's calls in order: each one to run, or the error record of one that cannot run.
+
+        A malformed call, one past ``max_tool_calls``, an unknown tool, arguments that break the tool's schema.
+        """
+        slots: list[CallRecord | ToolCall] = []
         if turn.malformed:
-            records.append(CallRecord("", "", f"error: malformed tool call: {turn.malformed}", True, 0.0))
+            slots.append(CallRecord("", "", f"error: malformed tool call: {turn.malformed}", True, 0.0))
         for number, call in enumerate(turn.calls, start=calls_made + 1):
-            records.append(self._run(call, number))
-        ids, truncated = self._replies.tokens([record.result for record in records], token_ids)
-        messages = [{"role": "tool", "name": r.name, "content": r.result} for r in records]
-        return TurnReply(ids, records, messages, turn.malformed is not None, truncated)
+            why = self._refusal(call, number)
+            arguments = call.arguments if call.arguments is not None else call.raw_arguments
+            slots.append(call if why is None else CallRecord(call.name, arguments, why, True, 0.0))
+        return slots
 
-    def _run(self, call: ToolCall, number: int) -> CallRecord:
-        """One call, checked, run under the deadline with the process state put back; never raises."""
-        arguments = call.arguments if call.arguments is not None else call.raw_arguments
-        function = self.functions.get(call.name)
+    def _refusal(self, call: ToolCall, number: int) -> str | None:
+        """Why the episode's call ``number`` cannot run, as the policy reads it; ``None``: it runs."""
         if number > self.max_tool_calls:
-            why = f"error: this episode's {self.max_tool_calls} tool calls are spent (max_tool_calls); answer now"
-            return CallRecord(call.name, arguments, why, True, 0.0)
-        if function is None:
-            why = f"error: there is no tool {call.name!r}; the tools are {', '.join(self.functions)}"
-            return CallRecord(call.name, arguments, why, True, 0.0)
+            return f"error: this episode's {self.max_tool_calls} tool calls are spent (max_tool_calls); answer now"
+        if call.name not in self.functions:
+            return f"error: there is no tool {call.name!r}; the tools are {', '.join(self.functions)}"
         if call.arguments is None:
-            why = f"error: the arguments of {call.name} must be a JSON object, got {call.raw_arguments[:80]}"
-            return CallRecord(call.name, arguments, why, True, 0.0)
+            return f"error: the arguments of {call.name} must be a JSON object, got {call.raw_arguments[:80]}"
         problem = argument_problem(self._schema_of[call.name], call.arguments)
-        if problem:
-            return CallRecord(call.name, arguments, f"error: {call.name}: {problem}", True, 0.0)
-        result, error, seconds = _call_with_deadline(function, call.arguments, self.timeout_s, call.name)
-        return CallRecord(call.name, arguments, result, error, seconds)
+        return f"error: {call.name}: {problem}" if problem else None
 
-
-def _call_with_deadline(function: Callable, arguments: dict[str, Any], timeout_s: float, name: str):
-    """``function(**arguments)`` as text, on a thread of its own: (result, whether an error, seconds)."""
-    outcome: list[tuple[str, bool]] = []
-    before = process_state()
-
-    def run() -> None:
+    def _record(self, call: ToolCall, result: CallResult) -> CallRecord:
+        """A call that ran, its result cut to the prefix the policy's tokens are read from (``kept_reply``)."""
         try:
-            value = function(**arguments)
-            outcome.append((value if isinstance(value, str) else json.dumps(value, default=str), False))
-        except BaseException as err:  # noqa: BLE001 - sys.exit() in a tool is the tool's error, not the run's end
-            outcome.append((f"error: {type(err).__name__}: {err}", True))
-
-    start = time.perf_counter()
-    worker = threading.Thread(target=run, name=f"tool-{name}", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    seconds = time.perf_counter() - start
-    put_back(before, f"tool {name}")
-    if not outcome:
-        return f"error: {name} did not answer within {timeout_s:g} s", True, seconds
-    return (*outcome[0], seconds)
+            text, error = kept_reply(self._tokenizer, result.text, self.max_reply_tokens), result.error
+        except UnicodeEncodeError as err:
+            text = f"error: the result of {call.name} is not valid Unicode ({err.reason} at character {err.start})"
+            error = True
+        return CallRecord(call.name, call.arguments, text, error, result.seconds)

@@ -100,3 +100,18 @@ def options(name: str, **extra: str) -> str:
         extra: More options.
     """
     return name
+
+
+def garbled() -> str:
+    """Text with a lone surrogate, which is no Unicode a tokenizer reads (a tool decoding bytes with
+    ``surrogateescape``)."""
+    return "ok \ud800 ok"
+
+
+def dump(megabytes: int) -> str:
+    """Words, as many megabytes of them as asked (a tool that prints a whole file).
+
+    Args:
+        megabytes: How many.
+    """
+    return "the quick brown fox jumps over the lazy dog " * (megabytes * 2**20 // 44)

@@ -68,3 +68,14 @@ class PageReply(Echo):
 
     def step(self, state, message):  # noqa: D102
         return "=1=1=1=1"
+
+
+class GarbledReply(Echo):
+    """Replies with text holding a lone surrogate (bytes decoded with ``surrogateescape``), which no tokenizer reads."""
+
+    def __init__(self, max_turns: int = 2) -> None:
+        super().__init__(max_turns=max_turns)
+        self.max_reply_tokens = 80
+
+    def step(self, state, message):  # noqa: D102
+        return "=1\ud800"
