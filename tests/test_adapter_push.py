@@ -193,8 +193,9 @@ def test_adapters_a_server_cannot_serve_right_are_refused_naming_the_keys():
     with pytest.raises(ValueError, match="push_adapters reads the served adapter back from one server worker: set "
                                          "tensor_parallel_size 1"):  # fmt: skip
         VLLMServerEngine(push_adapters=True, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="partial_rollouts with data.engine.init_args.push_adapters: a push in flight "
-                                         "would replace the adapter that the running requests name"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"partial_rollouts with data.engine.init_args.push_adapters: a push in flight "
+                                         r"would replace the adapter that the running requests name. Instead: push "
+                                         r"merged weights \(push_adapters false"):  # fmt: skip
         RolloutDataModule(prompts=ArithmeticPrompts(), engine=VLLMServerEngine(push_adapters=True),
                           rollout=RolloutSettings(max_staleness=1, partial_rollouts=True))  # fmt: skip
 

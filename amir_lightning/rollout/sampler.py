@@ -68,12 +68,14 @@ def setting_errors(
                       f"(amir_lightning.rollout.VLLMServerEngine), not {type(engine).__name__}")  # fmt: skip
     elif rollout.partial_rollouts and getattr(engine, "push_adapters", False):
         errors.append("data.rollout.partial_rollouts with data.engine.init_args.push_adapters: a push in flight "
-                      "would replace the adapter that the running requests name; set push_adapters false to "
-                      "push merged weights")  # fmt: skip
+                      "would replace the adapter that the running requests name. Instead: push merged weights "
+                      "(push_adapters false; pushes then reach requests in flight), or sample one rollout ahead "
+                      "without pushes in flight (max_staleness 1, partial_rollouts false)")  # fmt: skip
     if rollout.partial_rollouts and environment is not None:
-        errors.append("data.rollout.partial_rollouts with data.environment: a multi-turn episode's turns are "
-                      "not tagged with the weights that sampled them yet; sample episodes with partial_rollouts "
-                      "false")  # fmt: skip
+        errors.append("data.rollout.partial_rollouts with data.environment or data.tools: a multi-turn "
+                      "episode's turns are not tagged with the weights that sampled them. Instead: sample episodes "
+                      "one rollout ahead with each finished on the weights that started it (max_staleness 1, "
+                      "partial_rollouts false), or in turn (max_staleness 0)")  # fmt: skip
     return errors
 
 
