@@ -97,3 +97,16 @@ def test_a_cap_above_the_runs_max_new_tokens_is_refused_naming_the_key():
         "a turn can have: the penalty would never reach -1 (give at most 64, or leave it unset)"
     )
     OverlongPenalty(buffer_tokens=16, max_tokens=64).fit_to_sampling(64)  # the cap itself is fine
+
+
+def test_amir_fit_refuses_a_cap_above_max_new_tokens_in_one_line(tmp_path, monkeypatch, capsys):
+    """Through ``amir fit`` (tiny.yaml, ``max_new_tokens`` 2): exit 2, one line naming the key, before any rollout."""
+    from test_faults import fit_here
+
+    penalty = "{class_path: OverlongPenalty, init_args: {buffer_tokens: 1, max_tokens: 8}}"
+    code, err = fit_here(tmp_path, monkeypatch, capsys, ["--data.rewards", f"[{penalty}]"])
+    lines = [line for line in err.splitlines() if line.startswith("amir: error:")]
+    assert code == 2 and lines == [
+        "amir: error: data.rewards: OverlongPenalty.max_tokens (8) is above data.sampling.max_new_tokens (2), the "
+        "most tokens a turn can have: the penalty would never reach -1 (give at most 2, or leave it unset)"
+    ], err[-2000:]
