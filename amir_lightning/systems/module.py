@@ -186,14 +186,15 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         stats: dict[str, torch.Tensor] = {}
         rows, total, bad = [], 0.0, False
         for batch in step.micro_batches:
-            if batch.filler:  # another process has more micro-batches: join its collectives, add nothing
-                self.manual_backward(self.policy.completion_logps(self.model, batch, self.temperature)[0].sum() * 0.0)
-                continue
+            # A filler (another process has more micro-batches) runs the same forwards, the reference's included,
+            # and a zero backward: FSDP2 gathers the weights in each, and every process must join every gather.
             out, logps = self.compute_loss(batch, context)
             ok = bool(torch.isfinite(out.loss))
             # Data parallelism averages gradients over processes; each process's loss is a share of the global
             # loss. A non-finite loss still runs a zero backward, so processes stay in step; the step is skipped.
-            self.manual_backward(out.loss * world_size() if ok else logps.sum() * 0.0)
+            self.manual_backward(out.loss * world_size() if ok and not batch.filler else logps.sum() * 0.0)
+            if batch.filler:
+                continue
             bad = bad or not ok
             for key, value in out.stats.items():
                 stats[key] = stats.get(key, 0.0) + value.detach().float()

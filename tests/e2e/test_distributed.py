@@ -48,6 +48,7 @@ def updates(model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("updates")
     single = {f"one-{agg}-{loss}": {"aggregation": agg, "loss": loss} for agg, loss in LOSSES}
     single["one-clip"] = {"max_grad_norm": 0.05}
+    single["one-kl-lora"] = {"kl_coef": 0.1, "lora": True}
     double = {
         f"two-{strategy}-{agg}-{loss}": {"strategy": strategy, "aggregation": agg, "loss": loss}
         for strategy in STRATEGIES
@@ -55,6 +56,7 @@ def updates(model_dir, tmp_path_factory):
     }
     double |= {f"two-uneven-{s}-{p}": {"strategy": s, "packing": p, **UNEVEN} for s, p in PACKINGS}
     double["two-clip"] = {"strategy": "fsdp2", "max_grad_norm": 0.05}
+    double["two-uneven-fsdp2-kl-lora"] = {"strategy": "fsdp2", "kl_coef": 0.1, "lora": True, **UNEVEN}
     printed = launch(model_dir, out, 1, single) + launch(model_dir, out, 2, double)
     return {name: torch.load(out / f"{name}.pt") for name in [*single, *double]}, printed.splitlines()
 
@@ -93,6 +95,17 @@ def test_processes_with_unequal_micro_batches_agree_and_make_the_same_update(mod
         used = {path for path, n in counts.items() if n}
         assert used == ({"packed"} if packing == "on" else {"fused"}), line
     largest = largest_update(model_dir, single)
+    for key in single:
+        torch.testing.assert_close(double[key], single[key], atol=1e-5 * largest, rtol=0)
+
+
+def test_a_filler_runs_the_reference_forward_too_under_fsdp2(model_dir, updates):
+    """The same uneven micro-batches with a KL term and LoRA (the reference is the policy with its adapters off, a
+    forward that gathers the sharded weights): rank 1's fillers run it too, and the update equals one process's.
+    A filler that ran the policy's forward alone left rank 0 waiting in the reference's gather: the run hung."""
+    single, double = updates[0]["one-kl-lora"], updates[0]["two-uneven-fsdp2-kl-lora"]
+    largest = max(single[key].abs().max().item() for key in single if "lora_B" in key)  # B starts at 0
+    assert largest > 1e-4  # the adapters moved
     for key in single:
         torch.testing.assert_close(double[key], single[key], atol=1e-5 * largest, rtol=0)
 

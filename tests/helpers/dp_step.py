@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from amir_lightning.helpers.distributed import all_reduce
-from amir_lightning.models import HFModel
+from amir_lightning.models import HFModel, LoraSettings
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages
 from amir_lightning.objectives.amir import PairWeightSettings
 from amir_lightning.rollout.batch import agree_on_plan, build_steps, plan_steps
@@ -98,7 +98,7 @@ def count_logprob_paths() -> dict[str, int]:
 
 #: A run's settings and their defaults (strategy ``ddp`` or ``fsdp2``, ``auto`` on one process).
 DEFAULTS = {"strategy": "ddp", "aggregation": "grpo", "loss": "amir", "max_grad_norm": None, "uneven": False,
-            "micro_batch_tokens": None, "packing": "auto"}  # fmt: skip
+            "micro_batch_tokens": None, "packing": "auto", "kl_coef": 0.0, "lora": False}  # fmt: skip
 
 
 def one_run(model_dir: str, devices: int, run: dict, paths: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -106,12 +106,13 @@ def one_run(model_dir: str, devices: int, run: dict, paths: dict[str, int]) -> d
     torch.manual_seed(0)
     if settings["loss"] == "amir":
         pair_weight = PairWeightSettings(value=0.5, max=1.0, schedule="fixed")
-        loss = AmirGRPOLoss(aggregation=settings["aggregation"], pair_weight=pair_weight)
+        loss = AmirGRPOLoss(aggregation=settings["aggregation"], pair_weight=pair_weight, kl_coef=settings["kl_coef"])
     else:
-        loss = GRPOLoss(aggregation=settings["aggregation"])
+        loss = GRPOLoss(aggregation=settings["aggregation"], kl_coef=settings["kl_coef"])
     module = AmirGRPOModule(
         policy=HFModel(model_dir),
         loss=loss,
+        lora=LoraSettings(r=4, alpha=8) if settings["lora"] else None,
         max_grad_norm=settings["max_grad_norm"],
         optimizer=lambda params: torch.optim.SGD(params, lr=1.0),
         scoring=ScoringSettings(entropy=False, packing=settings["packing"]),
