@@ -94,6 +94,14 @@ def test_two_ranks_sampling_the_same_prompts_ahead_never_draw_the_same_group(ser
     assert len(groups) == 32 and len(set(groups)) == 32
 
 
+def test_a_turn_that_ends_at_more_than_four_stop_strings_is_served(server):
+    """An environment's turn ends at any digit: 10 stop strings, over the 4 vLLM's OpenAI routes take by default
+    (the run's server starts with VLLM_MAX_STOP_STRINGS 256). Before, every episode's request was refused (400)."""
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=6, stop=list("0123456789"))
+    groups = server.generate([[5, 6, 7]] * 4, 4, sampling, seed=1)
+    assert all(not any(ch.isdigit() for ch in c.text) for group in groups for c in group)
+
+
 def test_server_holds_exactly_the_pushed_weights_and_a_lost_push_stops_the_run(server, tiny_dir):
     """Each push goes through vLLM's weight-update routes; the sync check reads every tensor back from the server's
     workers (the tied LM head's packed kernel too) and finds the pushed values. A push the server never gets, or gets

@@ -37,6 +37,8 @@ EXPECT = (
 ABSENT = f"start one with the command VLLMServerEngine.server_command gives, or drop {KEY}.url to let the run start one"
 BASE_S = 120.0  # a generation request's deadline: this, plus PER_TOKEN_S for each token a sequence may write
 PER_TOKEN_S = 2.0  # a decoding step of the whole batch, generously (tens of ms on a GPU)
+#: Stop strings a started server takes in one request (``VLLM_MAX_STOP_STRINGS``; vLLM's default is 4).
+MAX_STOP_STRINGS = 256
 ROUTE_S = 600.0  # the other routes: a weight file loaded, the weights read back
 #: What the server's answer to a weight update says when it could not read the pushed file.
 UNREAD = ("No such file", "Permission denied", "deserializ", "Header", "safetensors")
@@ -76,6 +78,8 @@ def served_dtype(engine: ServerEngine, on_gpu: bool) -> str:
 def server_env(engine: ServerEngine) -> dict[str, str]:
     """The started server's environment: the RL routes on, the transfer backend registered in its workers."""
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", AMIR_VLLM_SERVER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    # vLLM's OpenAI routes take 4 stop strings by default; an environment's turn may end at more (a digit, a tag)
+    env.setdefault("VLLM_MAX_STOP_STRINGS", str(MAX_STOP_STRINGS))
     for key in TRAINER_GROUP:  # the server's workers form a group of their own, not the trainer's
         env.pop(key, None)
     if engine.devices is not None:

@@ -24,8 +24,9 @@ With ``push_adapters`` (a LoRA policy) the server serves the policy's adapter (`
 each sync sends only the LoRA factors, as a new adapter in the old one's place, and reads them back exactly
 (``rollout/adapters.py``); every request names the adapter.
 
-A server started for a ``url`` must run with the same two settings: ``VLLM_SERVER_DEV_MODE=1 AMIR_VLLM_SERVER=1``
-in its environment and ``--weight-transfer-config '{"backend": "amir_file"}' --worker-extension-cls
+A server started for a ``url`` must run with the same settings: ``VLLM_SERVER_DEV_MODE=1 AMIR_VLLM_SERVER=1`` in its
+environment (and ``VLLM_MAX_STOP_STRINGS`` above 4 where a turn ends at more stop strings) and
+``--weight-transfer-config '{"backend": "amir_file"}' --worker-extension-cls
 amir_lightning.rollout.vllm_worker.AmirWorkerExtension --logprobs-mode processed_logprobs`` (``server_command``
 returns the whole command), on a machine that shares ``transfer_dir`` with the trainer.
 """
