@@ -184,7 +184,7 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
             return self._empty_step()
         context = self.step_context(step)
         stats: dict[str, torch.Tensor] = {}
-        rows, total, bad = [], 0.0, False
+        rows, total, bad = [], torch.zeros((), device=self.device), False
         for batch in step.micro_batches:
             # A filler (another process has more micro-batches) runs the same forwards, the reference's included,
             # and a zero backward: FSDP2 gathers the weights in each, and every process must join every gather.
@@ -193,7 +193,9 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
             # Data parallelism averages gradients over processes; each process's loss is a share of the global
             # loss. A non-finite loss still runs a zero backward, so processes stay in step; the step is skipped.
             self.manual_backward(out.loss * world_size() if ok and not batch.filler else logps.sum() * 0.0)
-            if batch.filler:
+            if batch.filler:  # its stats are nothing, but named: every process sums the same keys
+                for key in out.stats:
+                    stats.setdefault(key, torch.zeros((), device=self.device))
                 continue
             bad = bad or not ok
             for key, value in out.stats.items():

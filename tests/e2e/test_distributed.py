@@ -57,6 +57,7 @@ def updates(model_dir, tmp_path_factory):
     double |= {f"two-uneven-{s}-{p}": {"strategy": s, "packing": p, **UNEVEN} for s, p in PACKINGS}
     double["two-clip"] = {"strategy": "fsdp2", "max_grad_norm": 0.05}
     double["two-uneven-fsdp2-kl-lora"] = {"strategy": "fsdp2", "kl_coef": 0.1, "lora": True, **UNEVEN}
+    double["two-idle-fsdp2-kl-lora"] = {"strategy": "fsdp2", "kl_coef": 0.1, "lora": True, **UNEVEN, "uneven": 4}
     printed = launch(model_dir, out, 1, single) + launch(model_dir, out, 2, double)
     return {name: torch.load(out / f"{name}.pt") for name in [*single, *double]}, printed.splitlines()
 
@@ -99,11 +100,14 @@ def test_processes_with_unequal_micro_batches_agree_and_make_the_same_update(mod
         torch.testing.assert_close(double[key], single[key], atol=1e-5 * largest, rtol=0)
 
 
-def test_a_filler_runs_the_reference_forward_too_under_fsdp2(model_dir, updates):
+@pytest.mark.parametrize("run", ["two-uneven-fsdp2-kl-lora", "two-idle-fsdp2-kl-lora"])
+def test_a_filler_runs_the_reference_forward_too_under_fsdp2(model_dir, updates, run):
     """The same uneven micro-batches with a KL term and LoRA (the reference is the policy with its adapters off, a
-    forward that gathers the sharded weights): rank 1's fillers run it too, and the update equals one process's.
-    A filler that ran the policy's forward alone left rank 0 waiting in the reference's gather: the run hung."""
-    single, double = updates[0]["one-kl-lora"], updates[0]["two-uneven-fsdp2-kl-lora"]
+    forward that gathers the sharded weights): rank 1's fillers run it too, and the update equals one process's;
+    also where rank 1 has no group at all (every micro-batch of its step a filler). A filler that ran the policy's
+    forward alone left rank 0 waiting in the reference's gather: the run hung; a process of fillers alone summed
+    no statistics with the others (and returned a float loss): it crashed."""
+    single, double = updates[0]["one-kl-lora"], updates[0][run]
     largest = max(single[key].abs().max().item() for key in single if "lora_B" in key)  # B starts at 0
     assert largest > 1e-4  # the adapters moved
     for key in single:

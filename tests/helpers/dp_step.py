@@ -7,7 +7,8 @@ processes (one launch for all of them); rank 0 saves each run's policy as OUT_DI
                  {"name": "uneven", "uneven": true, "micro_batch_tokens": 30, "packing": "on"}]'
 
 The global batch is the same whatever the number of processes: 4 groups of 4 completions, split into equal
-per-process shares of whole groups (``uneven``: 3 groups on rank 0, 1 on rank 1), each process accumulating over
+per-process shares of whole groups (``uneven``: 3 groups on rank 0, 1 on rank 1; a number: that many on rank 0, the
+rest on rank 1), each process accumulating over
 micro-batches of one group (or of ``micro_batch_tokens``), agreed over processes as the data module does. Every
 run prints, per rank, its micro-batches per step and its log-prob forwards by path (``run NAME, rank R: ...``).
 """
@@ -49,7 +50,7 @@ def fixed_groups(tokenizer):
 
 
 class FixedRollouts(L.LightningDataModule):
-    def __init__(self, uneven: bool = False, micro_batch_tokens: int | None = None):
+    def __init__(self, uneven: bool | int = False, micro_batch_tokens: int | None = None):
         super().__init__()
         self.uneven, self.micro_batch_tokens = uneven, micro_batch_tokens
 
@@ -57,7 +58,8 @@ class FixedRollouts(L.LightningDataModule):
         module = self.trainer.lightning_module
         groups = fixed_groups(module.policy.tokenizer)
         world, rank = self.trainer.world_size, self.trainer.global_rank
-        bounds = [0, 3, 4] if self.uneven and world == 2 else [GROUPS * r // world for r in range(world + 1)]
+        cut = 3 if self.uneven is True else int(self.uneven)
+        bounds = [0, cut, GROUPS] if self.uneven and world == 2 else [GROUPS * r // world for r in range(world + 1)]
         mine = groups[bounds[rank] : bounds[rank + 1]]
 
         def max_over_processes(values):

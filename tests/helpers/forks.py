@@ -74,7 +74,10 @@ def _serve(channel: socket.socket) -> tuple[dict, list[int], socket.socket] | No
             except OSError:  # a run that launched ranks ended before them
                 pass
         for asker in readable:
-            data, fds, _, _ = socket.recv_fds(asker, 1 << 20, 3)
+            try:
+                data, fds, _, _ = socket.recv_fds(asker, 1 << 20, 3)
+            except ConnectionResetError:  # a child that ended with its request unread (a rank killed with its run)
+                data, fds = b"", []
             if not data:
                 if asker is channel:
                     return None
