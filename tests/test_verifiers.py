@@ -1,6 +1,7 @@
 """Environments from verifiers 0.4 (``rollout/verifiers_env.py``): a taskset written for prime-rl, built here from
 in-memory rows (``tests/helpers/vf_sums``, with an ``add`` tool served by verifiers as an MCP server, and
-``tests/helpers/vf_digits``), runs its episodes through the policy and scores them with its own rewards.
+``tests/helpers/vf_digits``), runs its episodes through the policy and scores them with its own rewards; a reward of
+``tests/helpers/vf_faults`` that raises, returns junk or hangs is named, and a stop ends the wait on it.
 
 The scripted-policy tests use the character-level ChatML tokenizer and template of ``tests/test_tools.py``. The tests
 whose episodes run (verifiers starts the tool servers as processes) are in the slow tier.
@@ -190,3 +191,159 @@ def test_a_tool_server_of_each_task_starts_with_each_episode_and_serves_its_call
     finally:
         env.close()
     assert [c.calls[0]["result"] for c in group] == ["8", "8"] and [c.outcome["reward"] for c in group] == [1.0, 1.0]
+
+
+@pytest.fixture
+def faulty(monkeypatch):
+    """``make(fault, reward_warn_s, **config)``: 2 episodes of task 7 of ``vf_faults`` with ``fault`` (its reward
+    ``parsed_digit`` raises, returns ``None`` or hangs 20 s), the policy answering "seven", to run; closed after."""
+    monkeypatch.syspath_prepend(HELPERS)
+    made = []
+
+    def make(fault: str, reward_warn_s: float | None = None, **config):
+        config = {"taskset": {"id": "vf_faults", "task": {"fault": fault, "hang_s": 20.0}}, **config}
+        warn = {} if reward_warn_s is None else {"reward_warn_s": reward_warn_s}
+        env = VerifiersEnvironment(config, max_turns=1, **warn)
+        chat = ChatFormat(template=TEMPLATE)
+        env.prepare(TOKENIZER, chat)
+        made.append(env)
+        task = VerifiersTasks(config)[7]
+        return lambda: env.episodes([task], [chat.render(TOKENIZER, task)], 2, SAMPLING, scripted(["seven"])[0],
+                                    TOKENIZER)  # fmt: skip
+
+    yield make
+    for env in made:
+        env.close()
+
+
+REWARD_FAULTS = [
+    ("raises", "(tests/helpers/vf_faults/__init__.py:27) raised ValueError: invalid literal for int() with base 10: "
+               "'seven' (task '7=')"),
+    ("returns_none", "(tests/helpers/vf_faults/__init__.py:23) returned None: expected a number (task '7=')"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fault", "said"), REWARD_FAULTS, ids=[f for f, _ in REWARD_FAULTS])
+def test_a_taskset_reward_that_raises_or_returns_junk_is_named_with_its_error(fault, said, faulty, monkeypatch):
+    """Before, both were "episode 0 (task '7=') failed: no trace" (a ValueError: exit 2), the reward and its exception
+    lost. Now a ``RewardError`` (``amir`` exits 1, as for the run's own rewards) names the reward, its file and line,
+    and the taskset; the exception is its cause, its traceback the reward's own."""
+    from amir_lightning.helpers.console import user_traceback
+    from amir_lightning.rewards.base import RewardError
+
+    monkeypatch.chdir(Path(__file__).parents[1])  # files are named from where amir runs
+    with pytest.raises(RewardError) as info:
+        faulty(fault)()
+    assert str(info.value) == f"reward parsed_digit of the verifiers taskset 'vf_faults' {said}"
+    if fault == "raises":
+        shown = user_traceback(info.value.__cause__)
+        assert isinstance(info.value.__cause__, ValueError) and shown.startswith("Traceback")
+        assert 'vf_faults/__init__.py", line 27, in parsed_digit' in shown and "amir_lightning" not in shown
+    else:
+        assert info.value.__cause__ is None
+
+
+@pytest.mark.parametrize("fault", ["hangs", "awaits"])  # a blocking call holds verifiers' event loop; an await not
+def test_a_taskset_reward_that_hangs_is_named_while_it_runs_and_a_sigterm_ends_the_wait(fault, faulty, caplog):
+    """Before, the wait for the episodes said nothing and outlived the stop until the reward returned (20 s here;
+    ``amir fit`` was still running 60 s after its SIGTERM). Now the reward still running is named every
+    ``reward_warn_s`` (0.3 s), and a stop asked for (what ``amir``'s SIGTERM handler does under Lightning's) ends the
+    wait in Lightning's ``SIGTERMException`` (``amir`` exits 143)."""
+    import threading
+    import time
+
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from amir_lightning.helpers import stops
+
+    caplog.set_level("WARNING")
+    episodes = faulty(fault, reward_warn_s=0.3)
+    asked: list[float] = []
+
+    def sigterm() -> None:
+        asked.append(time.monotonic())
+        stops.request_stop("SIGTERM")
+
+    restore = stops.catch_stop_signals(SIGTERMException)
+    stop = threading.Timer(1.5, sigterm)
+    try:
+        stop.start()
+        with pytest.raises(SIGTERMException):
+            episodes()
+        waited = time.monotonic() - asked[0]
+    finally:
+        stop.cancel()
+        restore()
+    beats = [r.getMessage() for r in caplog.records if "has been running for" in r.getMessage()]
+    print(f"{fault}: {len(beats)} lines naming the reward; the wait ended {waited:.2f} s after the stop")
+    assert beats and all(b.startswith("reward parsed_digit of the verifiers taskset 'vf_faults' has been running for")
+                         and b.endswith("data.environment.init_args.reward_warn_s)") for b in beats), beats  # fmt: skip
+    assert waited < 3.0  # the loop held by a blocking call is given 2 s to end the episodes, then left
+
+
+def test_a_taskset_reward_cut_by_the_scoring_deadline_is_named_not_scored_0(faulty):
+    """verifiers' own deadline (``agent.timeout.scoring``, 0.5 s) cancels a reward still awaiting: before, the episode
+    ended with no score recorded and trained as reward 0; now its reward is named."""
+    from amir_lightning.rewards.base import RewardError
+
+    with pytest.raises(RewardError, match=r"^reward parsed_digit of the verifiers taskset 'vf_faults' ran longer than "
+                                          r"verifiers' scoring deadline \(agent.timeout.scoring"):  # fmt: skip
+        faulty("awaits", agent={"timeout": {"scoring": 0.5}})()
+
+
+@pytest.mark.parametrize("fault", ["raises", "returns_none"])
+def test_amir_fit_on_a_taskset_whose_reward_fails_exits_1_naming_it(fault, tmp_path, monkeypatch, capsys):
+    """``amir fit`` (configs/tiny.yaml, HF engine) on ``vf_faults``: before, exit 2 and "episode 0 (task '7=') failed:
+    no trace"; now exit 1, the reward's traceback (for an exception), then one line naming it."""
+    from conftest import HF_ENGINE, amir_here
+
+    environment = {"taskset": {"id": "vf_faults", "task": {"fault": fault}}}
+    tasks = f"{{class_path: amir_lightning.data.VerifiersTasks, init_args: {{environment: {environment}}}}}"
+    args = ["fit", "--config", str(Path(__file__).parents[1] / "configs" / "tiny.yaml"), *HF_ENGINE]
+    args += ["--data.prompts", tasks, "--data.rewards", "[EnvironmentReward]", "--trainer.max_epochs", "1"]
+    args += ["--data.environment", f"{{class_path: VerifiersEnvironment, init_args: {{environment: {environment}}}}}"]
+    code, _, err = amir_here(args, tmp_path, monkeypatch, capsys)
+    assert code == 1, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("amir: error: reward parsed_digit of the verifiers taskset 'vf_faults' ("), line
+    if fault == "raises":
+        assert "raised ValueError: invalid literal for int()" in line
+        shown = err.split("amir: error:")[0]  # the reward's traceback, none of ours
+        assert 'vf_faults/__init__.py", line 27, in parsed_digit' in shown and "amir_lightning" not in shown
+    else:
+        assert "returned None: expected a number" in line and "Traceback" not in err
+
+
+@pytest.mark.slow  # a run in a process of its own, stopped by SIGTERM
+@pytest.mark.parametrize("fault", ["hangs", "awaits"])
+def test_amir_fit_on_a_taskset_whose_reward_hangs_names_it_and_exits_143_at_sigterm(fault, tmp_path):
+    """``amir fit`` (configs/tiny.yaml, HF engine) on ``vf_faults`` whose reward hangs an hour: before, no line after
+    the run's start and still running 60 s after SIGTERM; now the reward is named every ``reward_warn_s`` (1 s) and
+    SIGTERM ends the run in exit 143 with its one line."""
+    import signal
+    import sys
+    import time
+
+    from conftest import HF_ENGINE
+    from helpers.processes import Watched
+
+    path = os.pathsep.join(filter(None, [HELPERS, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, AMIR_CACHE=str(tmp_path / "cache"), PYTHONPATH=path)
+    environment = {"taskset": {"id": "vf_faults", "task": {"fault": fault}}}
+    tasks = f"{{class_path: amir_lightning.data.VerifiersTasks, init_args: {{environment: {environment}}}}}"
+    args = ["fit", "--config", str(Path(__file__).parents[1] / "configs" / "tiny.yaml"), *HF_ENGINE]
+    args += ["--data.prompts", tasks, "--data.rewards", "[EnvironmentReward]", "--trainer.max_epochs", "1"]
+    args += ["--data.environment", "{class_path: VerifiersEnvironment, init_args: "
+             f"{{environment: {environment}, reward_warn_s: 1}}}}"]  # fmt: skip
+    run = Watched([sys.executable, "-m", "amir_lightning", *args], tmp_path, env)
+    try:
+        run.wait_for("reward parsed_digit of the verifiers taskset 'vf_faults' has been running for 1 s", timeout=120)
+        sent = time.monotonic()
+        run.process.send_signal(signal.SIGTERM)
+        code, ended = run.end(timeout=60)
+    finally:
+        if run.process.poll() is None:
+            run.process.kill()
+    said = [line for _, line in run.lines if line.startswith("amir: ")]
+    print(f"{fault}: exit {code} {ended - sent:.1f} s after SIGTERM; {said}")
+    assert code == 143 and said == ["amir: stopped by SIGTERM with 0 of 1 rollouts done; no checkpoint was written yet"]

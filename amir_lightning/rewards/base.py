@@ -156,7 +156,7 @@ def call_reward(reward: Reward, inputs: RewardInputs, warn_s: float = 60.0) -> l
     except (Exception, SystemExit) as err:  # sys.exit() in a reward would end the run as if it had finished
         if stops.is_stop(err):  # a preemption, not the reward's error
             raise
-        raise RewardError(f"reward {reward.name} ({_raised_at(err)}) raised {type(err).__name__}: {err}") from err
+        raise RewardError(f"reward {reward.name} ({raised_at(err)}) raised {type(err).__name__}: {err}") from err
     finally:
         if state is not None:
             put_back(state, f"reward {reward.name}")
@@ -200,7 +200,7 @@ def _with_timeout(call: Callable[[], Any], timeout_s: float, name: str) -> Any:
     return result["value"]
 
 
-def _raised_at(err: BaseException) -> str:
+def raised_at(err: BaseException) -> str:
     """``file:line`` of the innermost frame outside this package (the reward's own code), else the innermost."""
     frames = traceback.extract_tb(err.__traceback__)
     if not frames:
@@ -208,9 +208,14 @@ def _raised_at(err: BaseException) -> str:
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     outside = [f for f in frames if not os.path.abspath(f.filename).startswith(package + os.sep)]
     frame = (outside or frames)[-1]
-    path = os.path.abspath(frame.filename)
+    return code_at(frame.filename, frame.lineno)
+
+
+def code_at(filename: str, line: int | None) -> str:
+    """``file:line``, the file relative to the working directory where it lies under it."""
+    path = os.path.abspath(filename)
     shown = os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else path
-    return f"{shown}:{frame.lineno}"
+    return f"{shown}:{line}"
 
 
 def import_function(path: str) -> Callable:

@@ -13,7 +13,9 @@ servers, then scores the trace with the task's ``@vf.reward`` functions. Here:
   template's text with the tool results between them (masked, ``ToolReplies``), so the trainer scores exactly what
   the engine sampled, and verifiers' trace holds one branch;
 - the trace's reward, its named rewards and metrics go with the completion (``Completion.outcome``) to
-  ``EnvironmentReward``.
+  ``EnvironmentReward``; the taskset's rewards and metrics are watched as the run's own rewards are
+  (``rollout/verifiers_scoring.py``): one that raises or returns what is not a score stops the run naming it, one that
+  runs long is named every ``reward_warn_s`` seconds, and a stop asked for (SIGTERM, Ctrl-C) ends the wait on them.
 
 Harnesses that run a program of their own (codex, claude code, ...) are for an agent's sandbox, not a training
 loop: they are refused at start. A taskset's tool servers shared by the run start once; those of each task
@@ -26,7 +28,9 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import queue
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -35,13 +39,23 @@ from typing_extensions import override
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.data.verifiers_tasks import import_verifiers, load_tasks, task_messages, taskset_config
+from amir_lightning.helpers import stops
+from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rollout.engine import Completion, SamplingConfig
 from amir_lightning.rollout.episodes import Environment, Turn
 from amir_lightning.rollout.tool_calls import ToolCallParser
 from amir_lightning.rollout.tools import ToolReplies
 from amir_lightning.rollout.verifiers_policy import CLIENTS, URL, Batches, Episode, PolicyClient, hook_clients
+from amir_lightning.rollout.verifiers_scoring import Scoring
+
+log = logging.getLogger(__name__)
 
 KEY = "data.environment.init_args"
+#: How often the thread waiting on the episodes looks for a stop (SIGTERM, Ctrl-C), in seconds, as a wait on tools does.
+STOP_CHECK_S = 0.1
+#: How long verifiers' event loop is given to end the episodes of a rollout given up (a stop, an error) and to answer
+#: ``close``, before it is taken as held by the taskset's code.
+HELD_S = 2.0
 #: The harness every episode runs with (``rollout/verifiers_harness.py``), by the id verifiers loads it with: it
 #: imports a harness id as a top-level module, so the module is registered under this name.
 HARNESS = "amir_lightning_harness"
@@ -90,6 +104,10 @@ class VerifiersEnvironment(Environment):
         max_turns: Policy turns per episode (verifiers' ``agent.max_turns``); an episode still calling tools at the
             last is cut.
         max_reply_tokens: Longest tool result in tokens (a longer one is cut, and counted).
+        reward_warn_s: Say so when one of the taskset's rewards or metrics has run this many seconds, naming it, and
+            again as often while it runs (as ``data.rollout.reward_warn_s`` for the run's rewards); the same when the
+            episodes' tools keep them this long without a turn. verifiers' own deadline is the config's
+            ``agent.timeout.scoring``.
     """
 
     def __init__(
@@ -98,8 +116,13 @@ class VerifiersEnvironment(Environment):
         tool_parser: str = "hermes",
         max_turns: int = 4,
         max_reply_tokens: int = 256,
+        reward_warn_s: float = 60.0,
     ) -> None:
         super().__init__(max_turns=max_turns, max_reply_tokens=max_reply_tokens)
+        errors: list[str] = []
+        check_number(errors, f"{KEY}.reward_warn_s", reward_warn_s, gt=0)
+        raise_errors(errors)
+        self.reward_warn_s = reward_warn_s
         vf = import_verifiers("data.environment")
         self.config = env_config(environment, f"{KEY}.environment", max_turns)
         self.env = vf.load_environment(self.config)
@@ -110,6 +133,7 @@ class VerifiersEnvironment(Environment):
         self._client: PolicyClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._serving: contextlib.AsyncExitStack | None = None
+        self._runs: set[asyncio.Task] = set()  # the rollouts running on the loop (close lets those given up end)
         self._starting = threading.Lock()  # a rollout sampled ahead and a validation may start it at once
         for name in ("verifiers", "aiohttp.access", "httpx"):  # a line per episode and per call; warnings show
             logging.getLogger(name).setLevel(logging.WARNING)
@@ -142,18 +166,25 @@ class VerifiersEnvironment(Environment):
         tokenizer,
         room: int | None = None,
     ) -> list[list[Completion]]:
-        """``n`` episodes of each prompt's task, run by verifiers while this thread samples their turns."""
+        """``n`` episodes of each prompt's task, run by verifiers while this thread samples their turns.
+
+        Raises:
+            RewardError: One of the taskset's rewards or metrics raised, returned what is not a score, or ran over
+                verifiers' scoring deadline (the first episode's, in order).
+        """
         if self._client is None:
             raise RuntimeError("VerifiersEnvironment.prepare must run before its first episode")
         tasks = [self._task(prompt) for prompt in prompts]  # a stray prompt is refused before anything starts
         loop = self._start()
         run = Batches([i for i in range(len(prompts)) for _ in range(n)], prompt_ids, sampling, room, loop)
+        scoring = Scoring(self.config.taskset.id)
         key = str(next(_IDS))  # a rollout sampled ahead and a validation can run at once
         self._client.runs[key] = run
-        done = asyncio.run_coroutine_threadsafe(self._run(run, key, tasks, n), loop)
+        ended = threading.Event()
+        done = asyncio.run_coroutine_threadsafe(self._run(run, key, tasks, n, scoring, ended), loop)
         try:
             for turn in itertools.count():
-                batch = run.requests.get()
+                batch = self._next_batch(run, scoring)
                 if batch is None:
                     break
                 sampled = generate([ids for _, ids in batch], 1, sampling, turn)
@@ -161,13 +192,40 @@ class VerifiersEnvironment(Environment):
             episodes = done.result()
         except BaseException:
             done.cancel()
+            if not ended.wait(HELD_S):  # verifiers aborts each episode (its clean-up), unless its loop is held
+                log.warning("verifiers taskset %r: its episodes did not end within %g s of being given up (a blocking "
+                            "call in the taskset's async code holds verifiers' event loop)", self.config.taskset.id,
+                            HELD_S)  # fmt: skip
             raise
         finally:
             del self._client.runs[key]
         out: list[list[Completion]] = [[] for _ in prompts]
         for index, (record, episode) in enumerate(zip(run.records, episodes)):
-            out[record.prompt_index].append(_completion(record, episode, tokenizer, tasks[record.prompt_index], index))
+            task = tasks[record.prompt_index]
+            out[record.prompt_index].append(_completion(record, episode, tokenizer, task, index, scoring))
         return out
+
+    def _next_batch(self, run: Batches, scoring: Scoring) -> list | None:
+        """The next turns to sample (``None``: every episode ended), waited for as long as the taskset's code runs.
+
+        Every ``reward_warn_s`` seconds without them, the rewards and metrics still running are named, or else the
+        episodes still running their tools are counted; a stop asked for (SIGTERM, Ctrl-C) raises what the run makes
+        of it (``helpers/stops.py``).
+        """
+        said = time.monotonic()
+        while True:
+            try:
+                return run.requests.get(timeout=STOP_CHECK_S)
+            except queue.Empty:
+                stops.raise_if_stopped()
+            if scoring.say_running(self.reward_warn_s, f"{KEY}.reward_warn_s"):
+                said = time.monotonic()
+            elif time.monotonic() - said >= self.reward_warn_s:
+                said = time.monotonic()
+                running = len(run.records) - run.finished - len(run.waiting)
+                log.warning("verifiers taskset %r: %d episodes have not asked for a turn in %.0f s (verifiers runs "
+                            "their tools, setup or clean-up; %s.reward_warn_s)", self.config.taskset.id, running,
+                            self.reward_warn_s, KEY)  # fmt: skip
 
     def _task(self, prompt: Prompt):
         """The task a prompt of ``VerifiersTasks`` stands for (the same taskset, loaded once per process)."""
@@ -183,7 +241,9 @@ class VerifiersEnvironment(Environment):
             raise ValueError(f"{KEY}.environment: task {index} of {self.config.taskset.id!r} is not the prompt drawn")
         return task
 
-    async def _run(self, run: Batches, key: str, tasks: list, n: int) -> list:
+    async def _run(self, run: Batches, key: str, tasks: list, n: int, scoring: Scoring, ended: threading.Event) -> list:
+        """The episodes of ``tasks`` (``n`` each) on verifiers' event loop; ``ended`` is set once every one ended."""
+        self._runs.add(asyncio.current_task())
         vf = import_verifiers("data.environment")
         slots = [slot for task in tasks for slot in self.env.slots(task, n=n)]
 
@@ -191,8 +251,8 @@ class VerifiersEnvironment(Environment):
             context = vf.ModelContext(
                 model=f"amir-{key}-{index}", client=vf.TrainClientConfig(base_url=URL.format(self._id))
             )
-            try:
-                return await self.env.run_slot(slot, context)
+            try:  # the episode's task scored through the watch
+                return await self.env.run_slot(replace(slot, task=scoring.task(slot.task, index)), context)
             finally:
                 run.finish(index)
 
@@ -200,6 +260,8 @@ class VerifiersEnvironment(Environment):
             return await asyncio.gather(*(one(index, slot) for index, slot in enumerate(slots)))
         finally:
             run.requests.put(None)
+            ended.set()
+            self._runs.discard(asyncio.current_task())
 
     def _start(self) -> asyncio.AbstractEventLoop:
         """The event loop verifiers runs in (a thread of its own), the environment served from it (once)."""
@@ -229,19 +291,52 @@ class VerifiersEnvironment(Environment):
             loop, self._loop = self._loop, None
         if loop is None:
             return
-        if self._serving is not None:
-            asyncio.run_coroutine_threadsafe(self._serving.aclose(), loop).result(timeout=60)
-        loop.call_soon_threadsafe(loop.stop)
-        self._serving = None
+        serving, self._serving = self._serving, None
         CLIENTS.pop(self._id, None)
+        answered = threading.Event()
+        loop.call_soon_threadsafe(answered.set)
+        closed = asyncio.run_coroutine_threadsafe(self._shut(serving), loop)
+        closed.add_done_callback(lambda _: loop.call_soon_threadsafe(loop.stop))
+        if not answered.wait(HELD_S):  # a blocking call in the taskset's async code (named above) holds the loop
+            log.warning("verifiers' event loop is held by the taskset's code (a blocking call in an async reward, "
+                        "metric or tool): its servers stop once the call returns, or with this process")  # fmt: skip
+            return
+        try:
+            closed.result(timeout=60)
+        except TimeoutError:
+            log.warning("verifiers did not stop the taskset's servers within 60 s: they end with this process")
+
+    async def _shut(self, serving: contextlib.AsyncExitStack | None) -> None:
+        """On the loop: let the rollouts given up end, stop serving, then end what is left, as ``asyncio.run`` does.
+
+        verifiers aborts each episode of a rollout given up; a task still pending when the loop stops is never awaited.
+        """
+        if self._runs:
+            await asyncio.wait(list(self._runs), timeout=HELD_S)
+        if serving is not None:
+            await serving.aclose()
+        if left := asyncio.all_tasks() - {asyncio.current_task()}:
+            for task in left:
+                task.cancel()
+            await asyncio.wait(left, timeout=HELD_S)
 
 
-def _completion(record: Episode, episode, tokenizer, task, index: int) -> Completion:
-    """The episode as a completion, with the taskset's scoring of it."""
+def _completion(record: Episode, episode, tokenizer, task, index: int, scoring: Scoring) -> Completion:
+    """The episode as a completion, with the taskset's scoring of it.
+
+    Raises:
+        RewardError: A reward or metric of the taskset failed on it (``Scoring``).
+        ValueError: verifiers failed it otherwise (its errors, and its traces').
+    """
     if not episode.ok:
-        errors = "; ".join(str(getattr(e, "message", e)) for e in episode.errors) or "no trace"
-        raise ValueError(f"{KEY}.environment: episode {index} (task {task.data.prompt!r:.60}) failed: {errors}")
+        if index in scoring.errors:
+            raise scoring.errors[index]
+        errors = [*episode.errors, *(error for trace in episode.traces for error in trace.errors)]
+        said = "; ".join(f"{e.type}: {e.message}" for e in errors) or "no error recorded"
+        raise ValueError(f"{KEY}.environment: episode {index} (task {task.data.prompt!r:.60}) failed: {said}")
     trace = episode.traces[0]
+    if trace.stop_condition == "scoring_timeout":  # its rewards were cut: it has no score to train on
+        raise scoring.cut_error(index)
     if record.messages and record.messages[-1].get("tool_calls"):
         record.tool_cut = True  # still calling tools when verifiers' limits ended it
     rewards = {name: r.score for name, r in trace.rewards.items() if r is not None and r.score is not None}
