@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import torch
 from lightning import Callback
@@ -15,25 +16,31 @@ from amir_lightning.rollout.batch import RolloutBatch, RolloutStep
 class StepMonitor(Callback):
     """Aggregates per-micro-batch values with torchmetrics (synced across processes) and logs them once per step.
 
-    Subclasses call ``self.mean`` and ``self.cat`` for each micro-batch of a step in
-    ``on_train_batch_end`` (one call per optimisation step), then log what ``self.computed()`` returns.
+    Subclasses name their keys up front (``means``, ``cats``), call ``self.mean`` and ``self.cat`` for each
+    micro-batch of a step in ``on_train_batch_end`` (one call per optimisation step), then log what
+    ``self.computed()`` returns. Every process holds every key from the start, so every process syncs the same
+    metrics, whether or not it has seen values yet (a process whose step is fillers alone sees none).
+
+    Args:
+        means: Keys of (weighted) means.
+        cats: Keys of concatenated values (medians, histograms).
     """
 
-    def __init__(self) -> None:
-        self._means: dict[str, MeanMetric] = {}
-        self._cats: dict[str, CatMetric] = {}
+    def __init__(self, means: Sequence[str] = (), cats: Sequence[str] = ()) -> None:
+        self._means = {key: MeanMetric(nan_strategy="ignore") for key in means}
+        self._cats = {key: CatMetric(nan_strategy="ignore") for key in cats}
+
+    def setup(self, trainer, pl_module, stage: str) -> None:  # noqa: D102
+        for metric in [*self._means.values(), *self._cats.values()]:
+            metric.to(pl_module.device)
 
     def mean(self, key: str, values: torch.Tensor, weight: torch.Tensor | float = 1.0) -> None:
         """Accumulate a (weighted) mean for ``key``."""
-        if key not in self._means:
-            self._means[key] = MeanMetric(nan_strategy="ignore").to(values.device)
         if values.numel():
             self._means[key].update(values.float(), weight)
 
     def cat(self, key: str, values: torch.Tensor) -> None:
         """Accumulate raw values for ``key`` (medians, histograms)."""
-        if key not in self._cats:
-            self._cats[key] = CatMetric(nan_strategy="ignore").to(values.device)
         if values.numel():
             self._cats[key].update(values.float().flatten())
 

@@ -52,7 +52,8 @@ class LengthBiasMonitor(StepMonitor):
     """
 
     def __init__(self, histogram: bool = True, long_tokens: int | None = None) -> None:
-        super().__init__()
+        means = ["correct", "incorrect", "corr_advantage", "neg_pg", "neg_pair"]
+        super().__init__(means + ["long_incorrect"] * (long_tokens is not None), ["hist_correct", "hist_incorrect"])
         self.write_histogram, self.long_tokens = histogram, long_tokens
 
     @override

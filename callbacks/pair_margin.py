@@ -25,7 +25,7 @@ class PairMarginMonitor(StepMonitor):
     """
 
     def __init__(self, histogram: bool = True) -> None:
-        super().__init__()
+        super().__init__(cats=["margins"])
         self.write_histogram = histogram
 
     @override

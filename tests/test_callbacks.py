@@ -184,11 +184,12 @@ def _monitor_on_two_processes(rank, store_file, results):
     from amir_lightning.callbacks._base import StepMonitor
 
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
-    monitor = StepMonitor()
-    seen = torch.tensor([2.0, 4.0]) if rank == 0 else torch.zeros(0)  # only rank 0 saw, say, a correct completion
-    monitor.mean("length", seen)
-    monitor.cat("lengths", seen)
-    monitor.mean("nobody", torch.zeros(0))
+    monitor = StepMonitor(means=["length", "nobody"], cats=["lengths"])
+    if rank == 0:  # only rank 0 saw, say, a correct completion; rank 1's step was fillers alone: no call at all
+        seen = torch.tensor([2.0, 4.0])
+        monitor.mean("length", seen)
+        monitor.cat("lengths", seen)
+        monitor.mean("nobody", torch.zeros(0))
     means, cats = monitor.computed()
     results[rank] = (float(means["length"]), cats["lengths"].tolist(), "nobody" in means)
     dist.destroy_process_group()
@@ -196,7 +197,10 @@ def _monitor_on_two_processes(rank, store_file, results):
 
 @pytest.mark.slow
 def test_monitors_sync_even_where_a_process_saw_nothing(tmp_path):
-    """Metric sync is a collective: a process that saw no values must still take part, or the others hang."""
+    """Metric sync is a collective: a process that saw no values must still take part, or the others hang; also one
+    that never added a value (its step was fillers alone, which have no rows). A monitor made its metrics when it
+    first saw a value: such a process held none, synced nothing, and the other waited for it (a 2-process run with
+    dynamic sampling hung)."""
     import torch.multiprocessing as mp
 
     results = mp.Manager().dict()
