@@ -183,6 +183,16 @@ _servers = None
 
 
 @pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2's tokenizer (bundled), whose own ChatML template shows no tools."""
+    from transformers import AutoTokenizer
+
+    from amir_lightning.models import BundledSmolLM2
+
+    return AutoTokenizer.from_pretrained(BundledSmolLM2().resolve())
+
+
+@pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """vLLM servers that the runs of the test files using this fixture share by ``url`` (``tests/helpers/served.py``):
     this process's, kept from one such file to the next (they run first, ``pytest_collection_modifyitems``)."""

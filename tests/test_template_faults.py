@@ -18,15 +18,6 @@ INTERNALS = "data.chat_template reaches for Python internals ("
 SANDBOX = "): a chat template is rendered sandboxed and may not use names starting with '_'"
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from transformers import AutoTokenizer
-
-    from amir_lightning.models import BundledSmolLM2
-
-    return AutoTokenizer.from_pretrained(BundledSmolLM2().resolve())
-
-
 # (case, template, what main did, the error now)
 REFUSED = [
     ("''.__class__", "{{ ''.__class__ }}" + CHATML + GENERATION, "rendered nothing, started", "'__class__' at line 1"),

@@ -32,15 +32,6 @@ def test_a_tool_whose_signature_no_call_by_name_can_reach_is_refused_naming_it(t
     )
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from transformers import AutoTokenizer
-
-    from amir_lightning.models import BundledSmolLM2
-
-    return AutoTokenizer.from_pretrained(BundledSmolLM2().resolve())
-
-
 def test_a_chat_template_that_never_shows_the_tools_is_refused_at_start(smollm2):
     """SmolLM2's own ChatML template ignores ``tools``: the prompt reads the same with and without them, so the policy
     would be trained never having seen a schema. Before: the run trained, nothing said. A template that shows them

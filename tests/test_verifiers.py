@@ -25,17 +25,29 @@ pytestmark = pytest.mark.skipif(find_spec("verifiers") is None, reason="needs th
 HELPERS = str(Path(__file__).parent / "helpers")
 
 
-@pytest.fixture(scope="module")
-def sums():
-    """``vf_sums`` served (its tool server started once), prepared for the ChatML tokenizer; closed after."""
+def prepared(taskset: str, **settings):
+    """``taskset`` (its tool server started once, at its first episode), prepared for the ChatML tokenizer; closed
+    after. Yields the environment, the chat format and the tasks."""
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(HELPERS)  # the taskset's module, here and in its tool server's process
         patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [HELPERS, os.environ.get("PYTHONPATH")])))
-        env = VerifiersEnvironment("vf_sums", max_turns=3)
+        env = VerifiersEnvironment(taskset, **settings)
         chat = ChatFormat(template=TEMPLATE, tools=env.tool_schemas())
         env.prepare(TOKENIZER, chat)
-        yield env, chat, VerifiersTasks("vf_sums")
+        yield env, chat, VerifiersTasks(taskset)
         env.close()
+
+
+@pytest.fixture(scope="module")
+def sums():
+    """``vf_sums`` served, prepared for the ChatML tokenizer; closed after."""
+    yield from prepared("vf_sums", max_turns=3)
+
+
+@pytest.fixture(scope="module")
+def results():
+    """``vf_results`` (tools ``garbled`` and ``dump``) served, results cut at 64 tokens; closed after."""
+    yield from prepared("vf_results", max_turns=2, max_reply_tokens=64)
 
 
 def scripted(turns):
@@ -347,3 +359,92 @@ def test_amir_fit_on_a_taskset_whose_reward_hangs_names_it_and_exits_143_at_sigt
     said = [line for _, line in run.lines if line.startswith("amir: ")]
     print(f"{fault}: exit {code} {ended - sent:.1f} s after SIGTERM; {said}")
     assert code == 143 and said == ["amir: stopped by SIGTERM with 0 of 1 rollouts done; no checkpoint was written yet"]
+
+
+def test_a_chat_template_that_never_shows_the_tasksets_tools_is_refused_at_start(smollm2, monkeypatch):
+    """SmolLM2's own ChatML template ignores ``tools``: the prompt reads the same with and without ``vf_sums``' ``add``,
+    so the policy would be trained never having seen its schema. Before: ``prepare`` took it, nothing said. A template
+    that shows them starts, and so does SmolLM2's for a taskset without tools (``vf_digits``)."""
+    monkeypatch.syspath_prepend(HELPERS)
+    env = VerifiersEnvironment("vf_sums")
+    with pytest.raises(ValueError) as info:
+        env.prepare(smollm2, ChatFormat(tools=env.tool_schemas()))
+    assert str(info.value) == (
+        f"data.environment.init_args.environment: the chat template of {smollm2.name_or_path} renders the prompt the "
+        "same with and without the tools of the verifiers taskset 'vf_sums', so the policy would never see their "
+        "schemas: give one that shows them in data.chat_template (configs/templates/chatml_tools.jinja does, in ChatML)"
+    )
+    with pytest.raises(ValueError, match="^data.environment.init_args.environment: data.chat_template renders the"):
+        env.prepare(smollm2, ChatFormat(template=smollm2.chat_template, tools=env.tool_schemas()))
+    env.prepare(smollm2, ChatFormat(template=TEMPLATE, tools=env.tool_schemas()))
+    VerifiersEnvironment("vf_digits").prepare(smollm2, ChatFormat())
+
+
+@pytest.mark.slow  # verifiers serves the taskset's tool server from a process of its own
+def test_a_huge_result_is_kept_only_as_far_as_the_policy_reads_it(results):
+    """4 episodes call ``dump``, whose 8 MiB result verifiers' harness brings back whole; the policy reads 64 tokens
+    of it. Before: each episode kept the whole result in its calls and messages (4 x 8,388,600 characters held after
+    the rollout); now each keeps the prefix its tokens are read from, and those tokens are the whole result's."""
+    from helpers.tool_functions import dump
+    from test_tools import shown
+
+    from amir_lightning.rollout.replies import encode_reply
+
+    env, chat, tasks = results
+    generate, _ = scripted([call("dump", '{"megabytes": 8}'), "Done."])
+    (group,) = env.episodes([tasks[0]], [chat.render(TOKENIZER, tasks[0])], 4, SAMPLING, generate, TOKENIZER)
+    expected, cut = encode_reply(TOKENIZER, dump(8), 64)
+    assert cut and len(expected) == 64
+    for c in group:
+        kept = c.calls[0]["result"]
+        assert c.messages[-2] == {"role": "tool", "name": "dump", "content": kept} and len(kept) <= 16 * 66, len(kept)
+        assert shown(c) == [TOKENIZER.decode(expected)] and (c.tool_truncated, c.tool_errors) == (1, 0)
+
+
+def test_a_result_that_is_not_valid_unicode_is_an_error_the_policy_reads_and_counted(results):
+    """A tool message holding a lone surrogate, as verifiers' interception server parses a body that escapes one
+    (``json.loads``, where its strict parser refuses it). Before: ``UnicodeEncodeError`` (``encode_reply``) stopped
+    the run. Now the policy reads an error naming the tool, counted in ``tools/error_frac``, as for ``data.tools``.
+
+    (Through verifiers' MCP tool servers a lone surrogate does not come back: their JSON parser refuses it, and the
+    harness's result is ``error: garbled: MCPError: ...``.)"""
+    import asyncio
+    import json
+
+    from test_tools import shown
+    from verifiers.v1.dialects.chat import ChatDialect, message_to_wire
+
+    from amir_lightning.rollout.verifiers_policy import Batches
+
+    env, chat, tasks = results
+    client, key, prompt = env._client, "unicode", list(tasks[0].messages)
+
+    async def converse() -> Completion:
+        run = client.runs[key] = Batches(
+            [0], [chat.render(TOKENIZER, tasks[0])], SAMPLING, None, asyncio.get_running_loop()
+        )
+
+        async def ask(messages, text):  # verifiers' call for the episode's next turn; the policy writes ``text``
+            body = json.loads(json.dumps({"model": f"amir-{key}-0", "messages": messages, "tools": env.tool_schemas()}))
+            reply = asyncio.ensure_future(client.get_response(ChatDialect(), body, None))
+            while run.requests.empty() and not reply.done():
+                await asyncio.sleep(0.01)
+            if not reply.done():
+                own = TOKENIZER(text, add_special_tokens=False)["input_ids"] + [EOS]
+                run.deliver(run.requests.get(), [Completion(own, text, [-0.5] * len(own), "stop")])
+            return (await reply).message
+
+        first = await ask(prompt, call("garbled", "{}"))
+        result = {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "ok \ud800 ok"}
+        await ask([*prompt, message_to_wire(first), result], "Done.")
+        run.finish(0)
+        return run.records[0].completion(TOKENIZER)
+
+    try:
+        completion = asyncio.run(converse())
+    finally:
+        client.runs.pop(key, None)
+    why = "error: the result of garbled is not valid Unicode (surrogates not allowed at character 3)"
+    assert completion.calls[0]["result"] == why and shown(completion) == [why[:64]]  # one token a character
+    assert (completion.tool_calls, completion.tool_errors) == (1, 1)
+    assert tool_metrics([completion])["tools/error_frac"] == 1.0

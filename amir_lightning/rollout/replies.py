@@ -107,6 +107,18 @@ def kept_reply(tokenizer, reply: str, limit: int) -> str:
     return _read_prefix(tokenizer, reply, limit)[0]
 
 
+def kept_result(tokenizer, tool: str, result: str, limit: int) -> tuple[str, bool]:
+    """What an episode keeps of ``tool``'s ``result`` (``kept_reply``), and whether that is an error instead.
+
+    A result that is not valid Unicode (a lone surrogate, which no tokenizer reads) is kept as an error the policy
+    reads, naming the tool and where; it counts in ``tools/error_frac``.
+    """
+    try:
+        return kept_reply(tokenizer, result, limit), False
+    except UnicodeEncodeError as err:
+        return f"error: the result of {tool} is not valid Unicode ({err.reason} at character {err.start})", True
+
+
 def reply_char_bound(tokenizer, limit: int) -> int:
     """Characters of a reply that hold all ``kept_reply`` keeps of it: a reply may be cut there first, untokenised.
 

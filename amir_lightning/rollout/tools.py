@@ -51,7 +51,7 @@ from amir_lightning.data.base import Prompt
 from amir_lightning.data.template_checks import PROBE_QUESTION, ignores_tools
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rollout.episodes import Environment
-from amir_lightning.rollout.replies import encode_reply, kept_reply, reply_char_bound
+from amir_lightning.rollout.replies import encode_reply, kept_result, reply_char_bound
 from amir_lightning.rollout.tool_calls import ParsedTurn, ToolCall, ToolCallParser
 from amir_lightning.rollout.tool_runs import CallResult, run_together
 
@@ -185,6 +185,24 @@ class TurnReply:
     messages: list[dict[str, Any]] = field(default_factory=list)
     malformed: bool = False
     truncated: int = 0
+
+
+def refuse_hidden_tools(tokenizer, chat, schemas: list[dict[str, Any]], key: str, whose: str = "the tools") -> None:
+    """Refuse a chat template that renders the prompt the same with and without ``schemas`` (``ignores_tools``).
+
+    ``key`` names the setting that brought the tools, ``whose`` says whose tools they are.
+
+    Raises:
+        ValueError: The template shows no tools (SmolLM2's ChatML): the policy would never see their schemas.
+    """
+    messages = chat.messages(Prompt(question=PROBE_QUESTION, answer=""))
+    if ignores_tools(tokenizer, chat.template, chat.template_kwargs, messages, schemas):
+        which = "data.chat_template" if chat.template else f"the chat template of {tokenizer.name_or_path}"
+        raise ValueError(
+            f"{key}: {which} renders the prompt the same with and without {whose}, so the policy would never see "
+            "their schemas: give one that shows them in data.chat_template (configs/templates/chatml_tools.jinja "
+            "does, in ChatML)"
+        )
 
 
 class ToolReplies:
@@ -325,14 +343,7 @@ class ToolEnvironment(Environment):
         """
         self._tokenizer, self._max_chars = tokenizer, reply_char_bound(tokenizer, self.max_reply_tokens)
         self._replies = ToolReplies(tokenizer, chat, next(iter(self.functions)), self.max_reply_tokens)
-        messages = chat.messages(Prompt(question=PROBE_QUESTION, answer=""))
-        if ignores_tools(tokenizer, chat.template, chat.template_kwargs, messages, self.schemas):
-            which = "data.chat_template" if chat.template else f"the chat template of {tokenizer.name_or_path}"
-            raise ValueError(
-                f"data.tools: {which} renders the prompt the same with and without the tools, so the policy would "
-                "never see their schemas: give one that shows them in data.chat_template "
-                "(configs/templates/chatml_tools.jinja does, in ChatML)"
-            )
+        refuse_hidden_tools(tokenizer, chat, self.schemas, "data.tools")
         self._parser = ToolCallParser(self.tool_parser, tokenizer, self.schemas)
 
     @override
@@ -393,10 +404,6 @@ class ToolEnvironment(Environment):
         return f"error: {call.name}: {problem}" if problem else None
 
     def _record(self, call: ToolCall, result: CallResult) -> CallRecord:
-        """A call that ran, its result cut to the prefix the policy's tokens are read from (``kept_reply``)."""
-        try:
-            text, error = kept_reply(self._tokenizer, result.text, self.max_reply_tokens), result.error
-        except UnicodeEncodeError as err:
-            text = f"error: the result of {call.name} is not valid Unicode ({err.reason} at character {err.start})"
-            error = True
-        return CallRecord(call.name, call.arguments, text, error, result.seconds)
+        """A call that ran, its result cut to the prefix the policy's tokens are read from (``kept_result``)."""
+        text, unreadable = kept_result(self._tokenizer, call.name, result.text, self.max_reply_tokens)
+        return CallRecord(call.name, call.arguments, text, result.error or unreadable, result.seconds)

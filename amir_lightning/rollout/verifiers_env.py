@@ -10,16 +10,17 @@ servers, then scores the trace with the task's ``@vf.reward`` functions. Here:
   is sampled by the run's engine, together with the calls of every other episode then waiting (one batch per turn,
   seeded by its place in the run), and its tool calls are read by the policy's own parser (``tool_parser``);
 - an episode's tokens are the prompt's as the run rendered it, the policy's turns (trained on) and the chat
-  template's text with the tool results between them (masked, ``ToolReplies``), so the trainer scores exactly what
-  the engine sampled, and verifiers' trace holds one branch;
+  template's text with the tool results between them (masked, ``ToolReplies``; of a result, the episode keeps what
+  the policy reads), so the trainer scores exactly what the engine sampled, and verifiers' trace holds one branch;
 - the trace's reward, its named rewards and metrics go with the completion (``Completion.outcome``) to
   ``EnvironmentReward``; the taskset's rewards and metrics are watched as the run's own rewards are
   (``rollout/verifiers_scoring.py``): one that raises or returns what is not a score stops the run naming it, one that
   runs long is named every ``reward_warn_s`` seconds, and a stop asked for (SIGTERM, Ctrl-C) ends the wait on them.
 
 Harnesses that run a program of their own (codex, claude code, ...) are for an agent's sandbox, not a training
-loop: they are refused at start. A taskset's tool servers shared by the run start once; those of each task
-(``Task.toolsets``) start with every episode, as in verifiers (a process each).
+loop: they are refused at start, as is a chat template that shows no tools when the taskset has some. A taskset's
+tool servers shared by the run start once; those of each task (``Task.toolsets``) start with every episode, as in
+verifiers (a process each).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rollout.engine import Completion, SamplingConfig
 from amir_lightning.rollout.episodes import Environment, Turn
 from amir_lightning.rollout.tool_calls import ToolCallParser
-from amir_lightning.rollout.tools import ToolReplies
+from amir_lightning.rollout.tools import ToolReplies, refuse_hidden_tools
 from amir_lightning.rollout.verifiers_policy import CLIENTS, URL, Batches, Episode, PolicyClient, hook_clients
 from amir_lightning.rollout.verifiers_scoring import Scoring
 
@@ -144,7 +145,15 @@ class VerifiersEnvironment(Environment):
 
     @override
     def prepare(self, tokenizer, chat) -> None:
-        """Read the policy's chat template (the text between two turns) and its tool-call parser, once."""
+        """Read the policy's chat template (the text between two turns) and its tool-call parser, once.
+
+        Raises:
+            ValueError: The taskset has tools and the template shows none (``refuse_hidden_tools``), or cannot show
+                a tool's result (``ToolReplies``).
+        """
+        if self.schemas:
+            whose = f"the tools of the verifiers taskset {self.config.taskset.id!r}"
+            refuse_hidden_tools(tokenizer, chat, self.schemas, f"{KEY}.environment", whose)
         parser = ToolCallParser(self.tool_parser, tokenizer, self.schemas) if self.schemas else None
         replies = ToolReplies(tokenizer, chat, self.schemas[0]["function"]["name"], self.max_reply_tokens) if (
             self.schemas

@@ -4,7 +4,10 @@ verifiers' interception server asks its client for each model call. ``hook_clien
 episodes of a run here, a ``PolicyClient``: it renders the call's messages with the policy's chat template (tool
 results as ``ToolReplies`` writes them), waits in ``Batches`` until every unfinished episode has asked, and returns
 the turn the run's engine sampled, its tool calls read by the policy's parser. Each episode's tokens are kept as
-they were sampled (``Episode``).
+they were sampled (``Episode``); of a tool's result, the episode keeps what the policy reads (``kept_result``:
+``max_reply_tokens``' worth of text, however much the tool printed), and a result that is not valid Unicode (a lone
+surrogate, which verifiers' interception server takes from JSON that escapes one) is an error naming the tool, as
+for ``data.tools``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from amir_lightning.data.base import Prompt
 from amir_lightning.data.verifiers_tasks import import_verifiers
 from amir_lightning.rollout.engine import Completion, SamplingConfig
 from amir_lightning.rollout.episodes import EpisodeRecord
+from amir_lightning.rollout.replies import kept_result, reply_char_bound
 
 #: The base URL the episodes' model calls name (per environment); the interception server's client for it is the
 #: environment's policy client.
@@ -83,6 +87,8 @@ class PolicyClient:
     def __init__(self, tokenizer, chat, parser, replies, tool_names: set[str]) -> None:
         self.tokenizer, self.chat, self.parser, self.replies = tokenizer, chat, parser, replies
         self.tool_names = tool_names
+        # A result's characters that hold all the policy reads of it (``reply_char_bound``): the rest is never kept.
+        self.max_chars = reply_char_bound(tokenizer, replies.max_reply_tokens) if replies is not None else 0
         self.runs: dict[str, Batches] = {}  # the rollouts in progress, by the key their episodes' model names hold
 
     async def get_response(self, dialect, body, sampling, session_id=None, turn=None, headers=None):  # noqa: D102
@@ -151,18 +157,22 @@ class PolicyClient:
         if not new or any(m.get("role") != "tool" for m in new) or self.replies is None:
             roles = [m.get("role") for m in new]
             raise ValueError(f"after a policy turn the harness sent {roles}, not the results of its tool calls")
-        results = [_text(m.get("content")) for m in new]
-        ids, truncated = self.replies.tokens(results, record.last_turn)
+        by_id = {c["id"]: c for c in record.pending_calls}
+        calls = [by_id.get(m.get("tool_call_id"), {"name": m.get("name") or "", "arguments": ""}) for m in new]
+        kept = [self._kept(call["name"], _text(m.get("content"))) for call, m in zip(calls, new)]
+        ids, truncated = self.replies.tokens([result for result, _ in kept], record.last_turn)
         record.add(ids)
         record.tool_truncated += truncated
-        names = {c["id"]: c for c in record.pending_calls}
-        for m, result in zip(new, results):
-            call = names.get(m.get("tool_call_id"), {"name": "", "arguments": ""})
-            error = result.startswith("error: ")
+        for call, (result, unreadable) in zip(calls, kept):
+            error = unreadable or result.startswith("error: ")
             record.calls.append({"name": call["name"], "arguments": call["arguments"], "result": result,
                                  "error": error, "seconds": 0.0})  # fmt: skip
             record.tool_errors += error
             record.messages.append({"role": "tool", "name": call["name"], "content": result})
+
+    def _kept(self, tool: str, result: str) -> tuple[str, bool]:
+        """What the episode keeps of a result (``kept_result``: what the policy reads of it), and whether unreadable."""
+        return kept_result(self.tokenizer, tool, result[: self.max_chars], self.replies.max_reply_tokens)
 
     def _read(self, record: Episode, completion: Completion) -> tuple[str, list]:
         """The turn's text and its tool calls (``vf.ToolCall``), as the policy's parser reads them."""
