@@ -26,7 +26,7 @@ ROOT = Path(__file__).parents[1]
 HELPERS = ROOT / "tests" / "helpers"
 sys.path.insert(0, str(HELPERS.parent))
 
-from helpers.combinations import Cell, every_cell, pairwise, train_and_resume  # noqa: E402
+from helpers.combinations import LORA_RANK, Cell, every_cell, pairwise, train_and_resume  # noqa: E402
 from helpers.served import Served  # noqa: E402
 
 ENV = dict(
@@ -67,9 +67,10 @@ def refused(cell: Cell, folder: Path) -> str:
 
 def trained(cell: Cell, folder: Path, served: Served) -> str:
     """How ``cell`` trains: ``ok`` with its figures when every invariant holds, else the first that broke."""
-    shared = cell.schedule != "in turn" and cell.lora != "adapters"  # adapter pushes need a server started with LoRA
+    rank = LORA_RANK if cell.lora == "adapters" else None  # adapter pushes need a server that serves adapters
+    engine = served.tiny_yaml_engine(rank) if cell.schedule != "in turn" else None
     try:
-        found = train_and_resume(cell, folder, served.tiny_yaml_engine() if shared else None, must_run)
+        found = train_and_resume(cell, folder, engine, must_run)
     except Exception as err:  # a run that failed: its last line
         return f"BROKEN: {err}"
     broken = [

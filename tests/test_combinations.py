@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_amir
-from helpers.combinations import every_cell, pairwise, train_and_resume
+from helpers.combinations import LORA_RANK, every_cell, pairwise, train_and_resume
 
 from amir_lightning.cli import main
 from amir_lightning.cli.app import build_cli
@@ -46,10 +46,10 @@ def test_a_cell_trains_exactly_and_resumes_to_the_same_weights(cell, tmp_path, s
     """3 rollouts on configs/tiny.yaml: every sync verified (read back exactly, the probe within float32 noise), no
     two groups of one prompt alike over rollouts and processes, every step's normalisers its loss masks' sums (an
     environment's replies left out), dr_grpo's L the episode's token limit; resumed from the checkpoint after rollout
-    2, the run ends with the uninterrupted run's weights, bitwise."""
-    # a shared server of the tiny model, but where the run pushes adapters: a server of its own, started with LoRA
-    shared = cell.schedule != "in turn" and cell.lora != "adapters"
-    engine = served.tiny_yaml_engine() if shared else None
+    2, the run ends with the uninterrupted run's weights, bitwise. The cells ahead share a server (``served``), the
+    adapter cells one that serves adapters: each later run finds the adapters the earlier one left there."""
+    rank = LORA_RANK if cell.lora == "adapters" else None  # a server that serves adapters, where they are pushed
+    engine = served.tiny_yaml_engine(rank) if cell.schedule != "in turn" else None
     env = dict(os.environ, PYTHONPATH=str(HELPERS) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     found = train_and_resume(cell, tmp_path, engine, lambda args, folder: run_amir(args, folder, env=env))
     assert found["rollouts"] == 3 and found["verified"] > 0 and found["probe_gap"] < 1e-4, found

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from amir_lightning.helpers.http import Endpoint, ServerError, reading
+from amir_lightning.helpers.http import Endpoint, ServerError, reading, request
 from amir_lightning.helpers.serving import TRAINER_GROUP
 from amir_lightning.rollout.adapters import engine_rank, write_adapter
 from amir_lightning.rollout.engine import Completion, RolloutEngine
@@ -160,9 +160,10 @@ def push_adapters(engine: ServerEngine, adapters: dict[str, torch.Tensor], rank:
         raise ServerError(f"could not write the pushed adapters to {folder} ({KEY}.transfer_dir): "
                           f"{err.strerror or err}") from None  # fmt: skip
     try:
-        if engine._adapter is None:  # this run's first: the name may be left by an earlier run on a server given by url
-            with contextlib.suppress(ServerError):
-                engine._post("/v1/unload_lora_adapter", {"lora_name": name}, plain=True)
+        if engine._adapter is None:  # this run's first: an earlier run on a server given by url left its adapter
+            for left in served_adapters(engine):
+                with contextlib.suppress(ServerError):
+                    engine._post("/v1/unload_lora_adapter", {"lora_name": left}, plain=True)
         with paused(engine):
             engine._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)}, plain=True)
     finally:
@@ -171,6 +172,15 @@ def push_adapters(engine: ServerEngine, adapters: dict[str, torch.Tensor], rank:
         with contextlib.suppress(ServerError):
             engine._post("/v1/unload_lora_adapter", {"lora_name": engine._adapter}, plain=True)
     engine.pushes += 1
+
+
+def served_adapters(engine: ServerEngine) -> list[str]:
+    """The policy adapters ``engine``'s server holds now (``/v1/models`` lists each with its base as ``parent``)."""
+    answer = request(engine.endpoint, "/v1/models", None, deadline_s=ROUTE_S, deadline_key=f"{KEY}.request_timeout",
+                     method="GET")  # fmt: skip
+    with reading(engine.endpoint, "/v1/models", answer):
+        names = [model["id"] for model in answer["data"] if model.get("parent")]
+    return [name for name in names if name.startswith(f"{ADAPTER}-")]
 
 
 def adapter_name(push: int) -> str:

@@ -29,6 +29,7 @@ AGGREGATIONS = ("dr_grpo", "dapo")
 ROLLOUTS = 3
 MAX_NEW_TOKENS = 4
 MAX_TURNS = 2
+LORA_RANK = 4
 FSDP2 = "{class_path: lightning.pytorch.strategies.ModelParallelStrategy}"
 
 
@@ -85,8 +86,8 @@ class Cell:
         if self.processes == 2:
             args += ["--trainer.devices", "2", "--trainer.strategy", FSDP2]
         if self.lora != "none":
-            args += ["--model.lora", "{r: 4, alpha: 8}"]
-        if self.lora == "adapters":
+            args += ["--model.lora", f"{{r: {LORA_RANK}, alpha: 8}}"]
+        if self.lora == "adapters":  # (a given server must serve adapters too)
             args += ["--data.engine.init_args.push_adapters", "true"]
         if self.episodes:
             args += ["--data.environment", "tools.Echo", "--data.environment.init_args.max_turns", str(MAX_TURNS)]

@@ -32,17 +32,22 @@ class Served:
         self.folder = folder
         self.engines: dict[str, VLLMServerEngine] = {}
 
-    def url(self, model_dir) -> str:
-        """The address of a server of ``model_dir``'s architecture and tokenizer (its weights: the last run's)."""
+    def url(self, model_dir, lora_rank: int | None = None) -> str:
+        """The address of a server of ``model_dir``'s architecture and tokenizer (its weights: the last run's);
+        ``lora_rank``: one that serves pushed adapters of that rank (``push_adapters``)."""
+        from amir_lightning.models import LoraSettings
+
         model_dir = Path(model_dir)
         config = json.loads((model_dir / "config.json").read_text())
         config.pop("_name_or_path", None)
         tokenizer = model_dir / "tokenizer.json"
-        key = hashlib.sha256(json.dumps(config, sort_keys=True).encode() + tokenizer.read_bytes()).hexdigest()[:16]
+        identity = json.dumps(config, sort_keys=True).encode() + tokenizer.read_bytes() + str(lora_rank).encode()
+        key = hashlib.sha256(identity).hexdigest()[:16]
         if key not in self.engines:
             # a test's folder may go before the server
             kept = model_dir if self.folder in model_dir.parents else shutil.copytree(model_dir, self.folder / key)
-            engine = VLLMServerEngine(**SETTINGS)
+            engine = VLLMServerEngine(**SETTINGS, push_adapters=lora_rank is not None)
+            engine.take_adapters(LoraSettings(r=lora_rank) if lora_rank is not None else None)
             engine.start(kept, seed=0)
             self.engines[key] = engine
         return self.engines[key].url
@@ -54,13 +59,16 @@ class Served:
         model = self.folder / "tiny"
         return self.url(model if (model / "config.json").is_file() else build_tiny_model(model, seed=0))
 
-    def tiny_yaml_engine(self) -> str:
-        """``--data.engine``'s value for the server engine at a server of configs/tiny.yaml's model."""
+    def tiny_yaml_engine(self, lora_rank: int | None = None) -> str:
+        """``--data.engine``'s value for the server engine at a server of configs/tiny.yaml's model; ``lora_rank``:
+        one that serves the adapters of a LoRA policy of that rank (``push_adapters``)."""
         from amir_lightning.models import TinyModel
 
         policy = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())["model"]["policy"]
-        url = self.url(TinyModel(**policy["init_args"], cache_dir=str(self.folder / "models")).resolve())
-        given = {"url": url, "max_model_len": SETTINGS["max_model_len"]}
+        model = TinyModel(**policy["init_args"], cache_dir=str(self.folder / "models")).resolve()
+        given = {"url": self.url(model, lora_rank), "max_model_len": SETTINGS["max_model_len"]}
+        if lora_rank is not None:
+            given["push_adapters"] = True
         return json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": given})
 
     def close(self) -> None:
