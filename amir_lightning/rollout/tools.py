@@ -38,9 +38,6 @@ no tools, is refused at start.
 
 from __future__ import annotations
 
-import importlib
-import inspect
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,103 +50,14 @@ from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rollout.episodes import Environment
 from amir_lightning.rollout.replies import encode_reply, kept_result, reply_char_bound
 from amir_lightning.rollout.tool_calls import ParsedTurn, ToolCall, ToolCallParser
+from amir_lightning.rollout.tool_functions import argument_problem, load_tool, signature_problem, tool_schema
 from amir_lightning.rollout.tool_runs import CallResult, run_together
 
 #: Stand-ins rendered by the chat template where the assistant's text and each result go, then cut out.
 _ANSWER = "\u2063amir-answer\u2063"
 _RESULT = "\u2063amir-result-{}\u2063"
-_JSON_TYPES = {
-    "string": (str,),
-    "integer": (int,),
-    "number": (int, float),
-    "boolean": (bool,),
-    "array": (list,),
-    "object": (dict,),
-    "null": (type(None),),
-}
 
-
-def load_tool(tool: str | Callable) -> Callable:
-    """A tool given as ``module.function`` (or ``module:function``), or the function itself."""
-    if callable(tool):
-        return tool
-    module, _, name = tool.replace(":", ".").rpartition(".")
-    try:
-        function = getattr(importlib.import_module(module), name) if module else None
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"data.tools: {tool!r} cannot be imported ({type(err).__name__}: {err})") from None
-    if not callable(function):
-        raise ValueError(f"data.tools: {tool!r} is not a module.function path of a callable")
-    return function
-
-
-def tool_schema(function: Callable) -> dict[str, Any]:
-    """The tool's JSON schema (``get_json_schema``: from its type hints and its docstring's ``Args:``).
-
-    Raises:
-        ValueError: The function has no schema, or one its calls could never follow (``signature_problem``).
-    """
-    from transformers.utils import get_json_schema
-
-    name = getattr(function, "__qualname__", function)
-    if problem := signature_problem(function):
-        raise ValueError(
-            f"data.tools: {name} {problem}: a call passes each argument by name (the JSON object the policy writes), "
-            "so it could never be called as its schema says; give every argument a name"
-        )
-    try:
-        return get_json_schema(function)
-    except Exception as err:  # noqa: BLE001 - transformers says what is missing; say which tool
-        raise ValueError(
-            f"data.tools: {name} needs type hints on every argument and a docstring with a description and an Args: "
-            f"line per argument ({type(err).__name__}: {err})"
-        ) from None
-
-
-def signature_problem(function: Callable) -> str | None:
-    """What in ``function``'s signature no call by keyword can reach, as ``takes *values``; ``None``: nothing.
-
-    The schema makes a required property of ``*values`` and of ``**extra`` alike, and lists positional-only ones:
-    ``function(values=3)`` raises, and ``function(extra=...)`` arrives as ``{"extra": ...}``.
-    """
-    try:
-        parameters = inspect.signature(function).parameters.values()
-    except (TypeError, ValueError):
-        return "has no signature Python can read"
-    for parameter in parameters:
-        if parameter.kind is parameter.VAR_POSITIONAL:
-            return f"takes *{parameter.name}"
-        if parameter.kind is parameter.VAR_KEYWORD:
-            return f"takes **{parameter.name}"
-        if parameter.kind is parameter.POSITIONAL_ONLY:
-            return f"takes {parameter.name} by position only"
-    return None
-
-
-def argument_problem(schema: dict[str, Any], arguments: dict[str, Any]) -> str | None:
-    """What is wrong with ``arguments`` for the tool of ``schema`` (JSON types, required, unknown); ``None``: fine."""
-    parameters = schema["function"].get("parameters") or {}
-    properties = parameters.get("properties") or {}
-    missing = [name for name in parameters.get("required", []) if name not in arguments]
-    if missing:
-        return f"missing argument{'s' if len(missing) > 1 else ''} {', '.join(missing)}"
-    unknown = [name for name in arguments if name not in properties]
-    if unknown:
-        takes = ", ".join(properties) or "none"
-        return f"unknown argument{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} (it takes {takes})"
-    for name, value in arguments.items():
-        spec = properties[name]
-        types = spec.get("type")
-        types = [types] if isinstance(types, str) else list(types or [])
-        if spec.get("nullable"):
-            types.append("null")
-        allowed = tuple(t for kind in types for t in _JSON_TYPES.get(kind, (object,)))
-        wrong_bool = isinstance(value, bool) and "boolean" not in types  # True is an int to Python, not to JSON
-        if allowed and (not isinstance(value, allowed) or wrong_bool):
-            return f"argument {name} must be {' or '.join(types)}, got {json.dumps(value)[:80]}"
-        if "enum" in spec and value not in spec["enum"]:
-            return f"argument {name} must be one of {', '.join(map(str, spec['enum']))}, got {json.dumps(value)[:80]}"
-    return None
+__all__ = ["ToolEnvironment", "argument_problem", "load_tool", "signature_problem", "tool_schema"]
 
 
 @dataclass
