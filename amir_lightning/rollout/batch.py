@@ -258,8 +258,8 @@ def build_steps(
     """The optimisation schedule of a rollout: ``passes`` passes over the steps of ``plan``, padded.
 
     Empty micro-batches become fillers made of ``filler`` (any group of the rollout); an empty step (no process has
-    a group there) has no micro-batches. Later passes share the first
-    pass's micro-batches (the same objects) and continue its step indices. Every step refers to ``rollout``.
+    a group there) has no micro-batches. Later passes share the first pass's micro-batches (the same objects) and
+    continue its step indices. Every step refers to ``rollout``.
     """
     steps = []
     for index, parts in enumerate(plan):
