@@ -238,6 +238,7 @@ def _save_in_a_process(path: Path, lock: bool = False, limit: int = 0, wrapper: 
     return done.stdout.strip()
 
 
+@pytest.mark.slow  # a process of its own: about 6 s
 def test_a_read_only_checkpoint_folder_is_one_line_naming_it(tmp_path):
     """The folder is a read-only file system (a tmpfs mounted read-only in a mount namespace of the process's own).
     Before: the clean-up's ``unlink`` of the temporary file that was never made raised EROFS in the handler, two
@@ -259,6 +260,7 @@ def test_a_read_only_checkpoint_folder_is_one_line_naming_it(tmp_path):
     )
 
 
+@pytest.mark.slow  # a process of its own: about 6 s
 def test_a_checkpoint_folder_without_write_permission_is_one_line_naming_it(tmp_path):
     """A folder of mode 0o555 holding an earlier checkpoint: the line names the folder and the cause, and says that no
     partial file was left (before: "the partial file was removed", and the space, where space was not the matter)."""
@@ -277,6 +279,7 @@ def test_a_checkpoint_folder_without_write_permission_is_one_line_naming_it(tmp_
     assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=1.ckpt"]
 
 
+@pytest.mark.slow  # a process of its own: about 6 s
 def test_a_partial_file_that_cannot_be_removed_does_not_hide_why_the_write_failed(tmp_path):
     """The folder takes no more files once the checkpoint's file is open, then the write fails (files may not grow
     past 50 KB, as on a full disk): the line gives the write's cause and says the partial file is still there. Before:

@@ -303,6 +303,7 @@ def test_a_taskset_reward_cut_by_the_scoring_deadline_is_named_not_scored_0(faul
         faulty("awaits", agent={"timeout": {"scoring": 0.5}})()
 
 
+@pytest.mark.slow  # a whole run: about 6 s each
 @pytest.mark.parametrize("fault", ["raises", "returns_none"])
 def test_amir_fit_on_a_taskset_whose_reward_fails_exits_1_naming_it(fault, tmp_path, monkeypatch, capsys):
     """``amir fit`` (configs/tiny.yaml, HF engine) on ``vf_faults``: before, exit 2 and "episode 0 (task '7=') failed:
