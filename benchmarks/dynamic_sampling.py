@@ -32,7 +32,7 @@ DYNAMIC = ["--data.rollout.dynamic_sampling", "true", "--data.rollout.max_sampli
 SERVER = {"max_model_len": 64, "kv_cache_memory_bytes": 33554432, "threads": 1}
 if len(os.sched_getaffinity(0)) > 1:
     SERVER["cpu_cores"] = "1"  # the server's one core, the trainer's the rest
-AHEAD = ["--data.engine", json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": SERVER})]
+AHEAD = ["--data.engine", json.dumps({"class_path": "amir_lightning.engines.VLLMServerEngine", "init_args": SERVER})]
 AHEAD += ["--data.rollout.max_staleness", "1", "--data.rollout.stale_logps", "current"]
 ARMS = {
     "drop": ["--data.rollout.drop_zero_std_groups", "true"],

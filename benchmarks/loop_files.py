@@ -107,7 +107,7 @@ def main() -> None:
         args += ["--checkpoint.save_on_train_epoch_end", "false", "--trainer.check_val_every_n_epoch", "100"]
         args += ["--trainer.callbacks+", "__main__.Trace", "--model.export.dir", str(Path(folder) / "policy")]
         if server:
-            engine = {"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": SERVER}
+            engine = {"class_path": "amir_lightning.engines.VLLMServerEngine", "init_args": SERVER}
             args += ["--data.engine", json.dumps(engine), "--data.rollout.max_staleness", "1"]
         amir(args)
     for title, root in (("library", LIBRARY), ("monitors", MONITORS)):

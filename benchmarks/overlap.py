@@ -82,7 +82,7 @@ def engine_args(arm: str, setting: str) -> list[str]:
     init = {"max_model_len": ENGINE_LEN[setting], "kv_cache_memory_bytes": KV_CACHE[setting], "threads": 1}
     if len(os.sched_getaffinity(0)) > 1:
         init["cpu_cores"] = "1"
-    engine = json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": init})
+    engine = json.dumps({"class_path": "amir_lightning.engines.VLLMServerEngine", "init_args": init})
     staleness = ["--data.rollout.max_staleness", "1"] if arm.startswith("server_async") else []
     if arm.startswith("server_async"):
         staleness += ["--data.rollout.stale_logps", "current" if arm == "server_async_current" else "sampler"]

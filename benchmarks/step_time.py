@@ -29,11 +29,11 @@ import torch
 from _common import add_step_arguments, interleaved, machine, median, peak_rss_mb, steady_malloc
 
 from amir_lightning.data import ArithmeticPrompts, render_prompt
+from amir_lightning.engines.base import Completion
 from amir_lightning.models import QWEN25_3B_SHAPE, BundledSmolLM2, HFModel, LoraSettings, TinyModel
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages, mine_pairs, sequence_logps
 from amir_lightning.objectives.amir import PairTermSettings, PairWeightSettings
 from amir_lightning.rollout.batch import build_steps, plan_steps
-from amir_lightning.rollout.engine import Completion
 from amir_lightning.rollout.policy import ScoringSettings
 from amir_lightning.rollout.types import Group
 from amir_lightning.systems.module import AmirGRPOModule

@@ -134,7 +134,7 @@ def run_here(args, tmp_path, monkeypatch, capsys, caplog, expect: int = 0) -> Ru
 
 
 #: The HF engine instead of the config's vLLM engine, for runs in this process.
-HF_ENGINE = ["--data.engine", "amir_lightning.rollout.HFEngine", "--data.engine.init_args.progress", "false"]
+HF_ENGINE = ["--data.engine", "amir_lightning.engines.HFEngine", "--data.engine.init_args.progress", "false"]
 
 
 def stop_and_resume(run, tmp_path, common, first_half=()):

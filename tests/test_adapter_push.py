@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from amir_lightning.data import ArithmeticPrompts
+from amir_lightning.engines import vllm as vllm_engine_module
+from amir_lightning.engines.adapters import adapter_mismatches, engine_rank, modules_of
 from amir_lightning.models import HFModel, LoraSettings, build_tiny_model
 from amir_lightning.rollout import SamplingConfig, VLLMEngine, VLLMServerEngine, server_setup
-from amir_lightning.rollout import vllm_engine as vllm_engine_module
-from amir_lightning.rollout.adapters import adapter_mismatches, engine_rank, modules_of
 from amir_lightning.rollout.collect import RolloutSettings
 from amir_lightning.rollout.policy import Policy
 from amir_lightning.rollout.sync import StaleEngineError, SyncCheck
@@ -234,7 +234,7 @@ def test_a_run_on_a_server_pushes_adapters_and_samples_with_them(tmp_path, monke
 
     config = Path(__file__).parents[1] / "configs" / "tiny.yaml"
     server = {"max_model_len": 64, "kv_cache_memory_bytes": 32 * 1024**2, "threads": 1, "push_adapters": True}
-    engine = json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": server})
+    engine = json.dumps({"class_path": "amir_lightning.engines.VLLMServerEngine", "init_args": server})
     args = ["fit", "--config", str(config), "--model.lora", "{r: 8, alpha: 16}", "--data.engine", engine]
     args += ["--trainer.max_epochs", "3", "--trainer.check_val_every_n_epoch", "9"]
     run = run_here(args, tmp_path, monkeypatch, capsys, caplog)

@@ -139,7 +139,7 @@ def test_sleep_mode_without_a_gpu_is_refused_in_one_line(capsys):
     """vLLM's sleep mode frees GPU memory through its CUDA allocator: asked for on a machine without CUDA, the run
     stops before any model loads, naming the key."""
     tiny = str(Path(__file__).parents[1] / "configs" / "tiny.yaml")
-    engine = "{class_path: amir_lightning.rollout.VLLMEngine, init_args: {enable_sleep_mode: true}}"
+    engine = "{class_path: amir_lightning.engines.VLLMEngine, init_args: {enable_sleep_mode: true}}"
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", tiny, "--data.engine", engine])
     assert exit_info.value.code == 2

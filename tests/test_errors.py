@@ -161,7 +161,7 @@ CASES = [
     ("unwritable output dir", ["--trainer.logger.init_args.save_dir", "@a_file@/runs"], "Not a directory: '"),
     (
         "prompt longer than the context",
-        ["--data.max_prompt_tokens", "1", "--data.engine", "amir_lightning.rollout.HFEngine"],
+        ["--data.max_prompt_tokens", "1", "--data.engine", "amir_lightning.engines.HFEngine"],
         "over the limit of 1 (data.max_prompt_tokens",
     ),
     ("config file with a syntax error", ["--config", "@bad.yaml@"], "bad.yaml is not valid YAML: while parsing"),
@@ -205,7 +205,7 @@ RG = "amir_lightning.rewards.MathAnswerReward"
 MORE_CASES = [
     (
         "tensor-parallel in-process engine",
-        ["--data.engine", "amir_lightning.rollout.VLLMEngine", "--data.engine.init_args.tensor_parallel_size", "2"],
+        ["--data.engine", "amir_lightning.engines.VLLMEngine", "--data.engine.init_args.tensor_parallel_size", "2"],
         "data.engine.init_args.tensor_parallel_size 2: the in-process VLLMEngine streams weights into its worker",
     ),
     ("negative grad clip", ["--model.max_grad_norm", "-1"], "model.max_grad_norm must be > 0 or null, got -1"),
@@ -336,7 +336,7 @@ MORE_CASES = [
     ("NaN max bad steps", ["--model.max_bad_steps", ".nan"], "model.max_bad_steps must be an integer, got 'nan'"),
     (
         "more rollouts ahead than the run has",
-        ["--data.engine", "amir_lightning.rollout.VLLMServerEngine", "--data.rollout.max_staleness", "1000"]
+        ["--data.engine", "amir_lightning.engines.VLLMServerEngine", "--data.rollout.max_staleness", "1000"]
         + ["--data.rollout.partial_rollouts", "true", "--trainer.max_epochs", "2"],
         "data.rollout.max_staleness 1000 is more than the run's 2 rollouts",
     ),

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).parents[1]
 HELPERS = Path(__file__).parent / "helpers"
 TINY = str(ROOT / "configs" / "tiny.yaml")
-HF = ["--data.engine", "amir_lightning.rollout.HFEngine", "--data.engine.init_args.progress", "false"]
+HF = ["--data.engine", "amir_lightning.engines.HFEngine", "--data.engine.init_args.progress", "false"]
 BASE = ["fit", "--config", TINY, "--trainer.max_epochs", "2", "--trainer.check_val_every_n_epoch", "50"]
 BASE += ["--trainer.deterministic", "true", *HF]
 _CLEAN: dict[str, dict[str, torch.Tensor]] = {}
@@ -178,7 +178,7 @@ def test_rows_that_cannot_be_used_are_found_when_the_data_opens(case, row, reaso
 
 
 def test_a_kv_cache_too_small_names_this_package_keys(tmp_path, monkeypatch, capsys):
-    extra = ["--data.engine", "amir_lightning.rollout.VLLMEngine", "--data.engine.init_args.max_model_len", "64"]
+    extra = ["--data.engine", "amir_lightning.engines.VLLMEngine", "--data.engine.init_args.max_model_len", "64"]
     extra += ["--data.engine.init_args.kv_cache_memory_bytes", "1024"]
     code, err = fit_here(tmp_path, monkeypatch, capsys, extra)
     line = next(line for line in err.splitlines() if line.startswith("amir: error:"))

@@ -10,10 +10,10 @@ from helpers.server_runs import running_requests
 from transformers import AutoModelForCausalLM
 
 from amir_lightning.data import ArithmeticPrompts
+from amir_lightning.engines.base import Completion
 from amir_lightning.models import build_tiny_model
 from amir_lightning.rollout import HFEngine, SamplingConfig, VLLMServerEngine
 from amir_lightning.rollout.collect import RolloutSettings
-from amir_lightning.rollout.engine import Completion
 from amir_lightning.rollout.schedule import staleness
 from amir_lightning.systems.datamodule import RolloutDataModule
 

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from amir_lightning.engines.base import Completion
 from amir_lightning.models import HFModel, build_tiny_model
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages
 from amir_lightning.objectives.amir import PairWeightSettings
 from amir_lightning.rollout.batch import build_steps, fit_plan, make_batch, plan_steps
-from amir_lightning.rollout.engine import Completion
 from amir_lightning.rollout.policy import ScoringSettings
 from amir_lightning.rollout.types import Group
 from amir_lightning.systems.module import AmirGRPOModule

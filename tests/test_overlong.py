@@ -4,10 +4,10 @@ import pytest
 from test_datamodule import build, make_trainer
 
 from amir_lightning.data.base import Prompt
+from amir_lightning.engines.base import Completion
 from amir_lightning.rewards import OverlongPenalty
 from amir_lightning.rewards.base import call_reward
 from amir_lightning.rewards.inputs import RewardInputs
-from amir_lightning.rollout.engine import Completion
 from amir_lightning.rollout.rewarding import score_completions
 
 

@@ -14,11 +14,11 @@ from helpers.served import SETTINGS
 from safetensors.torch import load_file
 
 from amir_lightning.data.base import Prompt
+from amir_lightning.engines.base import Completion
 from amir_lightning.helpers.distributed import all_reduce
 from amir_lightning.helpers.serving import free_port, group_members
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rollout.collect import RolloutSettings, make_rollout
-from amir_lightning.rollout.engine import Completion
 from amir_lightning.rollout.pending import PendingRollout, SavedRollout
 from amir_lightning.rollout.saved import gather_saved, restore, saved_for_rank
 
@@ -155,7 +155,7 @@ def test_two_processes_resumed_a_rollout_ahead_end_where_an_uninterrupted_run_do
     (two rollouts ahead, killed mid-generation) in tests/e2e/test_stops.py, and DDP on two processes in
     tests/e2e/test_distributed.py."""
     strategy, stale_logps = FSDP2, "sampler"
-    engine = json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": SETTINGS})
+    engine = json.dumps({"class_path": "amir_lightning.engines.VLLMServerEngine", "init_args": SETTINGS})
     common = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.engine", engine]
     common += ["--trainer.devices", "2", "--trainer.strategy", strategy, "--trainer.deterministic", "true"]
     common += ["--data.rollout.max_staleness", "1", "--data.rollout.stale_logps", stale_logps]

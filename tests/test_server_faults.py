@@ -20,7 +20,7 @@ ROOT = Path(__file__).parents[1]
 HELPERS = Path(__file__).parent / "helpers"
 TINY = str(ROOT / "configs" / "tiny.yaml")
 BASE = ["fit", "--config", TINY, "--trainer.max_epochs", "1", "--trainer.check_val_every_n_epoch", "50"]
-HF = ["--data.engine", "amir_lightning.rollout.HFEngine", "--data.engine.init_args.progress", "false"]
+HF = ["--data.engine", "amir_lightning.engines.HFEngine", "--data.engine.init_args.progress", "false"]
 EXPECT = "data.engine.init_args.url must be a vLLM server started with VLLM_SERVER_DEV_MODE=1 AMIR_VLLM_SERVER=1"
 
 
@@ -42,7 +42,7 @@ def fit_here(tmp_path, monkeypatch, capsys, extra) -> tuple[int, str, float]:
 
 
 def server_engine(**init_args) -> list[str]:
-    return ["--data.engine", json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine",
+    return ["--data.engine", json.dumps({"class_path": "amir_lightning.engines.VLLMServerEngine",
                                          "init_args": init_args})]  # fmt: skip
 
 

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from amir_lightning.rollout.digest import Digest, WeightSlot, tensor_digest
-from amir_lightning.rollout.shards import merge_workers, param_readings, part_rows
+from amir_lightning.engines.digest import Digest, WeightSlot, tensor_digest
+from amir_lightning.engines.shards import merge_workers, param_readings, part_rows
 
 GEN = torch.Generator().manual_seed(0)
 HIDDEN, HEAD = 16, 4

@@ -23,11 +23,11 @@ from helpers.engines import (
     perturb,
 )
 
+from amir_lightning.engines.base import RolloutEngine
+from amir_lightning.engines.digest import ColumnSample, Digest, Place, PushedDigests, Reading, WeightSlot, tensor_digest
+from amir_lightning.engines.hf import _NamedLayout
 from amir_lightning.models import build_tiny_model
 from amir_lightning.rollout import HFEngine, VLLMEngine
-from amir_lightning.rollout.digest import ColumnSample, Digest, Place, PushedDigests, Reading, WeightSlot, tensor_digest
-from amir_lightning.rollout.engine import RolloutEngine
-from amir_lightning.rollout.hf_engine import _NamedLayout
 from amir_lightning.rollout.sync import StaleEngineError, SyncCheck, SyncSettings
 
 

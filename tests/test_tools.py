@@ -243,7 +243,7 @@ def test_a_run_with_tools_shows_their_schemas_and_gives_rewards_the_conversation
     root = Path(__file__).parents[1]
     args = ["fit", "--config", str(root / "configs" / "tiny.yaml"), "--trainer.max_epochs", "1"]
     args += ["--model.policy", "amir_lightning.models.HFModel", "--model.policy.init_args.name_or_path", str(model_dir)]
-    args += ["--data.engine", "amir_lightning.rollout.HFEngine", "--data.engine.init_args.progress", "false"]
+    args += ["--data.engine", "amir_lightning.engines.HFEngine", "--data.engine.init_args.progress", "false"]
     template = root / "configs" / "templates" / "chatml_tools.jinja"
     args += ["--data.tools", '["tool_functions.add"]', "--data.chat_template", str(template)]
     args += ["--data.rewards", '["tool_functions.sees_conversations"]', "--data.max_prompt_tokens", "1000"]

@@ -8,8 +8,8 @@ import pytest
 from conftest import read_scalars, run_amir
 
 from amir_lightning.data.base import Prompt
+from amir_lightning.engines.base import Completion
 from amir_lightning.rewards import FunctionReward, MathAnswerReward, Reward, RewardInputs
-from amir_lightning.rollout.engine import Completion
 from amir_lightning.rollout.rewarding import score_completions
 
 ROOT = Path(__file__).parents[1]
@@ -142,7 +142,7 @@ def test_a_trl_reward_function_from_yaml_gets_the_dataset_column(tmp_path):
     )
     (tmp_path / "mine.yaml").write_text(config)
     args = ["fit", "--config", "mine.yaml", "--trainer.max_epochs", "2", "--data.rollout.prompts_per_process", "4"]
-    args += ["--data.engine", "amir_lightning.rollout.HFEngine", "--data.engine.init_args.progress", "false"]
+    args += ["--data.engine", "amir_lightning.engines.HFEngine", "--data.engine.init_args.progress", "false"]
     run_amir(args, tmp_path, console_script=True)  # the HF engine: the process never imports vLLM
     calls = [json.loads(line) for line in (tmp_path / "seen.jsonl").read_text().splitlines()]
     assert len(calls) == 2  # one call per rollout

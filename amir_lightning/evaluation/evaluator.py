@@ -9,9 +9,9 @@ from typing import Literal
 import torch
 
 from amir_lightning.data.base import Prompt, PromptSource
+from amir_lightning.engines.base import SamplingConfig
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.rewards.math import MathAnswerReward
-from amir_lightning.rollout.engine import SamplingConfig
 from amir_lightning.rollout.schedule import At, Schedule
 from amir_lightning.rollout.types import Group
 

@@ -283,7 +283,7 @@ def adapter_state(model) -> dict[str, torch.Tensor]:
     """The LoRA factors under Peft's saved names, ``B`` multiplied by its layer's scaling, float32, on the CPU.
 
     ``W x + B' (A x)`` is then the policy's forward, for an engine that serves the adapter with scale 1
-    (``rollout/adapters.py``). Only the factors are gathered under FSDP2, on every process.
+    (``engines/adapters.py``). Only the factors are gathered under FSDP2, on every process.
     """
     from peft.tuners.lora import LoraLayer
 

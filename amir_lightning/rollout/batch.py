@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from amir_lightning.data.base import Prompt
-from amir_lightning.rollout.engine import Completion
+from amir_lightning.engines.base import Completion
 from amir_lightning.rollout.types import Group, Rollout
 
 

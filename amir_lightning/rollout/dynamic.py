@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from amir_lightning.data.base import Prompt
+from amir_lightning.engines.base import Completion
 from amir_lightning.helpers import stops
-from amir_lightning.rollout.engine import Completion
 from amir_lightning.rollout.rewarding import Scores
 
 log = logging.getLogger(__name__)

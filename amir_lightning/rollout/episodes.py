@@ -27,8 +27,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from amir_lightning.data.base import Prompt
+from amir_lightning.engines.base import Completion, SamplingConfig
 from amir_lightning.helpers.validation import check_number, raise_errors
-from amir_lightning.rollout.engine import Completion, SamplingConfig
 from amir_lightning.rollout.replies import (
     EnvironmentStepError,
     ToolError,

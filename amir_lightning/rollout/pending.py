@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from amir_lightning.data.base import Prompt
+from amir_lightning.engines.base import Completion
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rewards.inputs import RunState
-from amir_lightning.rollout.engine import Completion
 from amir_lightning.rollout.rewarding import Scores
 
 

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from amir_lightning.rollout.engine import Completion
+from amir_lightning.engines.base import Completion
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import torch
 
 from amir_lightning.data.base import Prompt
+from amir_lightning.engines.base import Completion
 from amir_lightning.rewards.base import Reward, call_reward
 from amir_lightning.rewards.inputs import RewardInputs, RewardLog, RunState
 from amir_lightning.rewards.math import MathAnswerReward
-from amir_lightning.rollout.engine import Completion
 
 log = logging.getLogger(__name__)
 

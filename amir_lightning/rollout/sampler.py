@@ -3,7 +3,7 @@
 Which rollout settings an engine can serve is checked here too, at configuration (``setting_errors``).
 
 A generation's seed is a hash of (the run's seed, the optimisation step, the rank, the purpose), a further round's
-or turn's a hash of that and its index, and a request's a hash of that and its prompt (``rollout/engine.py``
+or turn's a hash of that and its index, and a request's a hash of that and its prompt (``engines/base.py``
 ``request_seed``): a rollout is then a function of the weights and its place in the run, not of hidden engine state,
 so a resumed run draws the same rollouts as an uninterrupted one, and no two ranks, rounds, turns or prompts share
 a stream (offsets added to a seed would: a rank's next to a prompt's). In-process engines sample from the global
@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from amir_lightning.data.base import Prompt
+from amir_lightning.engines.base import Completion, RolloutEngine, SamplingConfig, mix_seed
 from amir_lightning.rollout.collect import RolloutSettings
-from amir_lightning.rollout.engine import Completion, RolloutEngine, SamplingConfig, mix_seed
 from amir_lightning.rollout.episodes import Environment, Turn
 from amir_lightning.rollout.pending import PendingRollout
 from amir_lightning.rollout.policy import Policy
@@ -60,12 +60,12 @@ def setting_errors(
     if rollout.max_staleness and not engine.runs_apart:
         errors.append(
             f"data.rollout.max_staleness {rollout.max_staleness} needs an engine in its own process "
-            f"(amir_lightning.rollout.VLLMServerEngine): {type(engine).__name__} generates inside the training "
+            f"(amir_lightning.engines.VLLMServerEngine): {type(engine).__name__} generates inside the training "
             "process, so generation and training cannot overlap"
         )
     elif rollout.partial_rollouts and not engine.takes_updates_in_flight:
         errors.append(f"data.rollout.partial_rollouts needs an engine that takes pushes with requests in flight "
-                      f"(amir_lightning.rollout.VLLMServerEngine), not {type(engine).__name__}")  # fmt: skip
+                      f"(amir_lightning.engines.VLLMServerEngine), not {type(engine).__name__}")  # fmt: skip
     elif rollout.partial_rollouts and getattr(engine, "push_adapters", False):
         errors.append("data.rollout.partial_rollouts with data.engine.init_args.push_adapters: a push in flight "
                       "would replace the adapter that the running requests name. Instead: push merged weights "

@@ -27,12 +27,12 @@ from typing_extensions import override
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.data.feed import PromptFeed
+from amir_lightning.engines.base import Completion, SamplingConfig
 from amir_lightning.helpers.distributed import all_reduce
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rewards.inputs import RunState
 from amir_lightning.rollout.collect import RolloutSettings, make_rollout
 from amir_lightning.rollout.dynamic import Round, needs_more, refill
-from amir_lightning.rollout.engine import Completion, SamplingConfig
 from amir_lightning.rollout.pending import PendingRollout, SavedRollout
 from amir_lightning.rollout.policy import Policy
 from amir_lightning.rollout.rewarding import Scores

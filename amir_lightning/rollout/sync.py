@@ -1,7 +1,7 @@
 """Weight sync from the trainer into the rollout engine, verified exactly.
 
 Every push is checked against what the engine reads back from itself (``RolloutEngine.held_weights``): each pushed
-tensor is digested on its way to the engine, in the dtype the engine keeps it in (``rollout/digest.py``), and after
+tensor is digested on its way to the engine, in the dtype the engine keeps it in (``engines/digest.py``), and after
 the load every engine tensor must carry exactly the digest of what was pushed into it, each element at its place in
 the engine's layout. So an engine that ignores a push, takes part of the tensors, applies part of an update, or puts
 a weight in the wrong place (transposed, heads or fused parts exchanged, shards in another order) is stopped at the
@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
+from amir_lightning.engines.adapters import adapter_mismatches
+from amir_lightning.engines.base import RolloutEngine
+from amir_lightning.engines.digest import ColumnSample, Digest, PushedDigests, WeightLayout
 from amir_lightning.helpers.validation import check_number, raise_errors
-from amir_lightning.rollout.adapters import adapter_mismatches
-from amir_lightning.rollout.digest import ColumnSample, Digest, PushedDigests, WeightLayout
-from amir_lightning.rollout.engine import RolloutEngine
 from amir_lightning.rollout.policy import Policy
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from amir_lightning.rollout.engine import Completion
+from amir_lightning.engines.base import Completion
 
 
 @dataclass

@@ -40,9 +40,9 @@ from typing_extensions import override
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.data.verifiers_tasks import import_verifiers, load_tasks, task_messages, taskset_config
+from amir_lightning.engines.base import Completion, SamplingConfig
 from amir_lightning.helpers import stops
 from amir_lightning.helpers.validation import check_number, raise_errors
-from amir_lightning.rollout.engine import Completion, SamplingConfig
 from amir_lightning.rollout.episodes import Environment, Turn
 from amir_lightning.rollout.tool_calls import ToolCallParser
 from amir_lightning.rollout.tools import ToolReplies, refuse_hidden_tools

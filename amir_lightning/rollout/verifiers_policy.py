@@ -21,7 +21,7 @@ from typing import Any
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.data.verifiers_tasks import import_verifiers
-from amir_lightning.rollout.engine import Completion, SamplingConfig
+from amir_lightning.engines.base import Completion, SamplingConfig
 from amir_lightning.rollout.episodes import EpisodeRecord
 from amir_lightning.rollout.replies import kept_result, reply_char_bound
 

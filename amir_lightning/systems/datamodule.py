@@ -23,6 +23,7 @@ from typing_extensions import override
 from amir_lightning.data.base import PromptSource
 from amir_lightning.data.feed import PromptFeed
 from amir_lightning.data.templates import ChatFormat, read_template
+from amir_lightning.engines.base import RolloutEngine, SamplingConfig
 from amir_lightning.evaluation.evaluator import EvaluationSettings, Evaluator
 from amir_lightning.helpers.distributed import mean_over_processes
 from amir_lightning.helpers.tracking import log_metrics
@@ -31,7 +32,6 @@ from amir_lightning.rewards.base import FunctionReward, Reward
 from amir_lightning.rewards.math import MathAnswerReward
 from amir_lightning.rollout.batch import agree_on_plan, build_steps, plan_steps
 from amir_lightning.rollout.collect import RolloutSettings
-from amir_lightning.rollout.engine import RolloutEngine, SamplingConfig
 from amir_lightning.rollout.episodes import Environment
 from amir_lightning.rollout.policy import Policy
 from amir_lightning.rollout.rewarding import RewardGuard

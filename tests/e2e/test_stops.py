@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]
 HELPERS = Path(__file__).parents[1] / "helpers"
 CONFIG = TINY = str(ROOT / "configs" / "tiny.yaml")
-HF = ["--data.engine", "amir_lightning.rollout.HFEngine", "--data.engine.init_args.progress", "false"]
+HF = ["--data.engine", "amir_lightning.engines.HFEngine", "--data.engine.init_args.progress", "false"]
 BASE = ["fit", "--config", TINY, "--trainer.max_epochs", "2", "--trainer.check_val_every_n_epoch", "50"]
 BASE += ["--trainer.deterministic", "true", *HF]
 #: The runs of 6 rollouts (vLLM, deterministic, no validation) that the stopped runs resume to.

@@ -22,7 +22,7 @@ ROOT = Path(__file__).parents[2]
 
 def hf_engine(batch_size: int) -> str:
     init = {"dtype": "bfloat16", "batch_size": batch_size, "progress": False}
-    return json.dumps({"class_path": "amir_lightning.rollout.HFEngine", "init_args": init})
+    return json.dumps({"class_path": "amir_lightning.engines.HFEngine", "init_args": init})
 
 
 def test_qwen_setting_at_the_paper_size(tmp_path):

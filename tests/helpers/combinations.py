@@ -78,7 +78,7 @@ class Cell:
         args += ["--data.sampling.max_new_tokens", str(MAX_NEW_TOKENS), "--data.rollout.prompts_per_process", "4"]
         args += ["--data.rollout.micro_batch_groups", "2", "--model.loss.init_args.aggregation", self.aggregation]
         if self.schedule != "in turn":
-            engine = server_engine or '{class_path: amir_lightning.rollout.VLLMServerEngine, init_args: ' \
+            engine = server_engine or '{class_path: amir_lightning.engines.VLLMServerEngine, init_args: ' \
                 '{max_model_len: 64, kv_cache_memory_bytes: 33554432, threads: 1}}'  # fmt: skip
             args += ["--data.engine", engine, "--data.rollout.max_staleness", self.schedule[0]]
         if self.schedule == "2 ahead":

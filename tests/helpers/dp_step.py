@@ -21,12 +21,12 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from amir_lightning.engines.base import Completion
 from amir_lightning.helpers.distributed import all_reduce
 from amir_lightning.models import HFModel, LoraSettings
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages
 from amir_lightning.objectives.amir import PairWeightSettings
 from amir_lightning.rollout.batch import agree_on_plan, build_steps, plan_steps
-from amir_lightning.rollout.engine import Completion
 from amir_lightning.rollout.policy import ScoringSettings
 from amir_lightning.rollout.types import Group
 from amir_lightning.systems.module import AmirGRPOModule

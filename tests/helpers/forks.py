@@ -34,7 +34,7 @@ PRELOAD = [
     "lightning.pytorch",
     "transformers",
     "vllm",
-    "amir_lightning.rollout.vllm_engine",
+    "amir_lightning.engines.vllm",
     "vllm.v1.engine.llm_engine",
     "torch.utils.tensorboard",
     "torch.distributed.checkpoint",

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from amir_lightning.engines.base import Completion
 from amir_lightning.objectives import GRPOLoss, group_advantages
 from amir_lightning.rollout.batch import build_steps, plan_steps
-from amir_lightning.rollout.engine import Completion
 from amir_lightning.rollout.types import Group
 
 G, GROUPS, REPLY, PAD = 4, 2, 8, 0

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from amir_lightning.data.base import Prompt
+from amir_lightning.engines.base import Completion
 from amir_lightning.helpers.distributed import all_reduce, mean_over_processes
 from amir_lightning.rollout.dynamic import Round, refill
-from amir_lightning.rollout.engine import Completion
 from amir_lightning.rollout.rewarding import Scores
 
 G = 2

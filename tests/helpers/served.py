@@ -69,7 +69,7 @@ class Served:
         given = {"url": self.url(model, lora_rank), "max_model_len": SETTINGS["max_model_len"]}
         if lora_rank is not None:
             given["push_adapters"] = True
-        return json.dumps({"class_path": "amir_lightning.rollout.VLLMServerEngine", "init_args": given})
+        return json.dumps({"class_path": "amir_lightning.engines.VLLMServerEngine", "init_args": given})
 
     def close(self) -> None:
         """Stop every server (a later ``url`` starts its own)."""

@@ -2,7 +2,7 @@
 
     data:
       engine:
-        class_path: amir_lightning.rollout.VLLMServerEngine
+        class_path: amir_lightning.engines.VLLMServerEngine
         init_args: {devices: "6,7", max_model_len: 2048}     # or url: http://host:8000 for a server you started
 
 The engine starts ``python -m vllm.entrypoints.openai.api_server`` with vLLM's RL routes on
@@ -11,7 +11,7 @@ per-token sampling log-probs out) and scores the sync probe (``prompt_logprobs``
 update sequence, ``/pause`` (requests in flight finish, the prefix cache is dropped), ``/start_weight_update``,
 ``/update_weights``, ``/finish_weight_update`` with the push's number as the weight version, ``/resume``. The
 weights travel as a safetensors file (``/dev/shm`` where there is one) that the server's workers load with
-``FileWeightTransfer`` (``rollout/vllm_worker.py``); the exact sync check reads them back through
+``FileWeightTransfer`` (``engines/vllm_worker.py``); the exact sync check reads them back through
 ``AmirWorkerExtension``'s methods on ``/collective_rpc``. The trainer never imports vLLM for this engine.
 
 Every request has a deadline and the server is watched (``helpers/http.py``): a silent or stopped server is named
@@ -22,12 +22,12 @@ process group ends with the run (``helpers/serving.py``).
 With ``push_adapters`` (a LoRA policy) the server serves the policy's adapter (``--enable-lora``, vLLM's
 ``/v1/load_lora_adapter`` with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``): the base weights are pushed once, then
 each sync sends only the LoRA factors, as a new adapter in the old one's place, and reads them back exactly
-(``rollout/adapters.py``); every request names the adapter.
+(``engines/adapters.py``); every request names the adapter.
 
 A server started for a ``url`` must run with the same settings: ``VLLM_SERVER_DEV_MODE=1 AMIR_VLLM_SERVER=1`` in its
 environment (and ``VLLM_MAX_STOP_STRINGS`` above 4 where a turn ends at more stop strings) and
 ``--weight-transfer-config '{"backend": "amir_file"}' --worker-extension-cls
-amir_lightning.rollout.vllm_worker.AmirWorkerExtension --logprobs-mode processed_logprobs`` (``server_command``
+amir_lightning.engines.vllm_worker.AmirWorkerExtension --logprobs-mode processed_logprobs`` (``server_command``
 returns the whole command), on a machine that shares ``transfer_dir`` with the trainer.
 """
 
@@ -45,14 +45,9 @@ from pathlib import Path
 import torch
 from typing_extensions import override
 
-from amir_lightning.helpers.distributed import from_rank_zero, global_rank, world_size
-from amir_lightning.helpers.http import Endpoint, ServerError, reading, request
-from amir_lightning.helpers.serving import REFUSED_S, ServerProcess, free_port, reachable_url, wait_for
-from amir_lightning.helpers.validation import check_number, raise_errors
-from amir_lightning.rollout import server_setup
-from amir_lightning.rollout.adapters import ServesAdapters
-from amir_lightning.rollout.digest import ColumnSample, Reading, WeightSlot
-from amir_lightning.rollout.engine import (
+from amir_lightning.engines import server_setup
+from amir_lightning.engines.adapters import ServesAdapters
+from amir_lightning.engines.base import (
     Completion,
     RolloutEngine,
     SamplingConfig,
@@ -60,9 +55,14 @@ from amir_lightning.rollout.engine import (
     check_passed_through,
     request_seed,
 )
-from amir_lightning.rollout.server_setup import KEY
-from amir_lightning.rollout.shards import merge_workers
-from amir_lightning.rollout.vllm_worker import decode
+from amir_lightning.engines.digest import ColumnSample, Reading, WeightSlot
+from amir_lightning.engines.server_setup import KEY
+from amir_lightning.engines.shards import merge_workers
+from amir_lightning.engines.vllm_worker import decode
+from amir_lightning.helpers.distributed import from_rank_zero, global_rank, world_size
+from amir_lightning.helpers.http import Endpoint, ServerError, reading, request
+from amir_lightning.helpers.serving import REFUSED_S, ServerProcess, free_port, reachable_url, wait_for
+from amir_lightning.helpers.validation import check_number, raise_errors
 
 log = logging.getLogger(__name__)
 

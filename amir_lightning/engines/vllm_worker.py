@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from typing_extensions import override
 
-from amir_lightning.rollout.digest import ColumnSample, Reading, WeightLayout, WeightSlot, tensor_digest
-from amir_lightning.rollout.shards import blocks_of, param_readings, part_rows
+from amir_lightning.engines.digest import ColumnSample, Reading, WeightLayout, WeightSlot, tensor_digest
+from amir_lightning.engines.shards import blocks_of, param_readings, part_rows
 
 #: The name of ``FileWeightTransfer`` in vLLM's weight-transfer registry (``--weight-transfer-config``).
 FILE_BACKEND = "amir_file"
@@ -101,7 +101,7 @@ def _owners(model) -> dict[int, tuple[torch.nn.Module, str]]:
 
 @torch.no_grad()
 def read_back(worker, columns: ColumnSample) -> dict[str, list[Reading]]:
-    """Digests of the weights this worker computes with, block by block at their places (``rollout/shards.py``)."""
+    """Digests of the weights this worker computes with, block by block at their places (``engines/shards.py``)."""
     model = worker.model_runner.get_model()
     first, _ = _named_parameters(model)
     owners = _owners(model)

@@ -31,20 +31,20 @@ from pathlib import Path
 import torch
 from typing_extensions import override
 
-from amir_lightning.helpers.distributed import world_size
-from amir_lightning.helpers.extras import extra_requirements
-from amir_lightning.helpers.validation import check_number, raise_errors
-from amir_lightning.rollout.adapters import ServesAdapters, engine_rank, write_adapter
-from amir_lightning.rollout.digest import ColumnSample, Reading
-from amir_lightning.rollout.engine import (
+from amir_lightning.engines.adapters import ServesAdapters, engine_rank, write_adapter
+from amir_lightning.engines.base import (
     Completion,
     RolloutEngine,
     SamplingConfig,
     WeightLayout,
     check_passed_through,
 )
-from amir_lightning.rollout.shards import merge_workers
-from amir_lightning.rollout.vllm_worker import VLLMLayout, layout_of, read_adapters, read_back
+from amir_lightning.engines.digest import ColumnSample, Reading
+from amir_lightning.engines.shards import merge_workers
+from amir_lightning.engines.vllm_worker import VLLMLayout, layout_of, read_adapters, read_back
+from amir_lightning.helpers.distributed import world_size
+from amir_lightning.helpers.extras import extra_requirements
+from amir_lightning.helpers.validation import check_number, raise_errors
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def _import_vllm():
         cpu, gpu = extra_requirements("cpu"), extra_requirements("gpu")
         raise ModuleNotFoundError(
             f"VLLMEngine needs vLLM: pip install '{cpu[0]}' on CPU machines (amir-lightning's `cpu` extra) or "
-            f"'{gpu[0]}' on GPU machines (the `gpu` extra); or use amir_lightning.rollout.HFEngine"
+            f"'{gpu[0]}' on GPU machines (the `gpu` extra); or use amir_lightning.engines.HFEngine"
         ) from err
     return vllm
 
@@ -97,7 +97,7 @@ class VLLMEngine(ServesAdapters, RolloutEngine):
             at its next use, before the weight push. Training then has the memory ``gpu_memory_utilization`` held,
             for a copy of the weights each way per rollout.
         push_adapters: With a LoRA policy (``model.lora``), serve its adapters through vLLM's LoRA layers: the base
-            weights are pushed once, then every sync pushes the adapters alone (``rollout/adapters.py``), verified
+            weights are pushed once, then every sync pushes the adapters alone (``engines/adapters.py``), verified
             exactly. Off: every sync pushes the merged weights, and generation runs without LoRA kernels.
     """
 
@@ -130,7 +130,7 @@ class VLLMEngine(ServesAdapters, RolloutEngine):
             errors.append(
                 f"{key}.tensor_parallel_size {tensor_parallel_size}: the in-process VLLMEngine streams weights into "
                 "its worker, and tensor-parallel workers are processes of their own that a stream cannot reach; use "
-                "data.engine.class_path amir_lightning.rollout.VLLMServerEngine with this tensor_parallel_size (its "
+                "data.engine.class_path amir_lightning.engines.VLLMServerEngine with this tensor_parallel_size (its "
                 "push and exact weight check work across tensor-parallel workers)"
             )
         check_number(errors, f"{key}.max_num_seqs", max_num_seqs, ge=1)

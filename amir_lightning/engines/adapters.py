@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from amir_lightning.rollout.digest import WeightLayout
+from amir_lightning.engines.digest import WeightLayout
 
 #: Adapter ranks vLLM's ``max_lora_rank`` allows (``vllm.config.lora.MaxLoRARanks``).
 ENGINE_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -15,15 +15,15 @@ from pathlib import Path
 import torch
 from typing_extensions import override
 
-from amir_lightning.helpers.validation import check_number, raise_errors
-from amir_lightning.models.scoring import sequence_token_logps
-from amir_lightning.rollout.digest import ColumnSample, Reading, WeightLayout, WeightSlot, tensor_digest
-from amir_lightning.rollout.engine import (
+from amir_lightning.engines.base import (
     Completion,
     RolloutEngine,
     SamplingConfig,
     check_passed_through,
 )
+from amir_lightning.engines.digest import ColumnSample, Reading, WeightLayout, WeightSlot, tensor_digest
+from amir_lightning.helpers.validation import check_number, raise_errors
+from amir_lightning.models.scoring import sequence_token_logps
 
 
 class HFEngine(RolloutEngine):

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
+from amir_lightning.engines.digest import ColumnSample, Reading, WeightLayout
 from amir_lightning.helpers.validation import check_number, raise_errors
-from amir_lightning.rollout.digest import ColumnSample, Reading, WeightLayout
 
 #: Request seeds stay below this: vLLM adds ``j`` for a request's ``j``-th sample, and some of its paths keep the
 #: seed in a signed 32-bit integer.
@@ -311,7 +311,7 @@ class RolloutEngine(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not take LoRA adapters")
 
     def held_adapters(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """The LoRA factors the engine computes with, by its LoRA layer and slice (``rollout/adapters.py``)."""
+        """The LoRA factors the engine computes with, by its LoRA layer and slice (``engines/adapters.py``)."""
         raise NotImplementedError(f"{type(self).__name__} does not take LoRA adapters")
 
     def sleep(self) -> None:  # noqa: B027 (optional hook)

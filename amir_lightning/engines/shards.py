@@ -11,7 +11,7 @@ vLLM's linear layers (``vllm/model_executor/layers/linear.py``) shard their weig
 - vocabulary-parallel embeddings and LM heads (``shard_indices``) split the vocabulary rows, each shard padded;
 - everything else (norms, replicated layers) is whole on every worker.
 
-Each worker digests its blocks at their frame places (``rollout/digest.py``); ``merge_workers`` adds one copy of
+Each worker digests its blocks at their frame places (``engines/digest.py``); ``merge_workers`` adds one copy of
 each place, so a replicated block counts once and every copy must agree. Only the attributes above are read, so the
 same functions place the blocks of a real worker and of a test's shards.
 """
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from amir_lightning.rollout.digest import Digest, Place, Reading, tensor_digest
+from amir_lightning.engines.digest import Digest, Place, Reading, tensor_digest
 
 
 @dataclass(frozen=True)

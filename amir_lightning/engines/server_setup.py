@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
+from amir_lightning.engines.adapters import engine_rank, write_adapter
+from amir_lightning.engines.base import Completion, RolloutEngine
+from amir_lightning.engines.vllm_worker import FILE_BACKEND
 from amir_lightning.helpers.http import Endpoint, ServerError, reading, request
 from amir_lightning.helpers.serving import TRAINER_GROUP
-from amir_lightning.rollout.adapters import engine_rank, write_adapter
-from amir_lightning.rollout.engine import Completion, RolloutEngine
-from amir_lightning.rollout.vllm_worker import FILE_BACKEND
 
 #: ``VLLMServerEngine``, whose settings these functions read (not imported: it imports this module).
 ServerEngine = RolloutEngine
@@ -52,7 +52,7 @@ def server_command(engine: ServerEngine, model_dir: Path, port: int, seed: int, 
     command += ["--max-model-len", str(engine.max_model_len), "--max-num-seqs", str(engine.max_num_seqs)]
     command += ["--tensor-parallel-size", str(engine.tensor_parallel_size), "--logprobs-mode", "processed_logprobs"]
     command += ["--weight-transfer-config", json.dumps({"backend": FILE_BACKEND})]
-    command += ["--worker-extension-cls", "amir_lightning.rollout.vllm_worker.AmirWorkerExtension"]
+    command += ["--worker-extension-cls", "amir_lightning.engines.vllm_worker.AmirWorkerExtension"]
     command += ["--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching"]
     command += ["--enable-scale-out"]  # /inference/v1/generate: which weights sampled each token
     command += ["--disable-uvicorn-access-log"]
