@@ -3,7 +3,7 @@
     python benchmarks/tool_use.py                      # the bundled SmolLM2, two-digit products, 32 prompts x 4
     python benchmarks/tool_use.py --model path/to/hf_dir --prompts 64 --protocol tools
 
-Episodes run as in training (``rollout/episodes.py``, real vLLM), in two protocols. ``text``: ``CalculatorEnvironment``
+Episodes run as in training (``environments/base.py``, real vLLM), in two protocols. ``text``: ``CalculatorEnvironment``
 (``<calc>37*8</calc>``), the calculator described in the system prompt, with a worked example or without.
 ``tools``: the calculator as a Python function (``ToolEnvironment``), its schema shown by the chat template
 (``configs/templates/chatml_tools.jinja``) and calls read by vLLM's ``hermes`` parser, with a worked call as an
@@ -62,10 +62,10 @@ def main() -> None:
 
     from amir_lightning.data import ArithmeticPrompts
     from amir_lightning.data.templates import ChatFormat
+    from amir_lightning.environments.base import run_episodes
     from amir_lightning.models import BundledSmolLM2
     from amir_lightning.rewards import MathAnswerReward
     from amir_lightning.rollout import CalculatorEnvironment, SamplingConfig, ToolEnvironment, VLLMEngine
-    from amir_lightning.rollout.episodes import run_episodes
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a Hugging Face directory (default: the bundled SmolLM2)")
@@ -94,7 +94,7 @@ def main() -> None:
             runs.append((name, CalculatorEnvironment(max_turns=3), ChatFormat(system_prompt=system), turns))
     if args.protocol in ("tools", "both"):
         for name, turns in TOOL_VARIANTS.items():
-            environment = ToolEnvironment(["amir_lightning.rollout.calculator.calculator"], max_turns=3)
+            environment = ToolEnvironment(["amir_lightning.environments.calculator.calculator"], max_turns=3)
             chat = ChatFormat(template=TEMPLATE.read_text(), tools=environment.tool_schemas())
             environment.prepare(tokenizer, chat)
             runs.append((name, environment, chat, turns))

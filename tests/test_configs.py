@@ -98,7 +98,7 @@ def test_a_config_file_with_an_old_key_names_its_new_place(tmp_path, capsys, old
     assert hint in capsys.readouterr().err
 
 
-CALCULATOR = "amir_lightning.rollout.CalculatorEnvironment"
+CALCULATOR = "amir_lightning.environments.CalculatorEnvironment"
 
 
 @pytest.mark.parametrize(
@@ -108,7 +108,7 @@ CALCULATOR = "amir_lightning.rollout.CalculatorEnvironment"
         (["--model.loss.init_args.max_completion_length", "5"], 5),
         (["--data.environment", CALCULATOR], 8),
         (["--data.environment", CALCULATOR, "--data.environment.max_turns", "3"], 6),
-        (["--data.tools", '["amir_lightning.rollout.calculator.calculator"]'], 8),
+        (["--data.tools", '["amir_lightning.environments.calculator.calculator"]'], 8),
     ],
 )
 def test_dr_grpo_divides_by_the_completion_length_limit(given, length):

@@ -7,12 +7,12 @@ from helpers.policy_tokens import SETTINGS, TOKEN_STATS, episode_groups, objecti
 from helpers.tools import Echo
 
 from amir_lightning.data.base import Prompt
+from amir_lightning.environments.base import run_episodes
+from amir_lightning.environments.calculator import evaluate_arithmetic
 from amir_lightning.models import build_tiny_model
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss
 from amir_lightning.rollout import CalculatorEnvironment, HFEngine, SamplingConfig, ToolError
 from amir_lightning.rollout.batch import make_batch, make_groups
-from amir_lightning.rollout.calculator import evaluate_arithmetic
-from amir_lightning.rollout.episodes import run_episodes
 
 
 @pytest.mark.parametrize(

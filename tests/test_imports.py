@@ -48,13 +48,24 @@ TIERS = [
     {"helpers"},
     {"data", "models", "rewards", "objectives"},
     {"engines"},
+    {"environments"},
     {"rollout"},
     {"evaluation"},
     {"checkpoints"},
     {"systems"},
     {"cli", "__main__"},
 ]
-FREE_OF_LIGHTNING = {"helpers", "data", "models", "rewards", "objectives", "engines", "rollout", "evaluation"}
+FREE_OF_LIGHTNING = {
+    "helpers",
+    "data",
+    "models",
+    "rewards",
+    "objectives",
+    "engines",
+    "environments",
+    "rollout",
+    "evaluation",
+}
 
 
 def imports_of(path: Path) -> set[str]:

@@ -1,5 +1,5 @@
-"""Tools as Python functions under faults of their own (``rollout/tools.py``): a signature no call can reach, a chat
-template that never shows the tools, results that are huge or not text, and tools that hang.
+"""Tools as Python functions under faults of their own (``environments/tools.py``): a signature no call can reach, a
+chat template that never shows the tools, results that are huge or not text, and tools that hang.
 
 Each is refused at start in one line naming ``data.tools``, or is an outcome of the episode the policy reads and the
 rollout counts; a wait on a tool has one deadline per turn, a line naming the tool, and ends at a stop. The scripted
@@ -57,7 +57,7 @@ def test_a_result_that_is_not_valid_unicode_is_an_error_the_policy_reads_and_cou
     """A lone surrogate (``"\\ud800"``) cannot be tokenised. Before: the tokenizer's traceback stopped the run."""
     from test_tools import call, episode, shown
 
-    from amir_lightning.rollout.replies import tool_metrics
+    from amir_lightning.environments.replies import tool_metrics
 
     completion, _ = episode([call("garbled", "{}"), "Done."], tools=["garbled"])
     assert shown(completion) == ["error: the result of garbled is not valid Unicode (surrogates not allowed at "
@@ -73,7 +73,7 @@ def test_a_huge_result_is_kept_only_as_far_as_the_policy_reads_it():
     from helpers.tool_functions import dump
     from test_tools import TOKENIZER, call, episodes, shown
 
-    from amir_lightning.rollout.replies import encode_reply
+    from amir_lightning.environments.replies import encode_reply
 
     completions, _ = episodes([call("dump", '{"megabytes": 8}'), "Done."], n=8, tools=["dump"], max_reply_tokens=64)
     expected, cut = encode_reply(TOKENIZER, dump(8), 64)
@@ -97,7 +97,7 @@ TEXTS = {
 def test_the_kept_prefix_of_a_result_gives_the_tokens_of_the_whole_result(text, smollm2):
     """SmolLM2's byte-level BPE: a result cut first by characters (on the tool's thread), then to the prefix the
     tokens are read from, gives the first ``max_reply_tokens`` tokens of the whole result, and says it was cut."""
-    from amir_lightning.rollout.replies import encode_reply, kept_reply, reply_char_bound
+    from amir_lightning.environments.replies import encode_reply, kept_reply, reply_char_bound
 
     limit = 256
     kept = kept_reply(smollm2, text[: reply_char_bound(smollm2, limit)], limit)

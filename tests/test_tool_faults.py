@@ -18,9 +18,9 @@ from helpers.tools import BuggyReset, BuggyStep, Echo, MegabyteReply, NumberRepl
 from test_faults import fit_here, policy
 
 from amir_lightning.data.base import Prompt
+from amir_lightning.environments.base import run_episodes
 from amir_lightning.models.tiny import PRINTABLE_ALPHABET, build_char_tokenizer
 from amir_lightning.rollout import CalculatorEnvironment, Completion, Environment, SamplingConfig
-from amir_lightning.rollout.episodes import run_episodes
 
 TOKENIZER = build_char_tokenizer(PRINTABLE_ALPHABET)
 SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=4)
@@ -42,7 +42,7 @@ def episodes(environment, turns, tokenizer=TOKENIZER, n=2, room=None, seen=None)
 
 
 def test_a_bug_in_step_stops_at_once_naming_the_class_and_the_key():
-    from amir_lightning.rollout.replies import EnvironmentStepError
+    from amir_lightning.environments.replies import EnvironmentStepError
 
     with pytest.raises(EnvironmentStepError) as info:
         episodes(BuggyStep(), ["7"])
@@ -51,7 +51,7 @@ def test_a_bug_in_step_stops_at_once_naming_the_class_and_the_key():
 
 
 def test_a_bug_in_step_is_an_error_reply_when_the_environment_opts_in():
-    from amir_lightning.rollout.replies import tool_metrics
+    from amir_lightning.environments.replies import tool_metrics
 
     group = episodes(BuggyStep(on_step_error="reply"), ["7"])
     assert all(c.tool_errors == c.tool_calls == 2 for c in group)
@@ -60,7 +60,7 @@ def test_a_bug_in_step_is_an_error_reply_when_the_environment_opts_in():
 
 
 def test_a_bug_in_reset_stops_naming_the_class():
-    from amir_lightning.rollout.replies import EnvironmentStepError
+    from amir_lightning.environments.replies import EnvironmentStepError
 
     line = r"^data.environment: BuggyReset.reset raised KeyError: 'difficulty'$"
     with pytest.raises(EnvironmentStepError, match=line):
@@ -92,7 +92,7 @@ class Measuring:
 def test_a_megabyte_reply_is_cut_at_max_reply_tokens_in_bounded_work_and_counted():
     """Before: each reply was tokenised whole (1 MB, 0.9 s a reply here) and cut uncounted. Now only a prefix of a
     few times ``max_reply_tokens`` characters is ever tokenised, whatever the reply's length."""
-    from amir_lightning.rollout.replies import tool_metrics
+    from amir_lightning.environments.replies import tool_metrics
 
     tokenizer = Measuring(TOKENIZER)
     group = episodes(MegabyteReply(), ["7"], tokenizer=tokenizer, n=8)
@@ -102,7 +102,7 @@ def test_a_megabyte_reply_is_cut_at_max_reply_tokens_in_bounded_work_and_counted
 
 
 def test_an_episode_that_never_ends_is_cut_at_max_turns_and_counted():
-    from amir_lightning.rollout.replies import tool_metrics
+    from amir_lightning.environments.replies import tool_metrics
 
     group = episodes(Echo(max_turns=3), ["7"])
     assert all(c.tool_calls == 2 and c.tool_cut and c.text == "7=127=127" for c in group)
@@ -167,8 +167,8 @@ BOUND_S, BOUND_BYTES = 5.0, 1_000_000
 
 @pytest.mark.parametrize(("case", "expression", "error"), CALCULATOR, ids=[c[0] for c in CALCULATOR])
 def test_the_calculator_answers_every_expression_within_bounds_as_a_counted_error(case, expression, error):
+    from amir_lightning.environments.replies import tool_metrics
     from amir_lightning.rollout import ToolError
-    from amir_lightning.rollout.replies import tool_metrics
 
     call = f"<calc>{expression}</calc>"
     calculator = CalculatorEnvironment(max_turns=2, max_reply_tokens=200)
@@ -234,7 +234,7 @@ def test_a_reply_that_is_not_valid_unicode_is_an_error_the_policy_reads_and_coun
     """A text-protocol reply holding a lone surrogate. Before: the tokenizer's traceback stopped the run."""
     from helpers.tools import GarbledReply
 
-    from amir_lightning.rollout.replies import tool_metrics
+    from amir_lightning.environments.replies import tool_metrics
 
     group = episodes(GarbledReply(), ["7", "8"])
     why = "error: the reply is not valid Unicode (surrogates not allowed at character 2)"

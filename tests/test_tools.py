@@ -1,4 +1,4 @@
-"""Tools as Python functions through the chat template (``rollout/tools.py``): what the policy is shown for each
+"""Tools as Python functions through the chat template (``environments/tools.py``): what the policy is shown for each
 kind of call, what is counted, and that an episode's tokens are the conversation the template writes.
 
 The policy is scripted (it writes given turns), the tokenizer a character-level ChatML one with ``<|im_start|>`` and
@@ -13,11 +13,11 @@ import pytest
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.data.templates import ChatFormat
+from amir_lightning.environments.base import run_episodes
+from amir_lightning.environments.replies import tool_metrics
+from amir_lightning.environments.tools import argument_problem, tool_schema
 from amir_lightning.models.tiny import PRINTABLE_ALPHABET, build_char_tokenizer
 from amir_lightning.rollout import Completion, SamplingConfig, ToolEnvironment
-from amir_lightning.rollout.episodes import run_episodes
-from amir_lightning.rollout.replies import tool_metrics
-from amir_lightning.rollout.tools import argument_problem, tool_schema
 
 TEMPLATE = (Path(__file__).parents[1] / "configs" / "templates" / "chatml_tools.jinja").read_text()
 TOOLS = ["add", "divide", "slow", "shout", "wander", "lookup"]
@@ -283,7 +283,7 @@ def test_the_tool_use_reward_scores_episodes_whose_call_returned_a_result_and_op
 
 
 def test_the_calculator_as_a_tool_computes_and_its_errors_are_results():
-    from amir_lightning.rollout.calculator import calculator
+    from amir_lightning.environments.calculator import calculator
 
     assert calculator("37*8") == "296" and calculator("1/4") == "0.25"
     assert tool_schema(calculator)["function"]["parameters"]["required"] == ["expression"]

@@ -1,5 +1,5 @@
-"""Environments from verifiers 0.4 (``rollout/verifiers_env.py``): a taskset written for prime-rl, built here from
-in-memory rows (``tests/helpers/vf_sums``, with an ``add`` tool served by verifiers as an MCP server, and
+"""Environments from verifiers 0.4 (``amir_lightning/environments/verifiers/``): a taskset written for prime-rl, built
+here from in-memory rows (``tests/helpers/vf_sums``, with an ``add`` tool served by verifiers as an MCP server, and
 ``tests/helpers/vf_digits``), runs its episodes through the policy and scores them with its own rewards; a reward of
 ``tests/helpers/vf_faults`` that raises, returns junk or hangs is named, and a stop ends the wait on it.
 
@@ -16,9 +16,9 @@ from test_tools import EOS, SAMPLING, TEMPLATE, TOKENIZER, call
 
 from amir_lightning.data.templates import ChatFormat
 from amir_lightning.data.verifiers_tasks import VerifiersTasks
+from amir_lightning.environments.replies import tool_metrics
+from amir_lightning.environments.verifiers.environment import VerifiersEnvironment
 from amir_lightning.rollout import Completion
-from amir_lightning.rollout.replies import tool_metrics
-from amir_lightning.rollout.verifiers_env import VerifiersEnvironment
 
 # Looked up, not imported: collecting the suite in each worker need not pay verifiers' import (4 s).
 pytestmark = pytest.mark.skipif(find_spec("verifiers") is None, reason="needs the verifiers extra")
@@ -389,7 +389,7 @@ def test_a_huge_result_is_kept_only_as_far_as_the_policy_reads_it(results):
     from helpers.tool_functions import dump
     from test_tools import shown
 
-    from amir_lightning.rollout.replies import encode_reply
+    from amir_lightning.environments.replies import encode_reply
 
     env, chat, tasks = results
     generate, _ = scripted([call("dump", '{"megabytes": 8}'), "Done."])
@@ -415,7 +415,7 @@ def test_a_result_that_is_not_valid_unicode_is_an_error_the_policy_reads_and_cou
     from test_tools import shown
     from verifiers.v1.dialects.chat import ChatDialect, message_to_wire
 
-    from amir_lightning.rollout.verifiers_policy import Batches
+    from amir_lightning.environments.verifiers.policy import Batches
 
     env, chat, tasks = results
     client, key, prompt = env._client, "unicode", list(tasks[0].messages)

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from amir_lightning.checkpoints.writing import CheckpointWriteError
 from amir_lightning.cli.app import AmirCLI, build_cli, link_completion_length
+from amir_lightning.environments.replies import EnvironmentStepError
 from amir_lightning.helpers import stops
 from amir_lightning.helpers.console import PipeSafeStdout, quiet_second_interrupt, user_traceback
 from amir_lightning.helpers.http import ServerError
@@ -31,7 +32,6 @@ from amir_lightning.helpers.messages import user_message
 from amir_lightning.helpers.preflight import check_config_files
 from amir_lightning.models.export import HubPushError
 from amir_lightning.rewards.base import RewardError
-from amir_lightning.rollout.replies import EnvironmentStepError
 from amir_lightning.rollout.sync import StaleEngineError
 
 __all__ = ["AmirCLI", "build_cli", "link_completion_length", "main"]

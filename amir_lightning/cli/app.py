@@ -30,9 +30,9 @@ from amir_lightning.checkpoints.checks import (
 )
 from amir_lightning.checkpoints.resume import fit_checkpoints_to_storage, keep_given_model_values, resolve_resume
 from amir_lightning.checkpoints.writing import install_atomic_checkpoints
+from amir_lightning.environments.tools import ToolEnvironment
 from amir_lightning.helpers.messages import close_option_hint, moved_key_hint, user_message
 from amir_lightning.helpers.preflight import check_trainer
-from amir_lightning.rollout.tools import ToolEnvironment
 from amir_lightning.systems.datamodule import RolloutDataModule
 from amir_lightning.systems.module import AmirGRPOModule
 from amir_lightning.systems.precision import check_precision, check_strategy

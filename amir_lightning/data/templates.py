@@ -29,7 +29,8 @@ class ChatFormat:
         template: A Jinja chat template (text) used instead of the tokenizer's own; ``None``: the tokenizer's.
         template_kwargs: Variables the template reads, passed to ``apply_chat_template`` (Qwen3's
             ``enable_thinking: false``, for example).
-        tools: The JSON schemas of the tools the policy may call (``rollout/tools.py``), which the template shows it.
+        tools: The JSON schemas of the tools the policy may call (``environments/tools.py``), which the
+            template shows it.
         example_turns: Chat messages shown before every prompt's own, after the system prompt: a worked example (a
             question, a tool call, its result, the answer) that a small model follows more often than a description.
     """

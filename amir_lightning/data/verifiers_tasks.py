@@ -1,8 +1,8 @@
 """The tasks of a verifiers taskset as prompts (verifiers 0.4: ``pip install 'amir-lightning[verifiers]'``).
 
 A taskset written for prime-rl (a ``vf.Taskset`` whose ``load`` yields ``vf.Task`` objects, its rewards ``@vf.reward``
-methods of the task) is read here unchanged; ``VerifiersEnvironment`` (``rollout/verifiers_env.py``) runs its
-episodes and scores them with its rewards.
+methods of the task) is read here unchanged; ``VerifiersEnvironment`` (``environments/verifiers/``) runs its episodes
+and scores them with its rewards.
 """
 
 from __future__ import annotations

@@ -188,9 +188,9 @@ class Completion:
             applied): the loss's ``sampling_logps``.
         finish_reason: ``stop`` (EOS) or ``length`` (hit ``max_new_tokens``).
         loss_mask: 1 on the policy's own tokens, 0 on a tool's reply inside a multi-turn episode (context, not
-            trained on: ``rollout/episodes.py``); ``None``: every token is the policy's.
+            trained on: ``environments/base.py``); ``None``: every token is the policy's.
         tool_calls: How many times the episode's environment replied (error replies included).
-        tool_errors: How many of those replies were errors (``ToolError``; ``rollout/episodes.py``).
+        tool_errors: How many of those replies were errors (``ToolError``; ``environments/base.py``).
         tool_truncated: How many of those replies were cut at the environment's ``max_reply_tokens``.
         tool_cut: Whether the episode was cut while calling the tool (at ``max_turns``, or out of context).
         versions: Per token, the weight version (optimisation step) that sampled it, where a completion can span

@@ -13,11 +13,13 @@ import importlib.util
 import sys
 
 from amir_lightning.engines import Completion, HFEngine, RolloutEngine, SamplingConfig, VLLMEngine, VLLMServerEngine
-from amir_lightning.rollout.calculator import CalculatorEnvironment
-from amir_lightning.rollout.episodes import Environment
-from amir_lightning.rollout.replies import ToolError
-from amir_lightning.rollout.tools import ToolEnvironment
-from amir_lightning.rollout.verifiers_env import VerifiersEnvironment
+from amir_lightning.environments import (
+    CalculatorEnvironment,
+    Environment,
+    ToolEnvironment,
+    ToolError,
+    VerifiersEnvironment,
+)
 
 #: Each module of the old layout and its home now.
 MOVED = {
@@ -30,6 +32,17 @@ MOVED = {
     "vllm_server": "engines.server",
     "server_setup": "engines.server_setup",
     "vllm_worker": "engines.vllm_worker",
+    "episodes": "environments.base",
+    "replies": "environments.replies",
+    "tools": "environments.tools",
+    "tool_calls": "environments.tool_calls",
+    "tool_functions": "environments.tool_functions",
+    "tool_runs": "environments.tool_runs",
+    "calculator": "environments.calculator",
+    "verifiers_env": "environments.verifiers.environment",
+    "verifiers_harness": "environments.verifiers.harness",
+    "verifiers_policy": "environments.verifiers.policy",
+    "verifiers_scoring": "environments.verifiers.scoring",
 }
 
 

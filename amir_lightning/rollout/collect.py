@@ -15,11 +15,11 @@ import torch
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.engines.base import Completion
+from amir_lightning.environments.replies import tool_metrics
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.objectives.advantages import batch_std, group_advantages
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rollout.batch import make_groups
-from amir_lightning.rollout.replies import tool_metrics
 from amir_lightning.rollout.rewarding import Scores
 from amir_lightning.rollout.types import Rollout
 

@@ -19,8 +19,8 @@ import torch
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.engines.base import Completion, RolloutEngine, SamplingConfig, mix_seed
+from amir_lightning.environments.base import Environment, Turn
 from amir_lightning.rollout.collect import RolloutSettings
-from amir_lightning.rollout.episodes import Environment, Turn
 from amir_lightning.rollout.pending import PendingRollout
 from amir_lightning.rollout.policy import Policy
 from amir_lightning.rollout.sync import SyncCheck, SyncReport

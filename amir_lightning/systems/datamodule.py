@@ -24,6 +24,8 @@ from amir_lightning.data.base import PromptSource
 from amir_lightning.data.feed import PromptFeed
 from amir_lightning.data.templates import ChatFormat, read_template
 from amir_lightning.engines.base import RolloutEngine, SamplingConfig
+from amir_lightning.environments.base import Environment
+from amir_lightning.environments.tools import ToolEnvironment
 from amir_lightning.evaluation.evaluator import EvaluationSettings, Evaluator
 from amir_lightning.helpers.distributed import mean_over_processes
 from amir_lightning.helpers.tracking import log_metrics
@@ -32,13 +34,11 @@ from amir_lightning.rewards.base import FunctionReward, Reward
 from amir_lightning.rewards.math import MathAnswerReward
 from amir_lightning.rollout.batch import agree_on_plan, build_steps, plan_steps
 from amir_lightning.rollout.collect import RolloutSettings
-from amir_lightning.rollout.episodes import Environment
 from amir_lightning.rollout.policy import Policy
 from amir_lightning.rollout.rewarding import RewardGuard
 from amir_lightning.rollout.sampler import Sampler, setting_errors
 from amir_lightning.rollout.schedule import Ahead, At, InTurn, Schedule
 from amir_lightning.rollout.sync import SyncCheck, SyncSettings
-from amir_lightning.rollout.tools import ToolEnvironment
 from amir_lightning.systems.progress import rollout_line, short_rollout_line, where_it_stopped
 from amir_lightning.systems.summary import run_rollouts, run_steps
 
@@ -75,12 +75,12 @@ class RolloutDataModule(LightningDataModule):
             by the tokenizer (a lone surrogate from a JSON escape), or with an empty user message. ``skip`` them
             (counted, the first few named, ``data/skipped_prompts``) or stop with an ``error`` naming the first
             (file and line, or dataset index).
-        environment: Multi-turn rollouts (``rollout/episodes.py``): what the policy's tool calls go to, e.g.
+        environment: Multi-turn rollouts (``environments/base.py``): what the policy's tool calls go to, e.g.
             ``ToolEnvironment`` or ``CalculatorEnvironment``; its replies are written into the completion and masked
             out of the loss. ``None``: single-turn completions.
         tools: Shorthand for ``environment: ToolEnvironment`` with these tools (``module.function`` paths of typed,
             documented functions), called as the chat template writes calls and read by vLLM's ``hermes`` parser
-            (``rollout/tools.py``).
+            (``environments/tools.py``).
         sync: How the weight sync is verified (``rollout/sync.py``): the engine's weights against the pushed ones,
             exactly, and the probe log-probs.
         val_prompts: Held-out prompts for ``validate`` and validation during ``fit``.

@@ -1,6 +1,6 @@
 """Environments of the multi-turn tests, importable by ``amir`` (the tests put this folder on PYTHONPATH)."""
 
-from amir_lightning.rollout.episodes import Environment
+from amir_lightning.environments.base import Environment
 
 
 class AnswerTool(Environment):

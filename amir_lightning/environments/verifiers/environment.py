@@ -4,9 +4,9 @@ A taskset written for prime-rl trains here unchanged. verifiers runs an episode 
 through an interception server that records every call into the episode's trace, with the taskset's tools as MCP
 servers, then scores the trace with the task's ``@vf.reward`` functions. Here:
 
-- the harness is ``rollout/verifiers_harness.py``: a chat loop in this process, the tool calls going to the
+- the harness is ``environments/verifiers/harness.py``: a chat loop in this process, the tool calls going to the
   taskset's tool servers and their results coming back as ``tool`` messages;
-- the interception server's client is the policy (``PolicyClient``, ``rollout/verifiers_policy.py``): each call
+- the interception server's client is the policy (``PolicyClient``, ``environments/verifiers/policy.py``): each call
   is sampled by the run's engine, together with the calls of every other episode then waiting (one batch per turn,
   seeded by its place in the run), and its tool calls are read by the policy's own parser (``tool_parser``);
 - an episode's tokens are the prompt's as the run rendered it, the policy's turns (trained on) and the chat
@@ -14,7 +14,7 @@ servers, then scores the trace with the task's ``@vf.reward`` functions. Here:
   the policy reads), so the trainer scores exactly what the engine sampled, and verifiers' trace holds one branch;
 - the trace's reward, its named rewards and metrics go with the completion (``Completion.outcome``) to
   ``EnvironmentReward``; the taskset's rewards and metrics are watched as the run's own rewards are
-  (``rollout/verifiers_scoring.py``): one that raises or returns what is not a score stops the run naming it, one that
+  (``scoring.py``): one that raises or returns what is not a score stops the run naming it, one that
   runs long is named every ``reward_warn_s`` seconds, and a stop asked for (SIGTERM, Ctrl-C) ends the wait on them.
 
 Harnesses that run a program of their own (codex, claude code, ...) are for an agent's sandbox, not a training
@@ -41,13 +41,13 @@ from typing_extensions import override
 from amir_lightning.data.base import Prompt
 from amir_lightning.data.verifiers_tasks import import_verifiers, load_tasks, task_messages, taskset_config
 from amir_lightning.engines.base import Completion, SamplingConfig
+from amir_lightning.environments.base import Environment, Turn
+from amir_lightning.environments.tool_calls import ToolCallParser
+from amir_lightning.environments.tools import ToolReplies, refuse_hidden_tools
+from amir_lightning.environments.verifiers.policy import CLIENTS, URL, Batches, Episode, PolicyClient, hook_clients
+from amir_lightning.environments.verifiers.scoring import Scoring
 from amir_lightning.helpers import stops
 from amir_lightning.helpers.validation import check_number, raise_errors
-from amir_lightning.rollout.episodes import Environment, Turn
-from amir_lightning.rollout.tool_calls import ToolCallParser
-from amir_lightning.rollout.tools import ToolReplies, refuse_hidden_tools
-from amir_lightning.rollout.verifiers_policy import CLIENTS, URL, Batches, Episode, PolicyClient, hook_clients
-from amir_lightning.rollout.verifiers_scoring import Scoring
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ STOP_CHECK_S = 0.1
 #: How long verifiers' event loop is given to end the episodes of a rollout given up (a stop, an error) and to answer
 #: ``close``, before it is taken as held by the taskset's code.
 HELD_S = 2.0
-#: The harness every episode runs with (``rollout/verifiers_harness.py``), by the id verifiers loads it with: it
+#: The harness every episode runs with (``environments/verifiers/harness.py``), by the id verifiers loads it with: it
 #: imports a harness id as a top-level module, so the module is registered under this name.
 HARNESS = "amir_lightning_harness"
 _IDS = itertools.count()
@@ -71,7 +71,7 @@ def env_config(environment: str | dict[str, Any], key: str, max_turns: int):
     """
     import sys
 
-    from amir_lightning.rollout import verifiers_harness
+    from amir_lightning.environments.verifiers import harness as verifiers_harness
 
     vf = import_verifiers(key)
     sys.modules.setdefault(HARNESS, verifiers_harness)
@@ -91,7 +91,7 @@ def env_config(environment: str | dict[str, Any], key: str, max_turns: int):
 
 
 class VerifiersEnvironment(Environment):
-    """A verifiers taskset's episodes, sampled by the policy and scored by the taskset (``rollout/verifiers_env.py``).
+    """A verifiers taskset's episodes, sampled by the policy and scored by the taskset.
 
     Give ``data.prompts`` a ``VerifiersTasks`` of the same taskset and ``data.rewards`` an ``EnvironmentReward``.
 
@@ -99,7 +99,7 @@ class VerifiersEnvironment(Environment):
         environment: The taskset's id (its importable module), a verifiers environment config as
             ``vf.resolve_env_config`` takes it (``{taskset: {id: ...}}``, its agent's ``timeout`` and limits), or
             in Python an environment ``vf.load_environment`` loaded (its harness must be verifiers' chat loop,
-            ``null``, which runs here as ``rollout/verifiers_harness.py``).
+            ``null``, which runs here as ``environments/verifiers/harness.py``).
         tool_parser: How a turn's tool calls are read: one of vLLM's tool parsers by name (``hermes`` for Qwen2.5 and
             Hermes-format templates), or ``response_template`` (the tokenizer's own).
         max_turns: Policy turns per episode (verifiers' ``agent.max_turns``); an episode still calling tools at the

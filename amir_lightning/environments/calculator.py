@@ -18,9 +18,9 @@ import re
 from typing_extensions import override
 
 from amir_lightning.data.base import Prompt
+from amir_lightning.environments.base import Environment
+from amir_lightning.environments.replies import ToolError
 from amir_lightning.helpers.validation import check_number, raise_errors
-from amir_lightning.rollout.episodes import Environment
-from amir_lightning.rollout.replies import ToolError
 
 _OPERATORS = {
     ast.Add: operator.add,
@@ -177,8 +177,8 @@ class CalculatorEnvironment(Environment):
         return self.reply.format(value=f"{value:.6g}" if isinstance(value, float) else value)
 
 
-# The calculator as a tool the chat template shows (data.tools: [amir_lightning.rollout.calculator.calculator],
-# rollout/tools.py), bounded as evaluate_arithmetic is: an expression it cannot compute raises ValueError, which the
+# The calculator as a tool the chat template shows (data.tools: [amir_lightning.environments.calculator.calculator],
+# tools.py), bounded as evaluate_arithmetic is: an expression it cannot compute raises ValueError, which the
 # policy reads as an error result. Its docstring is what the policy is shown (the tool's schema).
 def calculator(expression: str) -> str:
     """Compute an arithmetic expression: numbers, + - * / // % **, and parentheses.

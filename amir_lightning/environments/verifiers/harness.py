@@ -5,8 +5,8 @@ the model through verifiers' interception endpoint, runs each tool call the repl
 results as ``tool`` messages and asks again, until a reply calls no tool or verifiers' limits (``max_turns``) end
 the episode. verifiers records every call into the episode's trace and scores it with the task's rewards.
 
-Loaded by id (``amir_lightning.rollout.verifiers_harness``), as verifiers loads harnesses: a module that exports its
-one ``Harness`` subclass.
+Loaded by id (``amir_lightning.environments.verifiers.harness``), as verifiers loads harnesses: a module that
+exports its one ``Harness`` subclass.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """A Python function as a tool: loaded from its path, its JSON schema, and what a call of it may pass.
 
-The policy writes a call as a JSON object of named arguments (``rollout/tool_calls.py``), so a tool is a function
+The policy writes a call as a JSON object of named arguments (``environments/tool_calls.py``), so a tool is a function
 whose every argument has a name, a type hint and a line of its docstring: ``get_json_schema`` makes its schema from
 those, the chat template shows the schema, and a call's arguments are checked against it before the function runs
-(``rollout/tools.py``).
+(``environments/tools.py``).
 """
 
 from __future__ import annotations

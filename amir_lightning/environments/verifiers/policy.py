@@ -1,4 +1,4 @@
-"""The policy as the model verifiers' episodes talk to (``VerifiersEnvironment``, ``rollout/verifiers_env.py``).
+"""The policy as the model verifiers' episodes talk to (``VerifiersEnvironment``, ``environment.py``).
 
 verifiers' interception server asks its client for each model call. ``hook_clients`` makes that client, for the
 episodes of a run here, a ``PolicyClient``: it renders the call's messages with the policy's chat template (tool
@@ -22,8 +22,8 @@ from typing import Any
 from amir_lightning.data.base import Prompt
 from amir_lightning.data.verifiers_tasks import import_verifiers
 from amir_lightning.engines.base import Completion, SamplingConfig
-from amir_lightning.rollout.episodes import EpisodeRecord
-from amir_lightning.rollout.replies import kept_result, reply_char_bound
+from amir_lightning.environments.base import EpisodeRecord
+from amir_lightning.environments.replies import kept_result, reply_char_bound
 
 #: The base URL the episodes' model calls name (per environment); the interception server's client for it is the
 #: environment's policy client.

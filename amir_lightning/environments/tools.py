@@ -2,7 +2,7 @@ r"""Tools as Python functions, called as the policy's chat template writes calls
 
 A tool is a typed function with a Google-style docstring; ``transformers.utils.get_json_schema`` makes its schema and
 the policy's chat template shows the schemas (``apply_chat_template(..., tools=...)``), as at inference. A policy turn
-runs to its end-of-turn token; the model's own parser reads its calls (``rollout/tool_calls.py``: a vLLM tool parser
+runs to its end-of-turn token; the model's own parser reads its calls (``tool_calls.py``: a vLLM tool parser
 by name, or the tokenizer's response template), several at once if it wrote several. Each call runs, and the results
 come back as ``tool`` messages rendered by the same template::
 
@@ -11,7 +11,7 @@ come back as ``tool`` messages rendered by the same template::
       | policy: "37 * 8 = 296<|im_end|>"
 
 The template's tokens between two policy turns, and the results, are context, not the policy's: masked out of the
-loss, as every environment's replies are (``rollout/episodes.py``). A result is tokenised as text (special-token text
+loss, as every environment's replies are (``environments/base.py``). A result is tokenised as text (special-token text
 in it cannot write the template's control tokens), and an episode keeps of it (its messages, its calls) only the
 prefix the policy's ``max_reply_tokens`` are read from (``kept_reply``), however much the tool printed.
 
@@ -46,12 +46,12 @@ from typing_extensions import override
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.data.template_checks import PROBE_QUESTION, ignores_tools
+from amir_lightning.environments.base import Environment
+from amir_lightning.environments.replies import encode_reply, kept_result, reply_char_bound
+from amir_lightning.environments.tool_calls import ParsedTurn, ToolCall, ToolCallParser
+from amir_lightning.environments.tool_functions import argument_problem, load_tool, signature_problem, tool_schema
+from amir_lightning.environments.tool_runs import CallResult, run_together
 from amir_lightning.helpers.validation import check_number, raise_errors
-from amir_lightning.rollout.episodes import Environment
-from amir_lightning.rollout.replies import encode_reply, kept_result, reply_char_bound
-from amir_lightning.rollout.tool_calls import ParsedTurn, ToolCall, ToolCallParser
-from amir_lightning.rollout.tool_functions import argument_problem, load_tool, signature_problem, tool_schema
-from amir_lightning.rollout.tool_runs import CallResult, run_together
 
 #: Stand-ins rendered by the chat template where the assistant's text and each result go, then cut out.
 _ANSWER = "\u2063amir-answer\u2063"
@@ -193,7 +193,7 @@ class ToolReplies:
 
 
 class ToolEnvironment(Environment):
-    """Tools as Python functions, the calls written as the policy's chat template says (``rollout/tools.py``).
+    """Tools as Python functions, the calls written as the policy's chat template says (``environments/tools.py``).
 
     Args:
         tools: The tools: ``module.function`` paths, or the functions. Each needs named arguments (no ``*args``,

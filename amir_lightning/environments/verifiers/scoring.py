@@ -1,4 +1,4 @@
-"""A verifiers taskset's rewards and metrics, each call watched (``VerifiersEnvironment``, ``verifiers_env.py``).
+"""A verifiers taskset's rewards and metrics, each call watched (``VerifiersEnvironment``, ``environment.py``).
 
 verifiers scores an episode's trace with its task's ``@vf.reward`` and ``@vf.metric`` functions (``Task.hooks``),
 on its event loop, and keeps a failure as text on the trace. ``Scoring`` hands verifiers, for each episode, a copy of

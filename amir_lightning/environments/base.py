@@ -14,7 +14,7 @@ episode's text, tool replies included (as TRL passes tool messages to reward fun
 The turns of all episodes are sampled together: the first from each prompt with ``n = group_size``, each later one
 from every unfinished episode's text so far with ``n = 1``, each call with a seed of its own.
 
-A tool's faults are outcomes of episodes, counted per rollout, or bugs that stop the run (``rollout/replies.py``);
+A tool's faults are outcomes of episodes, counted per rollout, or bugs that stop the run (``environments/replies.py``);
 an episode still calling the tool at ``max_turns``, or out of context room, is cut, counted in
 ``tools/cut_frac``.
 """
@@ -28,8 +28,7 @@ from typing import Any
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.engines.base import Completion, SamplingConfig
-from amir_lightning.helpers.validation import check_number, raise_errors
-from amir_lightning.rollout.replies import (
+from amir_lightning.environments.replies import (
     EnvironmentStepError,
     ToolError,
     call_environment,
@@ -37,6 +36,7 @@ from amir_lightning.rollout.replies import (
     say_once,
     step_reply,
 )
+from amir_lightning.helpers.validation import check_number, raise_errors
 
 __all__ = ["Environment", "EnvironmentStepError", "EpisodeRecord", "ToolError", "Turn", "run_episodes"]
 
@@ -49,7 +49,7 @@ class Environment(ABC):
 
     Subclasses implement ``reset`` (an episode's state from its prompt) and ``step`` (the reply to one policy turn,
     or ``None`` to end the episode; ``raise ToolError(reply)`` for a call the tool cannot serve): a text protocol of
-    the environment's own, its turn ending at a ``stop`` string. ``ToolEnvironment`` (``rollout/tools.py``) instead
+    the environment's own, its turn ending at a ``stop`` string. ``ToolEnvironment`` (``environments/tools.py``) instead
     reads whole turns as the chat template writes tool calls, and replies with ``tool`` messages.
 
     Args:

@@ -1,4 +1,4 @@
-"""What an environment's replies become in an episode (``rollout/episodes.py``), and what its faults do.
+"""What an environment's replies become in an episode (``environments/base.py``), and what its faults do.
 
 A tool's faults are outcomes of episodes, counted per rollout (``tool_metrics``), or bugs that stop the run:
 
@@ -72,7 +72,7 @@ def call_environment(environment: Any, method: str, *args: Any) -> Any:
 
 
 def _step_error(environment: Any, method: str, err: Exception) -> EnvironmentStepError:
-    hint = " (raise amir_lightning.rollout.ToolError for a call the policy should read as an error)"
+    hint = " (raise amir_lightning.environments.ToolError for a call the policy should read as an error)"
     return EnvironmentStepError(
         f"data.environment: {type(environment).__name__}.{method} raised {type(err).__name__}: {err}"
         + (hint if method == "step" else "")
