@@ -18,8 +18,8 @@ import math
 import torch
 
 from amir_lightning.engines.base import Completion
-from amir_lightning.rollout.batch import build_steps, plan_steps
-from amir_lightning.rollout.types import Group
+from amir_lightning.loop.batch import build_steps, plan_steps
+from amir_lightning.loop.types import Group
 
 GROUPS, GROUP_SIZE, PROMPT, LIMIT = 4, 8, 160, 1024
 

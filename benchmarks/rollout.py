@@ -8,7 +8,7 @@ Both engines run through amir-lightning's engine API on the same chat-templated 
 sampling (temperature 0.7, top_p 1.0, EOS stops a completion); tokens/s counts the tokens actually generated.
 Reports each engine's throughput, their ratio (target vLLM >= 3x HF), and one verified weight sync (all weights
 pushed into vLLM, every tensor read back from the engine and compared exactly, then the probe scored by engine and
-policy: ``rollout/sync.py``) as a share of a rollout epoch (target < 5 %).
+policy: ``loop/sync.py``) as a share of a rollout epoch (target < 5 %).
 
 ``--lora``: the policy is the real ``Policy`` with LoRA on every linear layer (qwen.yaml's adapters), and one vLLM
 engine per push mode takes ``--syncs`` verified syncs, each after a random step of the adapters: merged weights every
@@ -31,9 +31,9 @@ import torch  # noqa: E402
 from _common import machine  # noqa: E402
 
 from amir_lightning.data import ArithmeticPrompts, render_prompt  # noqa: E402
+from amir_lightning.loop.sync import SyncCheck  # noqa: E402
 from amir_lightning.models import BundledSmolLM2  # noqa: E402
 from amir_lightning.rollout import HFEngine, SamplingConfig, VLLMEngine, VLLMServerEngine  # noqa: E402
-from amir_lightning.rollout.sync import SyncCheck  # noqa: E402
 
 
 def timed_generate(engine, prompts, samples, sampling) -> tuple[float, int]:
@@ -61,7 +61,7 @@ def lora_pushes(args, model_dir, prompts, sampling) -> None:
     import statistics
 
     from amir_lightning.models import LoraSettings
-    from amir_lightning.rollout.policy import Policy
+    from amir_lightning.models.policy import Policy
 
     lora = LoraSettings(r=args.lora_rank, alpha=args.lora_rank)
     policy = Policy(BundledSmolLM2(), lora=lora)

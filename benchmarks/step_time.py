@@ -30,12 +30,12 @@ from _common import add_step_arguments, interleaved, machine, median, peak_rss_m
 
 from amir_lightning.data import ArithmeticPrompts, render_prompt
 from amir_lightning.engines.base import Completion
+from amir_lightning.loop.batch import build_steps, plan_steps
+from amir_lightning.loop.types import Group
 from amir_lightning.models import QWEN25_3B_SHAPE, BundledSmolLM2, HFModel, LoraSettings, TinyModel
+from amir_lightning.models.policy import ScoringSettings
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages, mine_pairs, sequence_logps
 from amir_lightning.objectives.amir import PairTermSettings, PairWeightSettings
-from amir_lightning.rollout.batch import build_steps, plan_steps
-from amir_lightning.rollout.policy import ScoringSettings
-from amir_lightning.rollout.types import Group
 from amir_lightning.systems.module import AmirGRPOModule
 
 
@@ -125,7 +125,9 @@ def _official_pair_term(module, batch, chunk: int = 2, beta: float = 0.2, lam: f
     for start in range(0, len(rows), chunk):
         index = rows[start : start + chunk]
         sub = batch.select(index)
-        logps, _ = module.policy.completion_logps(module.model, sub, module.temperature)
+        logps, _ = module.policy.completion_logps(
+            module.model, sub.input_ids, sub.attention_mask, sub.completion_width, module.temperature
+        )
         seq = sequence_logps(logps, sub.completion_mask, "mean")  # [chunk]
         if len(seq) == 2:
             (-lam * torch.nn.functional.logsigmoid(beta * (seq[0] - seq[1])) / total).backward()

@@ -20,9 +20,9 @@ import torch  # noqa: E402
 from _common import add_step_arguments, interleaved, machine, median, steady_malloc  # noqa: E402
 from step_time import make_groups  # noqa: E402
 
+from amir_lightning.loop.batch import make_batch  # noqa: E402
 from amir_lightning.models import BundledSmolLM2, HFModel  # noqa: E402
 from amir_lightning.objectives import GRPOLoss  # noqa: E402
-from amir_lightning.rollout.batch import make_batch  # noqa: E402
 from amir_lightning.systems.module import AmirGRPOModule  # noqa: E402
 
 
@@ -85,7 +85,9 @@ def main() -> None:
     inputs = trl_inputs(batch)
 
     def our_loss(entropy: bool) -> torch.Tensor:
-        logps, _ = ours.policy.completion_logps(ours.model, batch, 1.0, entropy=entropy)
+        logps, _ = ours.policy.completion_logps(
+            ours.model, batch.input_ids, batch.attention_mask, batch.completion_width, 1.0, entropy=entropy
+        )
         return ours.loss(logps, batch.completion_mask, batch.advantages, batch.rewards, args.group_size).loss
 
     def step(loss_fn, model, optimizer) -> float:

@@ -9,8 +9,8 @@ import torch
 from lightning import Callback
 from torchmetrics import CatMetric, MeanMetric
 
+from amir_lightning.loop.batch import RolloutBatch, RolloutStep
 from amir_lightning.objectives import RowDiagnostics
-from amir_lightning.rollout.batch import RolloutBatch, RolloutStep
 
 
 class StepMonitor(Callback):

@@ -13,11 +13,11 @@ import torch
 from amir_lightning.data import ArithmeticPrompts
 from amir_lightning.engines import vllm as vllm_engine_module
 from amir_lightning.engines.adapters import adapter_mismatches, engine_rank, modules_of
+from amir_lightning.loop.collect import RolloutSettings
+from amir_lightning.loop.sync import StaleEngineError, SyncCheck
 from amir_lightning.models import HFModel, LoraSettings, build_tiny_model
+from amir_lightning.models.policy import Policy
 from amir_lightning.rollout import SamplingConfig, VLLMEngine, VLLMServerEngine, server_setup
-from amir_lightning.rollout.collect import RolloutSettings
-from amir_lightning.rollout.policy import Policy
-from amir_lightning.rollout.sync import StaleEngineError, SyncCheck
 from amir_lightning.systems.datamodule import RolloutDataModule
 
 LORA = LoraSettings(r=8, alpha=16)

@@ -11,9 +11,10 @@ from test_datamodule import build as build_with
 from test_datamodule import cut_and_resume, make_trainer
 
 from amir_lightning.data import ArithmeticPrompts
+from amir_lightning.loop.batch import batch_logps
+from amir_lightning.loop.collect import RolloutSettings
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rollout import HFEngine, VLLMServerEngine
-from amir_lightning.rollout.collect import RolloutSettings
 from amir_lightning.systems.datamodule import RolloutDataModule
 from amir_lightning.systems.module import AmirGRPOModule
 
@@ -83,16 +84,16 @@ def test_the_next_rollout_samples_while_the_policy_trains_on_the_weights_that_wi
     # The ratio's old log-probs are the trainer's under those weights, exactly; the policy has moved since.
     scored = watch.current[3]
     policy = data.policy
-    from amir_lightning.rollout.batch import make_batch
-    from amir_lightning.rollout.types import Group
+    from amir_lightning.loop.batch import make_batch
+    from amir_lightning.loop.types import Group
 
     zeros = torch.zeros(8)
     groups = [Group(ids, comps, zeros, zeros) for ids, comps in zip(scored.prompt_ids, scored.completions)]
     with policy.swapped(watch.weights[2]):
-        sampled_by = [policy.logps(make_batch(groups[i : i + 4], policy.pad_token_id)) for i in (0, 4)]
+        sampled_by = [batch_logps(policy, make_batch(groups[i : i + 4], policy.pad_token_id)) for i in (0, 4)]
     for old, expected in zip(watch.old[3], sampled_by, strict=True):
         torch.testing.assert_close(old, expected, rtol=0, atol=0)
-    now = policy.logps(make_batch(groups[:4], policy.pad_token_id))
+    now = batch_logps(policy, make_batch(groups[:4], policy.pad_token_id))
     assert not torch.allclose(now, sampled_by[0], atol=1e-4)
     assert data.engine.rollouts == 5  # 4 trained, and the one sampled after the last, for a longer resumed run
     data.engine.close()

@@ -5,8 +5,8 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from amir_lightning.engines.base import Completion
-from amir_lightning.rollout.batch import build_steps, fit_plan, padded_tokens, plan_steps, split_by_tokens
-from amir_lightning.rollout.types import Group, Rollout
+from amir_lightning.loop.batch import build_steps, fit_plan, padded_tokens, plan_steps, split_by_tokens
+from amir_lightning.loop.types import Group, Rollout
 
 PAD = 0
 

@@ -8,10 +8,10 @@ import torch
 from amir_lightning.callbacks import LengthBiasMonitor, PairMarginMonitor, RolloutSampleLogger
 from amir_lightning.callbacks.length_bias import spearman_per_group
 from amir_lightning.engines.base import Completion
+from amir_lightning.loop.batch import build_steps, plan_steps
+from amir_lightning.loop.types import Group
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages
 from amir_lightning.objectives.amir import PairTermSettings, PairWeightSettings
-from amir_lightning.rollout.batch import build_steps, plan_steps
-from amir_lightning.rollout.types import Group
 
 G = 4
 

@@ -10,14 +10,15 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from amir_lightning.data import ArithmeticPrompts
+from amir_lightning.loop.batch import batch_logps
+from amir_lightning.loop.collect import RolloutSettings
 from amir_lightning.models import HFModel, build_tiny_model
 from amir_lightning.models.export import ExportSettings
+from amir_lightning.models.policy import ScoringSettings
 from amir_lightning.objectives import AmirGRPOLoss
 from amir_lightning.objectives.amir import PairWeightSettings
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rollout import HFEngine, SamplingConfig
-from amir_lightning.rollout.collect import RolloutSettings
-from amir_lightning.rollout.policy import ScoringSettings
 from amir_lightning.systems.datamodule import RolloutDataModule
 from amir_lightning.systems.module import AmirGRPOModule
 
@@ -41,7 +42,7 @@ class Watch(L.Callback):
         # train_dataloader() has run (the first rollout), and no step yet: the sampling policy's weights.
         for step in trainer.train_dataloader:
             for batch in step.micro_batches:
-                self.before[id(batch)] = pl_module.policy.logps(batch)
+                self.before[id(batch)] = batch_logps(pl_module.policy, batch)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.old[batch.index] = [None if b.old_logps is None else b.old_logps.cpu() for b in batch.micro_batches]
@@ -149,7 +150,7 @@ def test_every_step_of_an_off_policy_rollout_takes_the_policy_before_its_first_u
             torch.testing.assert_close(old, watch.before[id(batch)], rtol=0, atol=0)
     # The policy did move: the old log-probs of the last step are not the current policy's.
     last = steps[-1].micro_batches[0]
-    assert not torch.allclose(data.policy.logps(last), watch.before[id(last)], atol=1e-4)
+    assert not torch.allclose(batch_logps(data.policy, last), watch.before[id(last)], atol=1e-4)
     assert len(watch.rollouts) == 1 and None not in watch.rollouts  # every step names the one rollout
 
 

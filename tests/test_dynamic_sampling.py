@@ -13,10 +13,10 @@ from test_datamodule import Watch, build, cut_and_resume, make_trainer
 from transformers import AutoModelForCausalLM
 
 from amir_lightning.helpers.serving import free_port
+from amir_lightning.loop.collect import RolloutSettings
+from amir_lightning.loop.dynamic import has_variance, needs_more, prompts_to_draw, refill
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rollout import VLLMServerEngine
-from amir_lightning.rollout.collect import RolloutSettings
-from amir_lightning.rollout.dynamic import has_variance, needs_more, prompts_to_draw, refill
 
 
 def one_process(values: list[float]) -> list[float]:
@@ -74,7 +74,7 @@ def test_a_long_refill_says_where_it_stands_and_ends_at_a_stop(monkeypatch, capl
     round), and a SIGTERM that comes during round 3 ends the refill before round 4 with the run's SIGTERM exit.
     Before, 100 s went by without a line and the refill ran on past the signal."""
     from amir_lightning.helpers import stops
-    from amir_lightning.rollout import dynamic
+    from amir_lightning.loop import dynamic
 
     monkeypatch.setattr(dynamic, "PROGRESS_S", 0.0)
     asked = []

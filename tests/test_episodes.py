@@ -9,10 +9,10 @@ from helpers.tools import Echo
 from amir_lightning.data.base import Prompt
 from amir_lightning.environments.base import run_episodes
 from amir_lightning.environments.calculator import evaluate_arithmetic
+from amir_lightning.loop.batch import make_batch, make_groups
 from amir_lightning.models import build_tiny_model
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss
 from amir_lightning.rollout import CalculatorEnvironment, HFEngine, SamplingConfig, ToolError
-from amir_lightning.rollout.batch import make_batch, make_groups
 
 
 @pytest.mark.parametrize(
@@ -87,8 +87,8 @@ def test_a_call_whose_last_token_runs_past_the_closing_tag_is_still_a_call():
 def test_a_checkpoint_keeps_a_pending_episode_whole(tmp_path):
     """A rollout sampled a rollout ahead is saved in the checkpoint as plain data: an episode comes back with its
     loss mask (the tool's reply still masked out) and its tool-call count, through ``torch.load(weights_only=True)``."""
+    from amir_lightning.loop.pending import PendingRollout, SavedRollout
     from amir_lightning.rollout import Completion
-    from amir_lightning.rollout.pending import PendingRollout, SavedRollout
 
     episode = Completion([5, 6, 7, 8, 9], "3+4?=7=7", [-0.1, 0.0, 0.0, -0.2, -0.3], "stop", [1, 0, 0, 1, 1], 1)
     plain = Completion([5, 9], "3+4=7", [-0.4, -0.5], "length")
@@ -129,7 +129,7 @@ def test_a_step_of_episodes_trains_as_the_step_of_their_policy_tokens_alone(make
 
 def test_a_steps_lengths_are_its_policy_tokens():
     """``RolloutStep.lengths`` (what the normalisers divide by) is the loss mask's sum per completion."""
-    from amir_lightning.rollout.batch import build_steps, plan_steps
+    from amir_lightning.loop.batch import build_steps, plan_steps
 
     data = episode_groups()
     (step,) = build_steps(plan_steps(data.episodes, 1, 1), pad_id=0)
@@ -140,8 +140,8 @@ def test_a_steps_lengths_are_its_policy_tokens():
 
 def test_the_logged_lengths_and_tokens_count_the_policys_tokens():
     """``length/mean``, ``length/max`` and the generated tokens count the policy's; replies: ``tools/reply_tokens``."""
+    from amir_lightning.loop.collect import RolloutSettings, make_rollout
     from amir_lightning.rewards import MathAnswerReward
-    from amir_lightning.rollout.collect import RolloutSettings, make_rollout
 
     data = episode_groups()
     completions = [g.completions for g in data.episodes]

@@ -10,13 +10,13 @@ from transformers import AutoModelForCausalLM
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.engines.base import Completion
+from amir_lightning.loop.batch import build_steps, plan_steps
+from amir_lightning.loop.rewarding import RewardGuard, score_completions
+from amir_lightning.loop.types import Group, Rollout
 from amir_lightning.models import HFModel, build_tiny_model
+from amir_lightning.models.policy import ScoringSettings
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages
 from amir_lightning.rewards.base import Reward
-from amir_lightning.rollout.batch import build_steps, plan_steps
-from amir_lightning.rollout.policy import ScoringSettings
-from amir_lightning.rollout.rewarding import RewardGuard, score_completions
-from amir_lightning.rollout.types import Group, Rollout
 from amir_lightning.systems.module import AmirGRPOModule
 
 AGGREGATIONS = ["grpo", "bnpo", "dr_grpo", "dapo"]

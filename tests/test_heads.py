@@ -20,8 +20,8 @@ from transformers import (
 )
 
 from amir_lightning.models import HFModel
+from amir_lightning.models.policy import ScoringSettings
 from amir_lightning.models.scoring import completion_logps, fused_head, head_matches_logits, scaled_head_keys
-from amir_lightning.rollout.policy import ScoringSettings
 from amir_lightning.systems.module import AmirGRPOModule
 
 SHAPE = dict(

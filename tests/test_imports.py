@@ -49,6 +49,7 @@ TIERS = [
     {"data", "models", "rewards", "objectives"},
     {"engines"},
     {"environments"},
+    {"loop"},
     {"rollout"},
     {"evaluation"},
     {"checkpoints"},

@@ -10,11 +10,11 @@ from judge_replies import MAX_SCORE, REPLIES
 
 from amir_lightning.engines.base import Completion
 from amir_lightning.helpers.http import ServerError
+from amir_lightning.loop.rewarding import score_completions
 from amir_lightning.models import TinyModel
 from amir_lightning.rewards import JudgeReward, JudgeServer
 from amir_lightning.rewards.inputs import RewardInputs
 from amir_lightning.rewards.judge import RETRY_PROMPT
-from amir_lightning.rollout.rewarding import score_completions
 
 
 @pytest.mark.parametrize(("reply", "expected"), REPLIES, ids=[r[:40] for r, _ in REPLIES])

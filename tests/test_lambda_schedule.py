@@ -140,7 +140,7 @@ def test_the_lr_schedule_follows_the_runs_length_and_a_resumed_run_stretches_it(
     steps x passes. A resumed run that was given more epochs keeps its position on the longer schedule."""
     from types import SimpleNamespace
 
-    from amir_lightning.rollout.collect import RolloutSettings
+    from amir_lightning.loop.collect import RolloutSettings
     from amir_lightning.systems.schedules import WarmupCosineLR
     from amir_lightning.systems.summary import planned_steps
 
@@ -174,8 +174,8 @@ def test_the_rewards_trainer_state_counts_the_steps_the_lr_schedule_spans():
     from types import SimpleNamespace
 
     from amir_lightning.data import ArithmeticPrompts
+    from amir_lightning.loop.collect import RolloutSettings
     from amir_lightning.rollout import HFEngine
-    from amir_lightning.rollout.collect import RolloutSettings
     from amir_lightning.systems.datamodule import RolloutDataModule
     from amir_lightning.systems.summary import planned_steps
 

@@ -5,10 +5,10 @@ import torch
 
 from amir_lightning.models import HFModel, build_tiny_model
 from amir_lightning.models.attention import register as register_varlen
+from amir_lightning.models.policy import ScoringSettings
 from amir_lightning.models.scoring import completion_logps
 from amir_lightning.objectives import selective_log_softmax
 from amir_lightning.objectives.logprobs import chosen_token_logps
-from amir_lightning.rollout.policy import ScoringSettings
 from amir_lightning.systems.module import AmirGRPOModule
 
 

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from amir_lightning.engines.base import Completion
+from amir_lightning.loop.batch import batch_logps, build_steps, fit_plan, make_batch, plan_steps
+from amir_lightning.loop.types import Group
 from amir_lightning.models import HFModel, build_tiny_model
+from amir_lightning.models.policy import ScoringSettings
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages
 from amir_lightning.objectives.amir import PairWeightSettings
-from amir_lightning.rollout.batch import build_steps, fit_plan, make_batch, plan_steps
-from amir_lightning.rollout.policy import ScoringSettings
-from amir_lightning.rollout.types import Group
 from amir_lightning.systems.module import AmirGRPOModule
 
 G = 4
@@ -45,7 +45,7 @@ def make_groups(module, seed=0):
 def test_logps_do_not_depend_on_padding(module):
     groups = make_groups(module)
     batch = make_batch(groups, module.policy.pad_token_id)
-    logps = module.policy.logps(batch)
+    logps = batch_logps(module.policy, batch)
     row = 0
     for group in groups:
         for c in group.completions:
@@ -141,10 +141,12 @@ def test_a_policy_whose_config_sets_dropout_trains_the_function_the_engine_sampl
             if "lora_B" in name:
                 p.add_(0.5 * torch.randn_like(p))  # adapters that matter
     batch = make_batch(make_groups(mod), mod.policy.pad_token_id)
-    old = mod.policy.logps(batch)  # eval mode: the old policy's log-probs
+    old = batch_logps(mod.policy, batch)  # eval mode: the old policy's log-probs
     assert mod.model.training  # restored
     with torch.no_grad():
-        trained = mod.policy.completion_logps(mod.model, batch, mod.temperature)[0]  # train mode, as the step
+        trained = mod.policy.completion_logps(
+            mod.model, batch.input_ids, batch.attention_mask, batch.completion_width, mod.temperature
+        )[0]  # train mode, as the step
     torch.testing.assert_close(trained, old, atol=0, rtol=0)
     with pytest.raises(ValueError, match=r"model\.lora\.dropout 0\.3: must be 0"):
         LoraSettings(r=4, alpha=8, dropout=0.3)
@@ -205,7 +207,7 @@ def episode_steps(module, seed=0):
     old = {}
     gen = torch.Generator().manual_seed(seed)
     batch = make_batch(data.policy_only, module.policy.pad_token_id)
-    logps = module.policy.logps(batch)
+    logps = batch_logps(module.policy, batch)
     rows = [(e, b) for eg, bg in zip(data.episodes, data.policy_only) for e, b in zip(eg.completions, bg.completions)]
     for row, (episode, bare) in enumerate(rows):
         n = len(bare.token_ids)

@@ -5,10 +5,10 @@ from test_datamodule import build, make_trainer
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.engines.base import Completion
+from amir_lightning.loop.rewarding import score_completions
 from amir_lightning.rewards import OverlongPenalty
 from amir_lightning.rewards.base import call_reward
 from amir_lightning.rewards.inputs import RewardInputs
-from amir_lightning.rollout.rewarding import score_completions
 
 
 @pytest.mark.parametrize(("length", "penalty"), [(3, 0.0), (6, 0.0), (7, -0.25), (8, -0.5), (10, -1.0), (12, -1.0)])

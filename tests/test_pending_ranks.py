@@ -17,10 +17,10 @@ from amir_lightning.data.base import Prompt
 from amir_lightning.engines.base import Completion
 from amir_lightning.helpers.distributed import all_reduce
 from amir_lightning.helpers.serving import free_port, group_members
+from amir_lightning.loop.collect import RolloutSettings, make_rollout
+from amir_lightning.loop.pending import PendingRollout, SavedRollout
+from amir_lightning.loop.saved import gather_saved, restore, saved_for_rank
 from amir_lightning.rewards.base import Reward
-from amir_lightning.rollout.collect import RolloutSettings, make_rollout
-from amir_lightning.rollout.pending import PendingRollout, SavedRollout
-from amir_lightning.rollout.saved import gather_saved, restore, saved_for_rank
 
 ROOT = Path(__file__).parents[1]
 FSDP2 = "{class_path: lightning.pytorch.strategies.ModelParallelStrategy}"
@@ -178,7 +178,7 @@ def test_two_processes_resumed_a_rollout_ahead_end_where_an_uninterrupted_run_do
 
 
 def test_an_older_checkpoints_rollout_with_its_completions_old_names_still_loads():
-    """Checkpoints written before ``Policy.score_old`` became the one writer of the old log-probs kept them on each
+    """Checkpoints written before ``score_old`` became the one writer of the old log-probs kept them on each
     completion too, and named the engine's ``logprobs``: such a rollout loads, under today's names."""
     state = sampled_ahead(0).state()
     for group in state["completions"]:

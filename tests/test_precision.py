@@ -8,9 +8,9 @@ from helpers.dp_step import FixedRollouts
 
 from amir_lightning.models import HFModel, LoraSettings, build_tiny_model
 from amir_lightning.models.export import ExportSettings
+from amir_lightning.models.policy import ScoringSettings
 from amir_lightning.models.scoring import completion_logps
 from amir_lightning.objectives import GRPOLoss
-from amir_lightning.rollout.policy import ScoringSettings
 from amir_lightning.systems.module import AmirGRPOModule
 from amir_lightning.systems.precision import check_strategy, compute_dtype
 

@@ -14,12 +14,12 @@ from amir_lightning.callbacks import RolloutSampleLogger
 from amir_lightning.data.base import Prompt
 from amir_lightning.engines.base import Completion
 from amir_lightning.helpers.serving import free_port
+from amir_lightning.loop.batch import make_groups
+from amir_lightning.loop.dynamic import Round, refill
+from amir_lightning.loop.pending import PendingRollout, SavedRollout
+from amir_lightning.loop.rewarding import Scores, score_completions
 from amir_lightning.rewards import FunctionReward, RunState
 from amir_lightning.rewards.base import RewardError
-from amir_lightning.rollout.batch import make_groups
-from amir_lightning.rollout.dynamic import Round, refill
-from amir_lightning.rollout.pending import PendingRollout, SavedRollout
-from amir_lightning.rollout.rewarding import Scores, score_completions
 
 ROOT = Path(__file__).parents[1]
 

@@ -1,5 +1,5 @@
 """Every sample of a run has a seed of its own: across processes, purposes (in turn, ahead, evaluation), dynamic
-sampling's rounds, an episode's turns and a generation's prompts (``rollout/sampler.py``, ``engines/base.py``).
+sampling's rounds, an episode's turns and a generation's prompts (``loop/sampler.py``, ``engines/base.py``).
 
 vLLM seeds a request's ``j``-th sample ``seed + j``; every other part of a seed is hashed, so no two parts of the
 run meet by arithmetic (a rank's seed 8 above another's met the other's next prompt, ``n`` = 8 above: 240 of 256
@@ -8,7 +8,7 @@ samples of two ranks shared a seed)."""
 from itertools import product
 
 from amir_lightning.engines.base import SEED_LIMIT, request_seed
-from amir_lightning.rollout.sampler import AHEAD, EVALUATE, TRAIN, generation_seed, round_seed, turn_seed
+from amir_lightning.loop.sampler import AHEAD, EVALUATE, TRAIN, generation_seed, round_seed, turn_seed
 
 
 def sample_seeds(seed: int, step: int, rank: int, purpose: int, rounds: int, turns: int, prompts: int, n: int):

@@ -26,9 +26,9 @@ from helpers.engines import (
 from amir_lightning.engines.base import RolloutEngine
 from amir_lightning.engines.digest import ColumnSample, Digest, Place, PushedDigests, Reading, WeightSlot, tensor_digest
 from amir_lightning.engines.hf import _NamedLayout
+from amir_lightning.loop.sync import StaleEngineError, SyncCheck, SyncSettings
 from amir_lightning.models import build_tiny_model
 from amir_lightning.rollout import HFEngine, VLLMEngine
-from amir_lightning.rollout.sync import StaleEngineError, SyncCheck, SyncSettings
 
 
 # ---------------------------------------------------------------------------------------------------- digests
@@ -309,7 +309,7 @@ class _BlindEngine(RolloutEngine):
 def test_an_engine_that_cannot_read_its_weights_back_is_checked_by_the_probe_and_the_run_says_so(tiny_dir, caplog):
     trainer, engine = Trainer(tiny_dir), _BlindEngine(HFEngine(progress=False))
     engine.start(tiny_dir, seed=0)
-    with caplog.at_level(logging.WARNING, logger="amir_lightning.rollout.sync"):
+    with caplog.at_level(logging.WARNING, logger="amir_lightning.loop.sync"):
         assert syncs_until_stopped(engine, trainer, syncs=3) is None
     said = [r.getMessage() for r in caplog.records if "not compared with the pushed ones" in r.getMessage()]
     assert said == ["weight sync: the weights _BlindEngine holds are not compared with the pushed ones (it cannot "

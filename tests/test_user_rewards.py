@@ -9,8 +9,8 @@ from conftest import read_scalars, run_amir
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.engines.base import Completion
+from amir_lightning.loop.rewarding import score_completions
 from amir_lightning.rewards import FunctionReward, MathAnswerReward, Reward, RewardInputs
-from amir_lightning.rollout.rewarding import score_completions
 
 ROOT = Path(__file__).parents[1]
 

@@ -30,9 +30,9 @@ from amir_lightning.helpers.console import PipeSafeStdout, quiet_second_interrup
 from amir_lightning.helpers.http import ServerError
 from amir_lightning.helpers.messages import user_message
 from amir_lightning.helpers.preflight import check_config_files
+from amir_lightning.loop.sync import StaleEngineError
 from amir_lightning.models.export import HubPushError
 from amir_lightning.rewards.base import RewardError
-from amir_lightning.rollout.sync import StaleEngineError
 
 __all__ = ["AmirCLI", "build_cli", "link_completion_length", "main"]
 

@@ -283,7 +283,7 @@ class RolloutEngine(ABC):
         """
 
     def weight_layout(self) -> WeightLayout | None:
-        """Where the engine keeps each pushed tensor, for the exact sync check (``rollout/sync.py``).
+        """Where the engine keeps each pushed tensor, for the exact sync check (``loop/sync.py``).
 
         ``None`` (the default): the engine cannot say, and its syncs are checked by the probe alone.
         """

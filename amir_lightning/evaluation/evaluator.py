@@ -11,9 +11,9 @@ import torch
 from amir_lightning.data.base import Prompt, PromptSource
 from amir_lightning.engines.base import SamplingConfig
 from amir_lightning.helpers.validation import check_number, raise_errors
+from amir_lightning.loop.schedule import At, Schedule
+from amir_lightning.loop.types import Group
 from amir_lightning.rewards.math import MathAnswerReward
-from amir_lightning.rollout.schedule import At, Schedule
-from amir_lightning.rollout.types import Group
 
 
 @dataclass

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from amir_lightning.evaluation.passk import PassAtK
+from amir_lightning.loop.batch import batch_logps, make_batch
+from amir_lightning.models.policy import Policy
 from amir_lightning.objectives import sequence_logps
-from amir_lightning.rollout.batch import make_batch
-from amir_lightning.rollout.policy import Policy
 
 
 @torch.no_grad()
@@ -24,7 +24,7 @@ def sample_logps(policy: Policy, groups, chunk_groups: int = 1) -> torch.Tensor:
     for start in range(0, len(groups), chunk_groups):
         chunk = groups[start : start + chunk_groups]
         batch = make_batch(chunk, policy.pad_token_id)
-        logps = policy.logps(batch, temperature=1.0)
+        logps = batch_logps(policy, batch, temperature=1.0)
         out.append(sequence_logps(logps, batch.completion_mask, "mean").view(len(chunk), -1))
     return torch.cat(out)
 

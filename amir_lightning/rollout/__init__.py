@@ -43,6 +43,17 @@ MOVED = {
     "verifiers_harness": "environments.verifiers.harness",
     "verifiers_policy": "environments.verifiers.policy",
     "verifiers_scoring": "environments.verifiers.scoring",
+    "types": "loop.types",
+    "schedule": "loop.schedule",
+    "pending": "loop.pending",
+    "saved": "loop.saved",
+    "sampler": "loop.sampler",
+    "sync": "loop.sync",
+    "rewarding": "loop.rewarding",
+    "collect": "loop.collect",
+    "dynamic": "loop.dynamic",
+    "batch": "loop.batch",
+    "policy": "models.policy",
 }
 
 

@@ -1,6 +1,6 @@
 """RolloutDataModule: one epoch is one rollout, from weight sync to the optimisation steps it feeds.
 
-Each epoch takes its rollout from the schedule (``rollout/schedule.py``: the weights pushed, G completions for each
+Each epoch takes its rollout from the schedule (``loop/schedule.py``: the weights pushed, G completions for each
 of the next B prompts sampled, scored and grouped with their advantages, in turn or while the epoch before trained)
 and yields one ``RolloutStep`` per optimisation step.
 
@@ -30,15 +30,15 @@ from amir_lightning.evaluation.evaluator import EvaluationSettings, Evaluator
 from amir_lightning.helpers.distributed import mean_over_processes
 from amir_lightning.helpers.tracking import log_metrics
 from amir_lightning.helpers.validation import check_number, raise_errors
+from amir_lightning.loop.batch import agree_on_plan, build_steps, plan_steps, score_old
+from amir_lightning.loop.collect import RolloutSettings
+from amir_lightning.loop.rewarding import RewardGuard
+from amir_lightning.loop.sampler import Sampler, setting_errors
+from amir_lightning.loop.schedule import Ahead, At, InTurn, Schedule
+from amir_lightning.loop.sync import SyncCheck, SyncSettings
+from amir_lightning.models.policy import Policy
 from amir_lightning.rewards.base import FunctionReward, Reward
 from amir_lightning.rewards.math import MathAnswerReward
-from amir_lightning.rollout.batch import agree_on_plan, build_steps, plan_steps
-from amir_lightning.rollout.collect import RolloutSettings
-from amir_lightning.rollout.policy import Policy
-from amir_lightning.rollout.rewarding import RewardGuard
-from amir_lightning.rollout.sampler import Sampler, setting_errors
-from amir_lightning.rollout.schedule import Ahead, At, InTurn, Schedule
-from amir_lightning.rollout.sync import SyncCheck, SyncSettings
 from amir_lightning.systems.progress import rollout_line, short_rollout_line, where_it_stopped
 from amir_lightning.systems.summary import run_rollouts, run_steps
 
@@ -81,7 +81,7 @@ class RolloutDataModule(LightningDataModule):
         tools: Shorthand for ``environment: ToolEnvironment`` with these tools (``module.function`` paths of typed,
             documented functions), called as the chat template writes calls and read by vLLM's ``hermes`` parser
             (``environments/tools.py``).
-        sync: How the weight sync is verified (``rollout/sync.py``): the engine's weights against the pushed ones,
+        sync: How the weight sync is verified (``loop/sync.py``): the engine's weights against the pushed ones,
             exactly, and the probe log-probs.
         val_prompts: Held-out prompts for ``validate`` and validation during ``fit``.
         benchmarks: Benchmarks for ``amir test`` (``BenchmarkPrompts``); default: the held-out prompts.
@@ -200,7 +200,7 @@ class RolloutDataModule(LightningDataModule):
     def state_dict(self) -> dict:
         """The schedule's record (the prompt stream's position, the rollout the run is in) and the sync's probe.
 
-        With ``max_staleness`` N it holds every process's N rollouts sampled ahead, scored (``rollout/saved.py``).
+        With ``max_staleness`` N it holds every process's N rollouts sampled ahead, scored (``loop/saved.py``).
         """
         return self.schedule.state_dict() | {"sync": self.sampler.sync_check.state_dict()}
 
@@ -250,7 +250,7 @@ class RolloutDataModule(LightningDataModule):
         steps = build_steps(plan, self.policy.pad_token_id, settings.passes, filler=rollout.groups[0], rollout=rollout)
         if len(steps) > 1 or rollout.old_weights:  # a step after an update, or a stale rollout: ratios need old logps
             batches = {id(b): b for step in steps for b in step.micro_batches}.values()  # a pass repeats batches
-            self.policy.score_old(list(batches), rollout.old_weights)  # the trainer's numerics (the engine's differ)
+            score_old(self.policy, list(batches), rollout.old_weights)  # the trainer's numerics (the engine's differ)
         return DataLoader(steps, batch_size=None, collate_fn=_identity)
 
     @override

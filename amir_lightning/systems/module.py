@@ -24,12 +24,12 @@ from amir_lightning.evaluation.report import benchmark_report
 from amir_lightning.helpers.distributed import all_reduce, sum_shares, world_size
 from amir_lightning.helpers.tracking import log_metrics
 from amir_lightning.helpers.validation import check_number, raise_errors
+from amir_lightning.loop.batch import RolloutBatch, RolloutStep
 from amir_lightning.models.export import ExportSettings
 from amir_lightning.models.loading import LoraSettings
+from amir_lightning.models.policy import Policy, ScoringSettings
 from amir_lightning.models.sources import ModelSource
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, LossOutput, StepContext
-from amir_lightning.rollout.batch import RolloutBatch, RolloutStep
-from amir_lightning.rollout.policy import Policy, ScoringSettings
 from amir_lightning.systems.optimisation import BadStepGuard, apply_step, parameter_groups
 from amir_lightning.systems.precision import check_strategy, dtype_by_name, take_over_precision
 from amir_lightning.systems.summary import planned_steps, run_summary
@@ -65,7 +65,7 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
 
     Attributes:
         model: The ``nn.Module`` that trains (built in ``configure_model``); its weights are the state's ``model.*``.
-        policy: The ``Policy`` over it (``amir_lightning/rollout/policy.py``): tokenizer, scoring, reference, the
+        policy: The ``Policy`` over it (``amir_lightning/models/policy.py``): tokenizer, scoring, reference, the
             weights to push; the data module's ``policy`` is this one (``RolloutDataModule.attach``).
     """
 
@@ -153,11 +153,14 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
         ``scoring.entropy`` the stats include ``train/entropy`` (the micro-batch's share of the step's mean over
         the tokens of the policy-gradient term: the policy's own, counted by the step's ``num_tokens``).
         """
-        logps, entropy = self.policy.completion_logps(self.model, batch, self.temperature, self.policy.scoring.entropy)
+        tokens = batch.input_ids, batch.attention_mask, batch.completion_width
+        logps, entropy = self.policy.completion_logps(
+            self.model, *tokens, self.temperature, self.policy.scoring.entropy
+        )
         ref = None
         if self.loss.needs_reference:
             with torch.no_grad(), self.policy.reference() as reference:
-                ref = self.policy.completion_logps(reference, batch, self.temperature)[0]
+                ref = self.policy.completion_logps(reference, *tokens, self.temperature)[0]
         out = self.loss(
             logps,
             batch.completion_mask,

@@ -130,7 +130,7 @@ def server(tiny_dir):
 
 def pushed(tiny_dir) -> list:
     from amir_lightning.models import HFModel
-    from amir_lightning.rollout.policy import Policy
+    from amir_lightning.models.policy import Policy
 
     policy = Policy(HFModel(str(tiny_dir)))
     policy.build(__import__("torch").float32)

@@ -14,7 +14,7 @@ from conftest import read_scalars, run_amir
 from helpers.qwen_setting import check_qwen_run, qwen_setting_args, tiny_policy
 
 from amir_lightning.models import QWEN25_3B_SHAPE
-from amir_lightning.rollout.policy import ScoringSettings
+from amir_lightning.models.policy import ScoringSettings
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 ROOT = Path(__file__).parents[2]

@@ -23,12 +23,12 @@ from torch.utils.data import DataLoader
 
 from amir_lightning.engines.base import Completion
 from amir_lightning.helpers.distributed import all_reduce
+from amir_lightning.loop.batch import agree_on_plan, build_steps, plan_steps
+from amir_lightning.loop.types import Group
 from amir_lightning.models import HFModel, LoraSettings
+from amir_lightning.models.policy import ScoringSettings
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, group_advantages
 from amir_lightning.objectives.amir import PairWeightSettings
-from amir_lightning.rollout.batch import agree_on_plan, build_steps, plan_steps
-from amir_lightning.rollout.policy import ScoringSettings
-from amir_lightning.rollout.types import Group
 from amir_lightning.systems.module import AmirGRPOModule
 
 G, GROUPS = 4, 4
@@ -91,7 +91,7 @@ def count_logprob_paths() -> dict[str, int]:
         counts["packed"] += 1
         return packed(*args, **kwargs)
 
-    import amir_lightning.rollout.policy as policy_file
+    import amir_lightning.models.policy as policy_file
 
     policy_file.completion_logps = counting
     scoring._packed_completion_logps = counting_packed

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from amir_lightning.engines.base import Completion
+from amir_lightning.loop.batch import build_steps, plan_steps
+from amir_lightning.loop.types import Group
 from amir_lightning.objectives import GRPOLoss, group_advantages
-from amir_lightning.rollout.batch import build_steps, plan_steps
-from amir_lightning.rollout.types import Group
 
 G, GROUPS, REPLY, PAD = 4, 2, 8, 0
 #: The token-normalised statistics of the loss (the module adds ``train/entropy``).

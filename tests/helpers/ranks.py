@@ -15,8 +15,8 @@ import torch.distributed as dist
 from amir_lightning.data.base import Prompt
 from amir_lightning.engines.base import Completion
 from amir_lightning.helpers.distributed import all_reduce, mean_over_processes
-from amir_lightning.rollout.dynamic import Round, refill
-from amir_lightning.rollout.rewarding import Scores
+from amir_lightning.loop.dynamic import Round, refill
+from amir_lightning.loop.rewarding import Scores
 
 G = 2
 

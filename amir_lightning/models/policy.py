@@ -3,6 +3,8 @@
 The rollout side needs four things of the policy: the files an engine starts from and the tokenizer (``model_dir``,
 ``tokenizer``), the weights to push into the engine (``export_weights``), and scoring without gradient: the probe of
 the weight sync (``score_tokens``) and the old policy's log-probs of off-policy steps and evaluation (``logps``).
+It scores token tensors (``input_ids``, ``attention_mask``, the completion width), never a batch of the loop, so the
+models room imports nothing above it.
 ``AmirGRPOModule`` owns one and hands it to the data module once (``RolloutDataModule.attach``), so neither side
 reaches into the other, or through the trainer, mid-rollout. The module's own forward passes (with gradient, and of
 the reference) go through ``completion_logps`` too, so every log-prob of a run is computed one way.
@@ -11,8 +13,8 @@ the reference) go through ``completion_logps`` too, so every log-prob of a run i
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, fields, replace
+from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
@@ -38,7 +40,6 @@ from amir_lightning.models.scoring import (
     varlen_attention,
 )
 from amir_lightning.models.sources import ModelSource
-from amir_lightning.rollout.batch import RolloutBatch
 
 
 @dataclass
@@ -187,15 +188,24 @@ class Policy:
         return autocast(self.device, self.compute_dtype, enabled=self.cast_by_autocast)
 
     def completion_logps(
-        self, model: torch.nn.Module, batch: RolloutBatch, temperature: float, entropy: bool = False
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        completion_width: int,
+        temperature: float,
+        entropy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``[n, T]`` log-probs of the completion tokens (and their entropies) from one forward of ``model``."""
+        """``[n, T]`` log-probs of the completion tokens (and their entropies) from one forward of ``model``.
+
+        ``input_ids`` and ``attention_mask`` are ``[n, P + T]``, the completion their last ``T = completion_width``.
+        """
         with self.compute_context():
             return completion_logps(
                 model,
-                batch.input_ids,
-                batch.attention_mask,
-                batch.completion_width,
+                input_ids,
+                attention_mask,
+                completion_width,
                 temperature,
                 self.scoring.chunk_size,
                 entropy,
@@ -214,15 +224,23 @@ class Policy:
             self.model.train(training)
 
     @torch.no_grad()
-    def logps(self, batch: RolloutBatch, temperature: float | None = None) -> torch.Tensor:
-        """``[n, T]`` log-probs of ``batch`` under the current weights, no gradient, on the CPU.
+    def logps(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        completion_width: int,
+        temperature: float | None = None,
+    ) -> torch.Tensor:
+        """``[n, T]`` log-probs of the completion tokens under the current weights, no gradient, on the CPU.
 
         The old policy of off-policy steps (taken before the rollout's first update) and evaluation's scores. Under
         FSDP2 the forward is a collective: every process calls it as often.
         """
-        batch = to_device(batch, self.device)
+        ids, mask = input_ids.to(self.device), attention_mask.to(self.device)
         with self.eval_mode():
-            return self.completion_logps(self.model, batch, temperature or self.temperature)[0].cpu()
+            return self.completion_logps(self.model, ids, mask, completion_width, temperature or self.temperature)[
+                0
+            ].cpu()
 
     @torch.no_grad()
     def score_tokens(self, prompt: list[int], completion: list[int]) -> list[float]:
@@ -252,17 +270,6 @@ class Policy:
                 for name, value in own.items():
                     _local(params[name]).copy_(value)
 
-    def score_old(self, batches: list[RolloutBatch], weights: dict[str, torch.Tensor] | None = None) -> None:
-        """Set each batch's ``old_logps``, the policy ratio's denominator: the trainer's log-probs of its tokens.
-
-        Under the current weights, or under ``weights`` (``trainable_weights``'s: those that sampled a rollout the
-        trainer has moved on from). Scored on the micro-batches the steps train, so that under the current weights
-        the first step's ratio is exactly 1.
-        """
-        with self.swapped(weights) if weights else nullcontext():
-            for batch in batches:
-                batch.old_logps = self.logps(batch)
-
     def _trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
 
@@ -283,9 +290,3 @@ class Policy:
 def _local(param: torch.Tensor) -> torch.Tensor:
     """This process's part of ``param``: its shard under FSDP2 (a DTensor), else all of it."""
     return param.to_local() if hasattr(param, "to_local") else param.data
-
-
-def to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
-    """``batch`` with its tensors on ``device``."""
-    moved = {f.name: getattr(batch, f.name) for f in fields(batch)}
-    return replace(batch, **{k: v.to(device) for k, v in moved.items() if isinstance(v, torch.Tensor)})

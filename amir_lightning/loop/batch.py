@@ -8,13 +8,15 @@ number of micro-batches per step (collectives under DDP and FSDP need it), and `
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.engines.base import Completion
-from amir_lightning.rollout.types import Group, Rollout
+from amir_lightning.loop.types import Group, Rollout
+from amir_lightning.models.policy import Policy
 
 
 @dataclass
@@ -32,7 +34,7 @@ class RolloutBatch:
         sampling_logps: ``[n, T]`` the engine's log-probs of the sampled tokens.
         group_size: ``G``.
         old_logps: ``[n, T]`` the trainer's log-probs of the tokens before the step's update, when the step is
-            off-policy (later steps or passes, a rollout sampled ahead); set by ``Policy.score_old`` alone.
+            off-policy (later steps or passes, a rollout sampled ahead); set by ``score_old`` alone.
         filler: A stand-in that keeps this process in step with others that have more micro-batches: the module
             runs its forward and a zero backward, and it adds nothing to the loss, the gradient or the metrics.
     """
@@ -285,3 +287,20 @@ def build_steps(
 
 def _filler(group: Group, pad_id: int) -> RolloutBatch:
     return replace(make_batch([group], pad_id), filler=True)
+
+
+def batch_logps(policy: Policy, batch: RolloutBatch, temperature: float | None = None) -> torch.Tensor:
+    """``[n, T]`` log-probs of ``batch``'s completion tokens under the policy's current weights, no gradient."""
+    return policy.logps(batch.input_ids, batch.attention_mask, batch.completion_width, temperature)
+
+
+def score_old(policy: Policy, batches: list[RolloutBatch], weights: dict[str, torch.Tensor] | None = None) -> None:
+    """Set each batch's ``old_logps``, the policy ratio's denominator: the trainer's log-probs of its tokens.
+
+    The one writer of ``old_logps``. Under the current weights, or under ``weights``
+    (``Policy.trainable_weights``'s: those that sampled a rollout the trainer has moved on from). Scored on the
+    micro-batches the steps train, so that under the current weights the first step's ratio is exactly 1.
+    """
+    with policy.swapped(weights) if weights else nullcontext():
+        for batch in batches:
+            batch.old_logps = batch_logps(policy, batch)

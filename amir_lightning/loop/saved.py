@@ -1,6 +1,6 @@
 """The rollouts sampled ahead in a checkpoint, by process (``data.rollout.max_staleness`` N >= 1).
 
-Each process samples up to N rollouts ahead of its own prompts (``rollout/pending.py``), but Lightning writes the data
+Each process samples up to N rollouts ahead of its own prompts (``loop/pending.py``), but Lightning writes the data
 module's state from global rank 0 alone (DDP's file, and the ``meta.pt`` of FSDP2's distributed checkpoints). So
 every process sends its saved rollout to rank 0, which writes them by rank (``gather_saved``); on resume each process
 takes its own (``saved_for_rank``) and checks that its completions belong to the prompts it draws again
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.helpers.distributed import gather_to_rank_zero, global_rank, world_size
-from amir_lightning.rollout.pending import PendingRollout, SavedRollout
+from amir_lightning.loop.pending import PendingRollout, SavedRollout
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ import torch
 from amir_lightning.data.base import Prompt
 from amir_lightning.engines.base import Completion, RolloutEngine, SamplingConfig, mix_seed
 from amir_lightning.environments.base import Environment, Turn
-from amir_lightning.rollout.collect import RolloutSettings
-from amir_lightning.rollout.pending import PendingRollout
-from amir_lightning.rollout.policy import Policy
-from amir_lightning.rollout.sync import SyncCheck, SyncReport
+from amir_lightning.loop.collect import RolloutSettings
+from amir_lightning.loop.pending import PendingRollout
+from amir_lightning.loop.sync import SyncCheck, SyncReport
+from amir_lightning.models.policy import Policy
 
 #: What a generation is for: the training rollout in turn, validation and tests, the rollout sampled ahead.
 TRAIN, EVALUATE, AHEAD = 0, 1, 2
@@ -85,7 +85,7 @@ class Sampler:
     Args:
         engine: The rollout engine.
         environment: Where an episode's tool calls go (``data.environment``); ``None``: single-turn completions.
-        sync_check: Verifies every push (``rollout/sync.py``).
+        sync_check: Verifies every push (``loop/sync.py``).
     """
 
     def __init__(self, engine: RolloutEngine, environment: Environment | None, sync_check: SyncCheck) -> None:

@@ -2,7 +2,7 @@
 
 ``score_completions`` calls the rewards (the ``concurrent`` ones on threads of their own), checks what each returns,
 and sums them with their weights; ``Scores`` keeps the result with the time it took, so a rollout sampled ahead is
-scored once, and its checkpoint keeps the scores (``rollout/pending.py``). ``RewardGuard`` stops a run whose rewards
+scored once, and its checkpoint keeps the scores (``loop/pending.py``). ``RewardGuard`` stops a run whose rewards
 keep failing.
 """
 
@@ -176,7 +176,7 @@ def score_completions(
 class Scores:
     """``score_completions``'s ``[B * G]`` totals, metrics, correctness and logged columns, and the seconds it took.
 
-    A rollout sampled ahead keeps them, and so does its checkpoint (``rollout/pending.py``): a resumed run trains on
+    A rollout sampled ahead keeps them, and so does its checkpoint (``loop/pending.py``): a resumed run trains on
     these rewards instead of asking a judge or a reward model again.
     """
 

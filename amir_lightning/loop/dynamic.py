@@ -30,7 +30,7 @@ import torch
 from amir_lightning.data.base import Prompt
 from amir_lightning.engines.base import Completion
 from amir_lightning.helpers import stops
-from amir_lightning.rollout.rewarding import Scores
+from amir_lightning.loop.rewarding import Scores
 
 log = logging.getLogger(__name__)
 #: Seconds between the lines that say where a long refill stands.

@@ -1,7 +1,7 @@
 """Making one rollout: score the G completions of each prompt and turn them into groups with their advantages.
 
 ``make_rollout`` is a function of its inputs (prompts, their completions, rewards, settings): it knows nothing of
-engines or Lightning, so a script or a test calls it the way the schedules of ``rollout/schedule.py`` do.
+engines or Lightning, so a script or a test calls it the way the schedules of ``loop/schedule.py`` do.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from amir_lightning.data.base import Prompt
 from amir_lightning.engines.base import Completion
 from amir_lightning.environments.replies import tool_metrics
 from amir_lightning.helpers.validation import check_number, raise_errors
+from amir_lightning.loop.batch import make_groups
+from amir_lightning.loop.rewarding import Scores
+from amir_lightning.loop.types import Rollout
 from amir_lightning.objectives.advantages import batch_std, group_advantages
 from amir_lightning.rewards.base import Reward
-from amir_lightning.rollout.batch import make_groups
-from amir_lightning.rollout.rewarding import Scores
-from amir_lightning.rollout.types import Rollout
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class RolloutSettings:
         drop_zero_std_groups: Skip groups whose rewards are all equal (they carry no policy gradient).
         dynamic_sampling: Drop those groups and sample more prompts until this process has ``prompts_per_process``
             groups with reward variance or ``max_sampling_rounds`` rounds ran (DAPO's dynamic sampling, arXiv
-            2503.14476; ``rollout/dynamic.py``). Each further round draws the missing groups' worth of prompts at
+            2503.14476; ``loop/dynamic.py``). Each further round draws the missing groups' worth of prompts at
             the share with variance seen so far, and samples them from the weights the rollout trains: with
             ``max_staleness`` 0 those of its first round; ahead, the newer ones (its first round is stale, the
             further rounds are not), with ``stale_logps current``.
@@ -207,7 +207,7 @@ def make_rollout(
     scores = scores or Scores.of(rewards, prompts, completions, settings.reward_warn_s)
     total, metrics, correct, score_s = scores.total, dict(scores.metrics), scores.correct, scores.seconds
     std = batch_std(total, sum_over_processes) if settings.advantage_scale == "batch" else None
-    # A group with a non-finite reward carries no signal (zero advantage, no pairs): see rollout/rewarding.py.
+    # A group with a non-finite reward carries no signal (zero advantage, no pairs): see loop/rewarding.py.
     advantages = group_advantages(total, settings.group_size, settings.advantage_scale, std=std).nan_to_num(nan=0.0)
     groups = make_groups(prompts, prompt_ids, completions, total, advantages, correct, scores.extra)
     tokens = sum(c.policy_tokens for group in completions for c in group)  # sampled (a tool's replies are not)

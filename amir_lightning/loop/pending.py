@@ -7,7 +7,7 @@ ones, ``Policy.trainable_weights``), so the trainer's log-probs of its tokens un
 the policy ratio (``RolloutBatch.old_logps``), exactly as for any off-policy step.
 
 A checkpoint holds the pending rollout whole (its completions, its policy version and those weights) and scored (its
-rewards, so a resumed run never asks a judge or a reward model again), one per process (``rollout/saved.py``), so a
+rewards, so a resumed run never asks a judge or a reward model again), one per process (``loop/saved.py``), so a
 resumed run trains on the same rollout, with the same ratios and rewards, as an uninterrupted one; with
 ``max_staleness`` N, every one of the N sampling ahead.
 """
@@ -25,9 +25,9 @@ import torch
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.engines.base import Completion
+from amir_lightning.loop.rewarding import Scores
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rewards.inputs import RunState
-from amir_lightning.rollout.rewarding import Scores
 
 
 @dataclass
@@ -171,7 +171,7 @@ def _completion(state: dict) -> Completion:
     """A completion as a checkpoint holds it (``asdict``), also as older checkpoints wrote it.
 
     Those named the engine's log-probs ``logprobs``, and kept each completion's ``old_logprobs`` (its log-probs under
-    the rollout's kept weights): the resumed run scores those again from the weights (``Policy.score_old``).
+    the rollout's kept weights): the resumed run scores those again from the weights (``batch.py``'s ``score_old``).
     """
     renamed = {"logprobs": "sampling_logps"}
     return Completion(**{renamed.get(k, k): v for k, v in state.items() if k != "old_logprobs"})

@@ -37,7 +37,7 @@ from amir_lightning.engines.adapters import adapter_mismatches
 from amir_lightning.engines.base import RolloutEngine
 from amir_lightning.engines.digest import ColumnSample, Digest, PushedDigests, WeightLayout
 from amir_lightning.helpers.validation import check_number, raise_errors
-from amir_lightning.rollout.policy import Policy
+from amir_lightning.models.policy import Policy
 
 log = logging.getLogger(__name__)
 

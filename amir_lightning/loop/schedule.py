@@ -29,16 +29,16 @@ from amir_lightning.data.base import Prompt
 from amir_lightning.data.feed import PromptFeed
 from amir_lightning.engines.base import Completion, SamplingConfig
 from amir_lightning.helpers.distributed import all_reduce
+from amir_lightning.loop.collect import RolloutSettings, make_rollout
+from amir_lightning.loop.dynamic import Round, needs_more, refill
+from amir_lightning.loop.pending import PendingRollout, SavedRollout
+from amir_lightning.loop.rewarding import Scores
+from amir_lightning.loop.sampler import AHEAD, TRAIN, Sampler, generation_seed, round_seed
+from amir_lightning.loop.saved import gather_saved, restore, saved_for_rank
+from amir_lightning.loop.types import Rollout
+from amir_lightning.models.policy import Policy
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rewards.inputs import RunState
-from amir_lightning.rollout.collect import RolloutSettings, make_rollout
-from amir_lightning.rollout.dynamic import Round, needs_more, refill
-from amir_lightning.rollout.pending import PendingRollout, SavedRollout
-from amir_lightning.rollout.policy import Policy
-from amir_lightning.rollout.rewarding import Scores
-from amir_lightning.rollout.sampler import AHEAD, TRAIN, Sampler, generation_seed, round_seed
-from amir_lightning.rollout.saved import gather_saved, restore, saved_for_rank
-from amir_lightning.rollout.types import Rollout
 
 #: ``PromptFeed.draw`` or ``draw_refill``: ``(rank, ranks, per_rank)`` -> this process's prompts.
 Draw = Callable[[int, int, int], list[Prompt]]
@@ -195,7 +195,7 @@ class Schedule(ABC):
         return Round(prompts, prompt_ids, completions, None, time.perf_counter() - start)
 
     def _refill(self, at: At, first: Round, draw: Draw, state: RunState) -> tuple[Round, dict[str, float]]:
-        """Dynamic sampling (``rollout/dynamic.py``): ``first``, scored, and more rounds until the groups vary.
+        """Dynamic sampling (``loop/dynamic.py``): ``first``, scored, and more rounds until the groups vary.
 
         The further rounds draw their prompts from ``draw``, sample them from the weights in the engine and score
         them with the rollout's ``state``.
@@ -362,7 +362,7 @@ class Ahead(Schedule):
 
     @override
     def state_dict(self) -> dict:
-        """Also every process's rollouts a resumed run trains next, scored (``rollout/saved.py``).
+        """Also every process's rollouts a resumed run trains next, scored (``loop/saved.py``).
 
         Every process must call it: it waits for their sampling to finish, and rank 0 writes them all.
         """

@@ -2,7 +2,7 @@
 
 ``Group``: the G completions of one prompt with their rewards and advantages; ``Rollout``: one collected rollout,
 its groups and metrics. The batches built from them (``RolloutBatch``, ``RolloutStep``) live with their builder in
-``rollout/batch.py``.
+``loop/batch.py``.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Rollout:
 
     @property
     def unscored(self) -> list[bool]:
-        """Per group: a reward is NaN or infinite (a broken reward; ``rollout/rewarding.py``)."""
+        """Per group: a reward is NaN or infinite (a broken reward; ``loop/rewarding.py``)."""
         return [not bool(torch.isfinite(g.rewards).all()) for g in self.groups]
 
     def trained_groups(self, drop_zero_std: bool) -> list[Group]:
