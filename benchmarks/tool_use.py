@@ -56,7 +56,6 @@ VARIANTS = {
 
 
 def main() -> None:
-    import torch
     from _common import machine
     from transformers import AutoTokenizer
 
@@ -104,12 +103,8 @@ def main() -> None:
             shown = [replace(p, messages=(*turns, {"role": "user", "content": p.question})) for p in prompts]
         prompt_ids = [chat.render(tokenizer, p) for p in shown]
 
-        def generate(ids, n, turn_sampling, turn):
-            torch.manual_seed(turn)
-            return engine.generate(ids, n, turn_sampling)
-
         start = time.perf_counter()
-        groups = run_episodes(environment, prompts, prompt_ids, args.samples, sampling, generate, tokenizer, 512)
+        groups = run_episodes(environment, prompts, prompt_ids, args.samples, sampling, engine, 0, tokenizer, 512)
         seconds = time.perf_counter() - start
         episodes = [c for group in groups for c in group]
         answers = [p.answer for p in prompts for _ in range(args.samples)]

@@ -56,9 +56,9 @@ class CountingEngine(HFEngine):
         super().__init__(**kwargs)
         self.calls = 0
 
-    def generate(self, prompts, n, sampling):  # noqa: D102
+    def generate(self, prompts, n, sampling, seed=None):  # noqa: D102
         self.calls += 1
-        return super().generate(prompts, n, sampling)
+        return super().generate(prompts, n, sampling, seed)
 
 
 def build(

@@ -4,6 +4,7 @@ import pytest
 import torch
 from conftest import read_scalars, run_here
 from helpers.policy_tokens import SETTINGS, TOKEN_STATS, episode_groups, objective_step
+from helpers.scripted import Scripted
 from helpers.tools import Echo
 
 from amir_lightning.data.base import Prompt
@@ -76,7 +77,9 @@ def test_a_call_whose_last_token_runs_past_the_closing_tag_is_still_a_call():
 
     prompt = Prompt(question="84*42", answer="3528")
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=24)
-    [[episode]] = run_episodes(Calculator(max_turns=3), [prompt], [[5, 6]], 1, sampling, generate, tokenizer)
+    [[episode]] = run_episodes(
+        Calculator(max_turns=3), [prompt], [[5, 6]], 1, sampling, Scripted(generate), None, tokenizer
+    )
     assert seen == ["<calc>84*42</calc>"]
     assert episode.text == "<calc>84*42</calc><result>3528</result>=3528" and episode.tool_calls == 1
     reply = tokenizer("result>3528</result>", add_special_tokens=False)["input_ids"]
@@ -180,7 +183,7 @@ def test_episodes_interleave_policy_turns_and_masked_replies_with_the_policys_lo
         return engine.generate(ids, n, sampling)
 
     sampling = SamplingConfig(temperature=0.8, max_new_tokens=3)
-    groups = run_episodes(Echo(max_turns=3), prompts, prompt_ids, 4, sampling, generate, tokenizer)
+    groups = run_episodes(Echo(max_turns=3), prompts, prompt_ids, 4, sampling, Scripted(generate), None, tokenizer)
     assert [len(g) for g in groups] == [4, 4] and turns[0] == (2, 4, 0) and all(n == 1 for _, n, _ in turns[1:])
     reply = tokenizer("=12", add_special_tokens=False)["input_ids"]
     replied = 0

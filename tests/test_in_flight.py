@@ -58,12 +58,10 @@ def test_a_push_reaches_the_requests_in_flight_and_the_tokens_say_which_weights_
     # 2000 tokens take ~4 s on 2 cores: the push lands inside them (240 once finished before it on a faster machine)
     model_dir = build_tiny_model(tmp_path / "model", seed=5, max_position_embeddings=LONG + 8)
     engine = VLLMServerEngine(**SERVER | {"max_model_len": LONG + 8})
-    engine.updates_in_flight = True
-    engine.start(model_dir, seed=0)
+    engine.start(model_dir, seed=0, updates_in_flight=True)
     try:
-        engine.weight_version = 3
         tensors = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
-        engine.load_weights(tensors.items())  # the run's weights, version 3
+        engine.load_weights(tensors.items(), version=3)  # the run's weights
         sampling = SamplingConfig(max_new_tokens=LONG, temperature=1.0, generation_kwargs={"ignore_eos": True})
         out = {}
         thread = threading.Thread(target=lambda: out.update(groups=engine.generate([[5, 6, 7]], 2, sampling, 11)))
@@ -72,9 +70,8 @@ def test_a_push_reaches_the_requests_in_flight_and_the_tokens_say_which_weights_
         while running_requests(engine.url) < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.3)  # some tokens on version 3
-        engine.weight_version = 4
         moved = {name: value + 0.01 for name, value in tensors.items()}
-        engine.load_weights(moved.items())
+        engine.load_weights(moved.items(), version=4)
         thread.join(timeout=300)
         for completion in out["groups"][0]:
             versions = completion.versions

@@ -292,14 +292,14 @@ class _BlindEngine(RolloutEngine):
     def __init__(self, engine):
         self.engine = engine
 
-    def start(self, model_dir, seed, device=None, local_rank=0):
-        self.engine.start(model_dir, seed, device, local_rank)
+    def start(self, model_dir, seed, device=None, local_rank=0, updates_in_flight=False):
+        self.engine.start(model_dir, seed, device, local_rank, updates_in_flight)
 
-    def generate(self, prompts, n, sampling):
-        return self.engine.generate(prompts, n, sampling)
+    def generate(self, prompts, n, sampling, seed=None):
+        return self.engine.generate(prompts, n, sampling, seed)
 
-    def load_weights(self, named_tensors):
-        self.engine.load_weights(named_tensors)
+    def load_weights(self, named_tensors, version=0):
+        self.engine.load_weights(named_tensors, version)
 
     def score(self, prompt, completion):
         return self.engine.score(prompt, completion)

@@ -14,6 +14,7 @@ import tracemalloc
 import pytest
 import torch
 from conftest import read_scalars
+from helpers.scripted import Scripted
 from helpers.tools import BuggyReset, BuggyStep, Echo, MegabyteReply, NumberReply
 from test_faults import fit_here, policy
 
@@ -38,7 +39,7 @@ def episodes(environment, turns, tokenizer=TOKENIZER, n=2, room=None, seen=None)
         return [[Completion(list(own), text, [-0.5] * len(own), "stop") for _ in range(count)] for _ in ids]
 
     prompt_ids = [tokenizer(PROMPT.question, add_special_tokens=False)["input_ids"]]
-    return run_episodes(environment, [PROMPT], prompt_ids, n, SAMPLING, generate, tokenizer, room)[0]
+    return run_episodes(environment, [PROMPT], prompt_ids, n, SAMPLING, Scripted(generate), None, tokenizer, room)[0]
 
 
 def test_a_bug_in_step_stops_at_once_naming_the_class_and_the_key():

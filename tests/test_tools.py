@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+from helpers.scripted import Scripted
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.data.templates import ChatFormat
@@ -65,7 +66,7 @@ def episodes(turns, n=1, **kwargs) -> tuple[list[Completion], list[int]]:
         return [[Completion(list(own), text, [-0.5] * len(own), finish) for _ in range(count)] for _ in ids]
 
     prompt_ids = chat.render(TOKENIZER, PROMPT)
-    return run_episodes(env, [PROMPT], [prompt_ids], n, SAMPLING, generate, TOKENIZER)[0], prompt_ids
+    return run_episodes(env, [PROMPT], [prompt_ids], n, SAMPLING, Scripted(generate), None, TOKENIZER)[0], prompt_ids
 
 
 def shown(completion: Completion) -> list[str]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,15 @@ def mix_seed(*parts: int) -> int:
     """
     data = b",".join(str(int(part)).encode() for part in parts)
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+#: A turn's place in the seed hash (``turn_seed``): after the generation's seed, before the turn's index.
+TURN = 2
+
+
+def turn_seed(seed: int | None, turn: int) -> int | None:
+    """The seed of an episode's ``turn``-th turn (the first turn's is the generation's; ``None`` stays ``None``)."""
+    return seed if turn == 0 or seed is None else mix_seed(seed, TURN, turn)
 
 
 def request_seed(seed: int, index: int) -> int:
@@ -239,6 +249,22 @@ class Completion:
         return int(sum(self.loss_mask[: len(self.token_ids)]))
 
 
+@contextmanager
+def seeded(seed: int | None) -> Iterator[None]:
+    """Torch's RNG forked and seeded with ``seed`` for one generation in this process (``None``: as it stands).
+
+    The caller's random stream is untouched: the trainer's dropout-free forward and its data order do not depend on
+    how many numbers a generation drew.
+    """
+    if seed is None:
+        yield
+        return
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
 class RolloutEngine(ABC):
     """Generates completions for the trainer and follows its weights."""
 
@@ -246,31 +272,47 @@ class RolloutEngine(ABC):
     #: (``data.rollout.max_staleness``); its ``generate`` then takes the rollout's ``seed``.
     runs_apart: bool = False
     #: Whether a push can land while requests are in flight, which go on with the new weights and say which
-    #: weights sampled each token (``Completion.versions``; ``data.rollout.partial_rollouts``).
+    #: weights sampled each token (``Completion.versions``; ``data.rollout.partial_rollouts``): such an engine's
+    #: ``start`` takes ``updates_in_flight``.
     takes_updates_in_flight: bool = False
-    #: Set by the run: pushes keep requests in flight (``data.rollout.partial_rollouts``), on an engine that can.
-    updates_in_flight: bool = False
-    #: Set by the run before each push: the weight version (optimisation step) the pushed weights are.
-    weight_version: int = 0
     #: Whether pushes carry a LoRA policy's adapters, the base weights pushed once (``take_adapters``).
     takes_adapters: bool = False
 
     @abstractmethod
-    def start(self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0) -> None:
+    def start(
+        self,
+        model_dir: Path,
+        seed: int,
+        device: torch.device | None = None,
+        local_rank: int = 0,
+        updates_in_flight: bool = False,
+    ) -> None:
         """Load the policy from ``model_dir`` (a Hugging Face directory); called once before generating.
 
         ``device`` is the training process's own (Lightning's ``strategy.root_device``) and ``local_rank`` its rank
         on its node (``trainer.local_rank``, whatever the launcher: torchrun's ``LOCAL_RANK``, SLURM's
         ``SLURM_LOCALID``); an engine inside the process uses them instead of guessing from the environment.
+        ``updates_in_flight``: pushes land with requests in flight (``data.rollout.partial_rollouts``), only asked
+        of an engine that ``takes_updates_in_flight``.
         """
 
     @abstractmethod
-    def generate(self, prompts: Sequence[list[int]], n: int, sampling: SamplingConfig) -> list[list[Completion]]:
-        """``n`` completions for each tokenised prompt, in prompt order."""
+    def generate(
+        self, prompts: Sequence[list[int]], n: int, sampling: SamplingConfig, seed: int | None = None
+    ) -> list[list[Completion]]:
+        """``n`` completions for each tokenised prompt, in prompt order, sampled from ``seed``.
+
+        The same seed, weights and prompts give the same completions (``seeded`` for an engine that samples from
+        torch's RNG in this process). ``None``: from torch's random stream as it stands.
+        """
 
     @abstractmethod
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the engine's weights with the trainer's (Hugging Face parameter names)."""
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int = 0) -> None:
+        """Replace the engine's weights with the trainer's (Hugging Face parameter names).
+
+        ``version``: the weight version they are, the optimisation step that made them; an engine that says which
+        weights sampled each token (``Completion.versions``) labels the tokens they sample with it.
+        """
 
     @abstractmethod
     def score(self, prompt: list[int], completion: list[int]) -> list[float]:

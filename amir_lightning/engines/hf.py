@@ -20,6 +20,7 @@ from amir_lightning.engines.base import (
     RolloutEngine,
     SamplingConfig,
     check_passed_through,
+    seeded,
 )
 from amir_lightning.engines.digest import ColumnSample, Reading, WeightLayout, WeightSlot, tensor_digest
 from amir_lightning.helpers.validation import check_number, raise_errors
@@ -49,7 +50,14 @@ class HFEngine(RolloutEngine):
         self.model = None
 
     @override
-    def start(self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0) -> None:
+    def start(
+        self,
+        model_dir: Path,
+        seed: int,
+        device: torch.device | None = None,
+        local_rank: int = 0,
+        updates_in_flight: bool = False,
+    ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         if self.given_device is None and device is not None:
@@ -67,7 +75,7 @@ class HFEngine(RolloutEngine):
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         # Nothing of the checkpoint's sampling defaults survives: generate() fills unset options from this one.
         self.model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
-        del seed  # sampling uses the global RNG, which the rollout data module seeds before every rollout
+        del seed, updates_in_flight  # each generation is seeded with its own seed (``seeded``)
         self._started = True
 
     @override
@@ -83,7 +91,9 @@ class HFEngine(RolloutEngine):
 
     @override
     @torch.no_grad()
-    def generate(self, prompts: Sequence[list[int]], n: int, sampling: SamplingConfig) -> list[list[Completion]]:
+    def generate(
+        self, prompts: Sequence[list[int]], n: int, sampling: SamplingConfig, seed: int | None = None
+    ) -> list[list[Completion]]:
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(n)]
         out: list[list[Completion]] = [[] for _ in prompts]
         if sampling.repetition_penalty != 1:
@@ -94,10 +104,10 @@ class HFEngine(RolloutEngine):
             from tqdm.auto import tqdm
 
             batches = tqdm(batches, desc="HF generate", unit="batch", leave=False)
-        # Sampling draws from the global RNG, which the rollout data module seeds (forked) before every rollout.
-        for chunk in batches:
-            for (index, _), completion in zip(chunk, self._generate_batch([p for _, p in chunk], sampling)):
-                out[index].append(completion)
+        with seeded(seed):  # sampling draws from torch's RNG, forked and seeded for this generation
+            for chunk in batches:
+                for (index, _), completion in zip(chunk, self._generate_batch([p for _, p in chunk], sampling)):
+                    out[index].append(completion)
         return out
 
     def _generate_batch(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
@@ -154,7 +164,7 @@ class HFEngine(RolloutEngine):
 
     @override
     @torch.no_grad()
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int = 0) -> None:
         state = {name: tensor.detach() for name, tensor in named_tensors}
         if not state:
             raise ValueError("load_weights got no tensors: the engine would keep stale weights")

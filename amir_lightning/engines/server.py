@@ -147,6 +147,7 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         self.server: ServerProcess | None = None  # the server this process started
         self._sequences = 1  # sequences this process has in flight (a generation request's deadline counts them)
         self.pushes = 0  # the weight version the server holds (0: the files it started from)
+        self.updates_in_flight = False  # pushes keep requests in flight (``start``'s, from partial_rollouts)
         self._slots: dict[str, WeightSlot | None] = {}
         self._workdir: Path | None = None
 
@@ -162,13 +163,21 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         """The started server's environment: the RL routes on, the transfer backend registered in its workers."""
         return server_setup.server_env(self)
 
-    def start(self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0) -> None:
+    def start(
+        self,
+        model_dir: Path,
+        seed: int,
+        device: torch.device | None = None,
+        local_rank: int = 0,
+        updates_in_flight: bool = False,
+    ) -> None:
         """Start the server (or reach the one at ``url``); with several training processes, the first starts it.
 
         Every process then sends its own prompts to that one server, which batches them; the first pushes the
         weights, and every process reads them back for its sync check.
         """
         del device, local_rank  # the server has devices of its own
+        self.updates_in_flight = updates_in_flight
         self._workdir = server_setup.make_workdir(self.transfer_dir)
         # where the first process started it (or the url given)
         self.url = from_rank_zero(lambda: self.url or self._launch(model_dir, seed))
@@ -254,7 +263,7 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
             return  # the server names an unknown field in its answer to the first request
         check_passed_through(sampling, set(CompletionRequest.model_fields), "the vLLM server's completion request")
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int = 0) -> None:
         """Push the weights through vLLM's update routes, generation paused; the first process pushes for all.
 
         Every process has finished its generation of this step (the rollouts sampling ahead go on, on the new
@@ -269,7 +278,7 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
             return
         try:
             tensors = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in named_tensors}
-            server_setup.push_weights(self, tensors)
+            server_setup.push_weights(self, tensors, version)
         finally:
             _barrier()
 

@@ -122,11 +122,11 @@ def write_weights(path: Path, tensors: dict[str, torch.Tensor]) -> None:
                           f"{need / 2**20:.2f} MiB{room}") from None  # fmt: skip
 
 
-def push_weights(engine: ServerEngine, tensors: dict[str, torch.Tensor]) -> None:
+def push_weights(engine: ServerEngine, tensors: dict[str, torch.Tensor], version: int) -> None:
     """Push ``tensors`` into ``engine``'s server: a file in its transfer folder, loaded through vLLM's update routes.
 
     ``/pause`` (``paused``), ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update`` with the run's
-    weight version (the optimisation step), ``/reset_prefix_cache``, ``/resume``.
+    weight ``version`` (the optimisation step), ``/reset_prefix_cache``, ``/resume``.
     """
     if not tensors:
         raise ValueError("load_weights got no tensors: the engine would keep stale weights")
@@ -137,7 +137,7 @@ def push_weights(engine: ServerEngine, tensors: dict[str, torch.Tensor]) -> None
         with paused(engine):
             engine._post("/start_weight_update")
             _load(engine, path)
-            engine._post("/finish_weight_update", {"weight_version": str(engine.weight_version)})
+            engine._post("/finish_weight_update", {"weight_version": str(version)})
     finally:
         path.unlink(missing_ok=True)
     engine.pushes += 1

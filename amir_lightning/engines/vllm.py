@@ -38,6 +38,7 @@ from amir_lightning.engines.base import (
     SamplingConfig,
     WeightLayout,
     check_passed_through,
+    seeded,
 )
 from amir_lightning.engines.digest import ColumnSample, Reading
 from amir_lightning.engines.shards import merge_workers
@@ -147,7 +148,14 @@ class VLLMEngine(ServesAdapters, RolloutEngine):
     starts = 0
 
     @override
-    def start(self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0) -> None:
+    def start(
+        self,
+        model_dir: Path,
+        seed: int,
+        device: torch.device | None = None,
+        local_rank: int = 0,
+        updates_in_flight: bool = False,
+    ) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         vllm = _import_vllm()
         on_gpu = torch.cuda.is_available()
@@ -223,13 +231,16 @@ class VLLMEngine(ServesAdapters, RolloutEngine):
         check_passed_through(sampling, known, "vLLM's SamplingParams")
 
     @override
-    def generate(self, prompts: Sequence[list[int]], n: int, sampling: SamplingConfig) -> list[list[Completion]]:
+    def generate(
+        self, prompts: Sequence[list[int]], n: int, sampling: SamplingConfig, seed: int | None = None
+    ) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt
 
         self.wake()
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         params = self._params(n, sampling, logprobs=0)
-        outputs = self.llm.generate(requests, params, use_tqdm=self.progress, lora_request=self._lora_request)
+        with seeded(seed):  # vLLM in this process samples from torch's RNG (requests carry no seed)
+            outputs = self.llm.generate(requests, params, use_tqdm=self.progress, lora_request=self._lora_request)
         result = []
         for output in outputs:
             group = []
@@ -241,7 +252,7 @@ class VLLMEngine(ServesAdapters, RolloutEngine):
         return result
 
     @override
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int = 0) -> None:
         stream = iter(named_tensors)
         first = next(stream, None)
         if first is None:

@@ -22,12 +22,12 @@ an episode still calling the tool at ``max_turns``, or out of context room, is c
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from amir_lightning.data.base import Prompt
-from amir_lightning.engines.base import Completion, SamplingConfig
+from amir_lightning.engines.base import Completion, RolloutEngine, SamplingConfig, turn_seed
 from amir_lightning.environments.replies import (
     EnvironmentStepError,
     ToolError,
@@ -38,10 +38,9 @@ from amir_lightning.environments.replies import (
 )
 from amir_lightning.helpers.validation import check_number, raise_errors
 
-__all__ = ["Environment", "EnvironmentStepError", "EpisodeRecord", "ToolError", "Turn", "run_episodes"]
+__all__ = ["Environment", "EnvironmentStepError", "EpisodeRecord", "ToolError", "run_episodes"]
 
 #: One turn of sampling: ``(token ids, n, sampling, turn index) -> n completions per input``, seeded by the index.
-Turn = Callable[[list[list[int]], int, SamplingConfig, int], list[list[Completion]]]
 
 
 class Environment(ABC):
@@ -104,16 +103,18 @@ class Environment(ABC):
         prompt_ids: Sequence[list[int]],
         n: int,
         sampling: SamplingConfig,
-        generate: Turn,
+        engine: RolloutEngine,
+        seed: int | None,
         tokenizer,
         room: int | None = None,
     ) -> list[list[Completion]]:
         """``n`` episodes per prompt, in prompt order: ``run_episodes``, this environment replying to each turn.
 
-        An environment that runs its episodes itself (``VerifiersEnvironment``) overrides this; ``generate`` samples
-        every turn, so each stays the engine's and seeded by its place in the run.
+        An environment that runs its episodes itself (``VerifiersEnvironment``) overrides this; ``engine`` samples
+        every turn, turn ``i`` from ``turn_seed(seed, i)``, so each stays the engine's and seeded by its place in
+        the run.
         """
-        return run_episodes(self, prompts, prompt_ids, n, sampling, generate, tokenizer, room)
+        return run_episodes(self, prompts, prompt_ids, n, sampling, engine, seed, tokenizer, room)
 
     def close(self) -> None:  # noqa: B027 (optional hook: most environments hold nothing)
         """Release what the environment holds (servers, threads); called when the run ends."""
@@ -173,7 +174,8 @@ def run_episodes(
     prompt_ids: Sequence[list[int]],
     n: int,
     sampling: SamplingConfig,
-    generate: Turn,
+    engine: RolloutEngine,
+    seed: int | None,
     tokenizer,
     room: int | None = None,
 ) -> list[list[Completion]]:
@@ -185,7 +187,8 @@ def run_episodes(
         prompt_ids: Their token ids.
         n: Episodes per prompt (the group size).
         sampling: Sampling of each policy turn; the environment's ``stop`` strings are added to its own.
-        generate: ``(token ids, n, sampling, turn) -> n completions per input``: the engine, seeded per turn.
+        engine: Samples every policy turn (``RolloutEngine.generate``).
+        seed: The generation's seed; turn ``i`` is sampled from ``turn_seed(seed, i)``.
         tokenizer: Encodes the replies and decodes the turns.
         room: Longest prompt + episode in tokens (the engine's ``max_model_len``); an episode that would not fit its
             next turn ends as truncated.
@@ -209,10 +212,10 @@ def run_episodes(
         if not active:
             break
         if turn == 0:
-            sampled = [c for group in generate(list(prompt_ids), n, turn_sampling, 0) for c in group]
+            sampled = [c for group in engine.generate(list(prompt_ids), n, turn_sampling, seed) for c in group]
         else:
             inputs = [list(prompt_ids[e.prompt_index]) + e.token_ids for e in active]
-            sampled = [group[0] for group in generate(inputs, 1, turn_sampling, turn)]
+            sampled = [group[0] for group in engine.generate(inputs, 1, turn_sampling, turn_seed(seed, turn))]
         last = turn == environment.max_turns - 1
         for episode, completion in zip(active, sampled):
             episode.turns += 1

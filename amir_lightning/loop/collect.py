@@ -187,6 +187,10 @@ def make_rollout(
     settings: RolloutSettings,
     sum_over_processes: Callable[[torch.Tensor], torch.Tensor] | None = None,
     scores: Scores | None = None,
+    *,
+    more_seconds: dict[str, float] | None = None,
+    more_metrics: dict[str, float] | None = None,
+    old_weights: dict[str, torch.Tensor] | None = None,
 ) -> Rollout:
     """Score the completions of each prompt and group them with their advantages.
 
@@ -200,6 +204,9 @@ def make_rollout(
         sum_over_processes: Sums a tensor over processes; ``advantage_scale: batch`` needs it for the global std.
         scores: The completions' scores when they were scored already (a rollout sampled ahead); the rewards are
             then not called.
+        more_seconds: The loop's own seconds (``sync_s``, ``wait_s``), beside ``generate_s`` and ``score_s``.
+        more_metrics: The loop's own metrics (the sync's, dynamic sampling's, staleness), logged over these.
+        old_weights: ``Rollout.old_weights``.
 
     Returns:
         The rollout: its groups with their advantages, and its metrics.
@@ -212,7 +219,8 @@ def make_rollout(
     groups = make_groups(prompts, prompt_ids, completions, total, advantages, correct, scores.extra)
     tokens = sum(c.policy_tokens for group in completions for c in group)  # sampled (a tool's replies are not)
     metrics |= tool_metrics([c for group in completions for c in group])  # multi-turn: how the tool was used
-    rollout = Rollout(groups, metrics, {"generate_s": generate_s, "score_s": score_s}, tokens)
+    seconds = {"generate_s": generate_s, "score_s": score_s} | (more_seconds or {})
+    rollout = Rollout(groups, metrics, seconds, tokens, old_weights)
     zero_std = rollout.zero_std
     metrics.update(
         {
@@ -222,5 +230,6 @@ def make_rollout(
             "rollout/score_s": score_s,
             "rollout/groups_kept": float(len(rollout.trained_groups(settings.drops_zero_std))),
         }
+        | (more_metrics or {})
     )
     return rollout

@@ -17,9 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -28,6 +27,15 @@ from amir_lightning.engines.base import Completion
 from amir_lightning.loop.rewarding import Scores
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rewards.inputs import RunState
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """What a rollout's sampling thread returns: its completions, how long sampling took and when it ended."""
+
+    completions: list[list[Completion]]
+    generate_s: float
+    finished_at: float
 
 
 @dataclass
@@ -59,28 +67,22 @@ class PendingRollout:
     finished_at: float | None = None
     completions: list[list[Completion]] | None = None
     scores: Scores | None = None
-    _future: Future | None = field(default=None, repr=False)
+    sampling: Future[Sampled] | None = field(default=None, repr=False)
 
-    def start(self, generate: Callable[[], list[list[Completion]]]) -> PendingRollout:
-        """Run ``generate`` on a thread of its own (it waits on the engine's process, so it holds no core)."""
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="amir-rollout")
-
-        def run() -> list[list[Completion]]:
-            start = time.perf_counter()
-            try:
-                return generate()
-            finally:
-                self.generate_s, self.finished_at = time.perf_counter() - start, time.perf_counter()
-
-        self._future = pool.submit(run)
-        pool.shutdown(wait=False)
-        return self
+    def sampled(self, completions: list[list[Completion]], generate_s: float) -> PendingRollout:
+        """This rollout with its completions, sampled in ``generate_s`` seconds in the training thread."""
+        return replace(self, completions=completions, generate_s=generate_s, finished_at=time.perf_counter())
 
     def wait(self) -> list[list[Completion]]:
-        """Its completions, once sampled (an error of the engine is raised here, in the training thread)."""
+        """Its completions, once sampled (an error of the engine is raised here, in the training thread).
+
+        ``wait`` and ``score`` are the only writers of a pending rollout after it is built: they keep what its
+        sampling thread returned (``Sampled``) and its rewards, once.
+        """
         if self.completions is None:
-            self.completions = self._future.result()
-            self._future = None
+            done = self.sampling.result()
+            self.completions, self.generate_s, self.finished_at = done.completions, done.generate_s, done.finished_at
+            self.sampling = None
         return self.completions
 
     def score(self, rewards: list[Reward], warn_s: float) -> Scores:
@@ -162,9 +164,9 @@ class SavedRollout:
 
     def pending(self, prompts: list[Prompt], prompt_ids: list[list[int]]) -> PendingRollout:
         """The pending rollout again, with its prompts drawn anew (the same ones: the stream is deterministic)."""
-        rollout = PendingRollout(prompts, prompt_ids, self.drawn_at, self.version, self.weights, self.run_state)
-        rollout.generate_s, rollout.completions, rollout.scores = self.generate_s, self.completions, self.scores
-        return rollout
+        when = self.drawn_at, self.version
+        return PendingRollout(prompts, prompt_ids, *when, self.weights, self.run_state, generate_s=self.generate_s,
+                              completions=self.completions, scores=self.scores)  # fmt: skip
 
 
 def _completion(state: dict) -> Completion:

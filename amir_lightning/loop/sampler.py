@@ -13,22 +13,25 @@ the seed with the request.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.engines.base import Completion, RolloutEngine, SamplingConfig, mix_seed
-from amir_lightning.environments.base import Environment, Turn
+from amir_lightning.environments.base import Environment
 from amir_lightning.loop.collect import RolloutSettings
-from amir_lightning.loop.pending import PendingRollout
+from amir_lightning.loop.pending import PendingRollout, Sampled
 from amir_lightning.loop.sync import SyncCheck, SyncReport
 from amir_lightning.models.policy import Policy
 
 #: What a generation is for: the training rollout in turn, validation and tests, the rollout sampled ahead.
 TRAIN, EVALUATE, AHEAD = 0, 1, 2
-#: What a derived seed is derived for (its place in the hash): a further round of sampling, a further turn.
-ROUND, TURN = 1, 2
+#: A further round of sampling's place in the seed hash (a further turn's is ``engines/base.py``'s ``TURN``).
+ROUND = 1
 
 
 def generation_seed(seed: int, step: int, rank: int, purpose: int) -> int:
@@ -39,11 +42,6 @@ def generation_seed(seed: int, step: int, rank: int, purpose: int) -> int:
 def round_seed(seed: int, index: int) -> int:
     """The seed of a rollout's ``index``-th round of sampling (dynamic sampling; the first round's is ``seed``)."""
     return seed if index == 0 else mix_seed(seed, ROUND, index)
-
-
-def turn_seed(seed: int, turn: int) -> int:
-    """The seed of an episode's ``turn``-th turn (the first turn's is the generation's)."""
-    return seed if turn == 0 else mix_seed(seed, TURN, turn)
 
 
 def setting_errors(
@@ -86,10 +84,18 @@ class Sampler:
         engine: The rollout engine.
         environment: Where an episode's tool calls go (``data.environment``); ``None``: single-turn completions.
         sync_check: Verifies every push (``loop/sync.py``).
+        updates_in_flight: Pushes land with requests in flight (``data.rollout.partial_rollouts``).
     """
 
-    def __init__(self, engine: RolloutEngine, environment: Environment | None, sync_check: SyncCheck) -> None:
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        environment: Environment | None,
+        sync_check: SyncCheck,
+        updates_in_flight: bool = False,
+    ) -> None:
         self.engine, self.environment, self.sync_check = engine, environment, sync_check
+        self.updates_in_flight = updates_in_flight
         self.synced_at_step: int | None = None
 
     def start(
@@ -98,7 +104,7 @@ class Sampler:
         """Start the engine on the policy's files (unless it runs); check it can sample as each of ``samplings``."""
         if not self.engine.started:
             self.engine.take_adapters(policy.lora)  # LoRA layers in the engine, or merged pushes
-            self.engine.start(policy.model_dir, seed=seed, device=device, local_rank=local_rank)
+            self.engine.start(policy.model_dir, seed, device, local_rank, self.updates_in_flight)
         for sampling in samplings:
             self.engine.check_sampling(sampling)
 
@@ -111,20 +117,13 @@ class Sampler:
         prompts: list[Prompt] | None = None,
         tokenizer=None,
     ) -> list[list[Completion]]:
-        """``n`` completions per prompt, each turn in a forked RNG seeded from ``seed``.
+        """``n`` completions per prompt, each turn sampled from its own seed (``turn_seed``).
 
         With an ``environment``, the ``prompts`` and the ``tokenizer``, each completion is a multi-turn episode.
         """
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-
-        def turn(ids: list[list[int]], count: int, turn_sampling: SamplingConfig, index: int):
-            with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(turn_seed(seed, index))
-                return self.engine.generate(ids, count, turn_sampling)
-
         if self.environment is None or prompts is None:
-            return turn(prompt_ids, n, sampling, 0)
-        return self.episodes(prompts, prompt_ids, n, sampling, turn, tokenizer)
+            return self.engine.generate(prompt_ids, n, sampling, seed)
+        return self.episodes(prompts, prompt_ids, n, sampling, seed, tokenizer)
 
     def start_apart(
         self, pending: PendingRollout, n: int, sampling: SamplingConfig, seed: int, tokenizer
@@ -133,24 +132,25 @@ class Sampler:
 
         The seed goes with each request (the training thread's RNG is not the engine's).
         """
-        engine = self.engine
+        prompts = pending.prompts if self.environment is not None else None
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="amir-rollout")  # it waits on the engine's process
+        sampling_thread = pool.submit(self._timed, pending.prompt_ids, n, sampling, seed, prompts, tokenizer)
+        pool.shutdown(wait=False)
+        return replace(pending, sampling=sampling_thread)
 
-        def turn(ids: list[list[int]], count: int, turn_sampling: SamplingConfig, index: int):
-            return engine.generate(ids, count, turn_sampling, seed=turn_seed(seed, index))
-
-        prompts, prompt_ids = pending.prompts, pending.prompt_ids
-        if self.environment is None:
-            return pending.start(lambda: turn(prompt_ids, n, sampling, 0))
-        return pending.start(lambda: self.episodes(prompts, prompt_ids, n, sampling, turn, tokenizer))
+    def _timed(self, prompt_ids, n, sampling, seed, prompts, tokenizer) -> Sampled:
+        start = time.perf_counter()
+        completions = self.generate(prompt_ids, n, sampling, seed, prompts, tokenizer)
+        return Sampled(completions, time.perf_counter() - start, time.perf_counter())
 
     def sleep(self) -> None:
         """Lend a colocated engine's memory to training until the next push (engines with sleep mode)."""
         self.engine.sleep()
 
-    def episodes(self, prompts, prompt_ids, n, sampling, turn: Turn, tokenizer) -> list[list[Completion]]:
-        """``n`` multi-turn episodes per prompt through ``environment``, ``turn(ids, n, sampling, index)`` sampling."""
+    def episodes(self, prompts, prompt_ids, n, sampling, seed: int, tokenizer) -> list[list[Completion]]:
+        """``n`` multi-turn episodes per prompt through ``environment``, turn ``i`` from ``turn_seed(seed, i)``."""
         room = getattr(self.engine, "max_model_len", None)
-        return self.environment.episodes(prompts, prompt_ids, n, sampling, turn, tokenizer, room)
+        return self.environment.episodes(prompts, prompt_ids, n, sampling, self.engine, seed, tokenizer, room)
 
     def push(
         self,
@@ -166,7 +166,6 @@ class Sampler:
         if self.synced_at_step == step:
             return None
         self.sync_check.set_probe(policy.tokenizer, *probe)
-        self.engine.weight_version = step  # the label of the tokens these weights sample
-        report = self.sync_check.push_and_verify(policy, self.engine, max_over_processes)
+        report = self.sync_check.push_and_verify(policy, self.engine, max_over_processes, version=step)
         self.synced_at_step = step
         return report

@@ -187,12 +187,14 @@ class Schedule(ABC):
     def _seed(self, at: At, purpose: int) -> int:
         return generation_seed(self.seed, at.step, at.rank, purpose)
 
-    def _sample(self, at: At, prompts: list[Prompt], prompt_ids: list[list[int]], index: int) -> Round:
-        """Round ``index`` of this rollout's sampling (its own seed; the first round's is the rollout's), unscored."""
+    def _sample(self, at: At, prompts: list[Prompt], prompt_ids: list[list[int]], index: int, state: RunState) -> Round:
+        """Round ``index`` of this rollout's sampling (its own seed; the first round's is the rollout's), scored."""
         start, n, tokenizer = time.perf_counter(), self.settings.group_size, self.policy.tokenizer
         seed = round_seed(self._seed(at, TRAIN), index)
         completions = self.sampler.generate(prompt_ids, n, self.sampling, seed, prompts, tokenizer)
-        return Round(prompts, prompt_ids, completions, None, time.perf_counter() - start)
+        generate_s = time.perf_counter() - start
+        scores = Scores.of(self.rewards, prompts, completions, self.settings.reward_warn_s, state)
+        return Round(prompts, prompt_ids, completions, scores, generate_s)
 
     def _refill(self, at: At, first: Round, draw: Draw, state: RunState) -> tuple[Round, dict[str, float]]:
         """Dynamic sampling (``loop/dynamic.py``): ``first``, scored, and more rounds until the groups vary.
@@ -214,9 +216,7 @@ class Schedule(ABC):
         prompts = draw(at.rank, at.ranks, count)
         if not sample:  # this process is full; its share of the stream is skipped, as every process draws alike
             return None
-        extra = self._sample(at, prompts, self.feed.tokenize(self.policy.tokenizer, prompts), index)
-        extra.scores = Scores.of(self.rewards, prompts, extra.completions, self.settings.reward_warn_s, state)
-        return extra
+        return self._sample(at, prompts, self.feed.tokenize(self.policy.tokenizer, prompts), index, state)
 
 
 class InTurn(Schedule):
@@ -227,15 +227,12 @@ class InTurn(Schedule):
         prompts, prompt_ids = self._draw_for(at)
         state = self._run_state(at, self.drawn_at)
         sync = self._push(at, prompts, prompt_ids)
-        first = self._sample(at, prompts, prompt_ids, 0)
+        first = self._sample(at, prompts, prompt_ids, 0, state)
         settings, dynamic = self.settings, {}
         if settings.dynamic_sampling:  # more rounds, from these weights, until the groups have reward variance
-            first.scores = Scores.of(self.rewards, prompts, first.completions, settings.reward_warn_s, state)
             first, dynamic = self._refill(at, first, self.feed.draw, state)
         self.sampler.sleep()  # a colocated engine with sleep mode lends its memory to training until the push
-        if first.scores is None:
-            first.scores = Scores.of(self.rewards, prompts, first.completions, settings.reward_warn_s, state)
-        rollout = make_rollout(
+        return make_rollout(
             first.prompts,
             first.prompt_ids,
             first.completions,
@@ -244,10 +241,9 @@ class InTurn(Schedule):
             settings,
             at.sum_over_processes,
             first.scores,
+            more_seconds={"sync_s": sync["rollout/sync_s"]},
+            more_metrics=sync | dynamic,
         )
-        rollout.seconds["sync_s"] = sync["rollout/sync_s"]
-        rollout.metrics |= sync | dynamic
-        return rollout
 
 
 class Ahead(Schedule):
@@ -279,11 +275,11 @@ class Ahead(Schedule):
             prompts, prompt_ids = self._draw_for(at)
             sync = self._push(at, prompts, prompt_ids)
             state = self._run_state(at, self.drawn_at)
-            current = PendingRollout(prompts, prompt_ids, self.drawn_at, at.step, {}, state)
             tokenizer, seed = self.policy.tokenizer, self._seed(at, TRAIN)
             n, generated = self.settings.group_size, time.perf_counter()
-            current.completions = self.sampler.generate(prompt_ids, n, self.sampling, seed, prompts, tokenizer)
-            current.generate_s = time.perf_counter() - generated
+            completions = self.sampler.generate(prompt_ids, n, self.sampling, seed, prompts, tokenizer)
+            current = PendingRollout(prompts, prompt_ids, self.drawn_at, at.step, {}, state, generated)
+            current = current.sampled(completions, time.perf_counter() - generated)
         self.epoch, self.steps_started, self.drawn_at, self.current = at.epoch, 0, None, current
         self.refill_from = self.feed.refill_position  # a checkpoint from here on runs this rollout again
         completions = tagged(current.wait(), current.version)
@@ -297,11 +293,16 @@ class Ahead(Schedule):
             if self._needs_more(at, first):
                 sync = joined(sync, self._push(at, current.prompts, current.prompt_ids))
             first, dynamic = self._refill(at, first, self.feed.draw_refill, current.run_state)
-            first.completions = tagged(first.completions, at.step)  # the further rounds' tokens: these weights'
+            first = replace(first, completions=tagged(first.completions, at.step))  # the further rounds' tokens
         # Also after the last rollout: the checkpoint then holds the next ones, and a run resumed to train longer
         # goes on as if it had never stopped.
         sync = joined(sync, self._sample_ahead(at))
-        rollout = make_rollout(
+        # rollout/wait_s: the trainer's wait for this rollout (0 when sampling kept up)
+        more = sync | dynamic | {"rollout/wait_s": waited} | staleness(first.completions, current.version, at.step)
+        old_weights = None
+        if current.version != at.step and self.settings.stale_logps == "sampler":  # exact PPO ratios
+            old_weights = current.weights  # the ratios' old log-probs are the trainer's under these
+        return make_rollout(
             first.prompts,
             first.prompt_ids,
             first.completions,
@@ -310,14 +311,10 @@ class Ahead(Schedule):
             self.settings,
             at.sum_over_processes,
             first.scores,
+            more_seconds={"sync_s": sync["rollout/sync_s"], "wait_s": waited},
+            more_metrics=more,
+            old_weights=old_weights,
         )
-        if current.version != at.step and self.settings.stale_logps == "sampler":  # exact PPO ratios
-            rollout.old_weights = current.weights  # the ratios' old log-probs are the trainer's under these
-        rollout.seconds.update(sync_s=sync["rollout/sync_s"], wait_s=waited)
-        rollout.metrics |= sync | dynamic
-        rollout.metrics["rollout/wait_s"] = waited  # the trainer's wait for this rollout (0 when sampling kept up)
-        rollout.metrics |= staleness(first.completions, current.version, at.step)
-        return rollout
 
     def _sample_ahead(self, at: At) -> dict[str, float]:
         """Push the weights this epoch trains from and start sampling from them; the sync's metrics.

@@ -148,9 +148,15 @@ class SyncCheck:
         return max(abs(a - b) for a, b in zip(*self.scores(policy, engine)))
 
     def push_and_verify(
-        self, policy: Policy, engine: RolloutEngine, reduce_max: Callable[[list[float]], list[float]] = list
+        self,
+        policy: Policy,
+        engine: RolloutEngine,
+        reduce_max: Callable[[list[float]], list[float]] = list,
+        version: int = 0,
     ) -> SyncReport:
         """Load the policy's weights into the engine, then check what it holds and measure the probe gap.
+
+        ``version``: the weight version pushed (the optimisation step), which the engine labels tokens with.
 
         ``reduce_max`` takes element-wise maxima over processes (each process checks its own engine, and all of them
         must agree on stopping). Raises ``StaleEngineError`` naming the first engine tensor that differs from the
@@ -161,7 +167,7 @@ class SyncCheck:
         adapters = getattr(engine, "takes_adapters", False)  # RolloutEngine says; a duck-typed engine does not
         whole = not (adapters and self._base_pushed)  # the weights themselves, merged or (adapters apart) the base
         self._bytes = 0
-        pushed = self._push(policy, engine, merged=not adapters) if whole else None
+        pushed = self._push(policy, engine, version, merged=not adapters) if whole else None
         wrong: list[str] = []
         verified = checked = 0  # tensors compared with the push; and every engine tensor the check looked at
         if pushed is not None:
@@ -188,7 +194,7 @@ class SyncCheck:
         float32 = pushed is not None and pushed.dtypes == {torch.float32}
         return SyncReport(gap, self._probe_level(gap, verified > 0, float32), verified, self._bytes)
 
-    def _push(self, policy: Policy, engine: RolloutEngine, merged: bool = True) -> PushedDigests | None:
+    def _push(self, policy: Policy, engine: RolloutEngine, version: int, merged: bool = True) -> PushedDigests | None:
         """Stream the policy's weights into the engine, digesting them on the way (unless the check is off).
 
         ``merged`` off: the base weights alone, for an engine that takes the adapters apart.
@@ -202,7 +208,7 @@ class SyncCheck:
         with policy.export_weights() if merged else policy.export_weights(merged=False) as named:
             named = self._counted(named)
             stream = pushed.tap(named) if pushed is not None else iter(named)
-            engine.load_weights(stream)
+            engine.load_weights(stream, version)
             for _ in stream:  # what the engine did not read still counts as pushed
                 pass
         if pushed is not None and pushed.unheld and self.syncs == 0:

@@ -133,7 +133,7 @@ class RolloutDataModule(LightningDataModule):
         room = getattr(engine, "max_model_len", None)  # a prompt and its completion must fit the engine's context
         self.prompt_limit = min(max_prompt_tokens, room - sampling.max_new_tokens) if room else max_prompt_tokens
         self._rollout_times: list[float] = []  # when each rollout of this process's run was logged
-        self.sampler = Sampler(engine, environment, SyncCheck(sync))
+        self.sampler = Sampler(engine, environment, SyncCheck(sync), self.settings.partial_rollouts)
         self.val_prompts, self.benchmarks = val_prompts, list(benchmarks or [])
         self.evaluation = evaluation.with_length_limit(sampling.max_new_tokens)
         self.seed, self.feed = seed, PromptFeed(prompts, self.chat, self.prompt_limit, bad_prompts, shuffle, seed)
@@ -177,7 +177,6 @@ class RolloutDataModule(LightningDataModule):
         if self.sampler.environment is not None:  # the template's tool messages and the turns' parser, read once
             self.sampler.environment.prepare(self.tokenizer, self.chat)
         if self.schedule is None:
-            self.engine.updates_in_flight = self.settings.partial_rollouts  # pushes keep requests in flight
             kind = Ahead if self.settings.max_staleness else InTurn  # sampled while the epoch before trains, or after
             args = self.feed, self.sampler, self.policy, self.rewards, self.settings, self.sampling, self.seed
             self.schedule = kind(*args)

@@ -24,7 +24,7 @@ class SkipsPushes:
     def __init__(self, engine):
         self.engine = engine
 
-    def load_weights(self, named_tensors):
+    def load_weights(self, named_tensors, version=0):
         del named_tensors
 
     def score(self, prompt, completion):
@@ -44,17 +44,17 @@ class _IgnoresPushesAfter:
         super().__init__(**kwargs)
         self.good_pushes, self.pushes = good_pushes, 0
 
-    def load_weights(self, named_tensors):  # noqa: D102
+    def load_weights(self, named_tensors, version=0):  # noqa: D102
         self.pushes += 1
         if self.pushes <= self.good_pushes:
-            super().load_weights(named_tensors)
+            super().load_weights(named_tensors, version)
 
 
 class _DropsHalf:
     """Loads every other pushed tensor and drops the rest (a loader that misses half of the names)."""
 
-    def load_weights(self, named_tensors):  # noqa: D102
-        super().load_weights(t for i, t in enumerate(named_tensors) if i % 2 == 0)
+    def load_weights(self, named_tensors, version=0):  # noqa: D102
+        super().load_weights((t for i, t in enumerate(named_tensors) if i % 2 == 0), version)
 
 
 class _PartialUpdate:
@@ -65,14 +65,14 @@ class _PartialUpdate:
         self.fraction = fraction
         self.held: dict[str, torch.Tensor] = {}
 
-    def load_weights(self, named_tensors):  # noqa: D102
+    def load_weights(self, named_tensors, version=0):  # noqa: D102
         applied = []
         for name, tensor in named_tensors:
             new = tensor.detach().float()
             old = self.held.get(name, new)
             self.held[name] = old + self.fraction * (new - old)
             applied.append((name, self.held[name].to(tensor.dtype)))
-        super().load_weights(applied)
+        super().load_weights(applied, version)
 
 
 class VLLMIgnoresPushesAfter(_IgnoresPushesAfter, VLLMEngine):
@@ -102,8 +102,8 @@ class HFPartialUpdate(_PartialUpdate, HFEngine):
 class RecordsLocalRank(VLLMEngine):
     """``VLLMEngine`` that writes the local rank its vLLM worker got to ``vllm_local_rank.<global rank>``."""
 
-    def start(self, model_dir, seed, device=None, local_rank=0):  # noqa: D102
-        super().start(model_dir, seed, device, local_rank)
+    def start(self, model_dir, seed, device=None, local_rank=0, updates_in_flight=False):  # noqa: D102
+        super().start(model_dir, seed, device, local_rank, updates_in_flight)
         from pathlib import Path
 
         import torch.distributed as dist
@@ -124,7 +124,7 @@ class RecordsSampling(VLLMEngine):
     """``VLLMEngine`` that appends what each generation was asked for to ``sampling.jsonl``: the prompts as text and
     the ``SamplingParams`` vLLM got."""
 
-    def generate(self, prompts, n, sampling):  # noqa: D102
+    def generate(self, prompts, n, sampling, seed=None):  # noqa: D102
         import json
 
         params = self._params(n, sampling)
@@ -133,14 +133,14 @@ class RecordsSampling(VLLMEngine):
         record |= {k: getattr(params, k) for k in ("min_p", "repetition_penalty", "stop", "min_tokens", "temperature")}
         with open("sampling.jsonl", "a") as out:
             out.write(json.dumps(record) + "\n")
-        return super().generate(prompts, n, sampling)
+        return super().generate(prompts, n, sampling, seed)
 
 
 class _Misplaces:
     """Loads every pushed tensor, but ``misplace`` puts some of them in the wrong place (a loader's layout bug)."""
 
-    def load_weights(self, named_tensors):  # noqa: D102
-        super().load_weights(self.misplace(dict(named_tensors)).items())
+    def load_weights(self, named_tensors, version=0):  # noqa: D102
+        super().load_weights(self.misplace(dict(named_tensors)).items(), version)
 
     def misplace(self, state: dict) -> dict:
         """``state`` with the fault applied."""
@@ -218,8 +218,8 @@ class HFForgetsOne(HFEngine):
         super().__init__(**kwargs)
         self.name, self.in_layout = name, in_layout
 
-    def load_weights(self, named_tensors):  # noqa: D102
-        super().load_weights((n, t) for n, t in named_tensors if n != self.name)
+    def load_weights(self, named_tensors, version=0):  # noqa: D102
+        super().load_weights(((n, t) for n, t in named_tensors if n != self.name), version)
 
     def weight_layout(self):  # noqa: D102
         layout = super().weight_layout()

@@ -24,12 +24,12 @@ class KillDuringRollout(VLLMEngine):
         super().__init__(**kwargs)
         self.at_call, self.calls = at_call, 0
 
-    def generate(self, prompts, n, sampling):  # noqa: D102
+    def generate(self, prompts, n, sampling, seed=None):  # noqa: D102
         self.calls += 1
         if self.calls == self.at_call:
-            super().generate(prompts[:1], n, sampling)  # half of the work done, then the process dies
+            super().generate(prompts[:1], n, sampling, seed)  # half of the work done, then the process dies
             _die()
-        return super().generate(prompts, n, sampling)
+        return super().generate(prompts, n, sampling, seed)
 
 
 class SignalDuringRollout(VLLMEngine):
@@ -41,11 +41,11 @@ class SignalDuringRollout(VLLMEngine):
         super().__init__(**kwargs)
         self.at_call, self.calls, self.signal = at_call, 0, getattr(signal, signal_name)
 
-    def generate(self, prompts, n, sampling):  # noqa: D102
+    def generate(self, prompts, n, sampling, seed=None):  # noqa: D102
         self.calls += 1
         if self.calls == self.at_call:
             os.kill(os.getpid(), self.signal)
-        return super().generate(prompts, n, sampling)
+        return super().generate(prompts, n, sampling, seed)
 
 
 class KillBeforeOptimizerStep(Callback):

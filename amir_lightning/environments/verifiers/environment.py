@@ -40,8 +40,8 @@ from typing_extensions import override
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.data.verifiers_tasks import import_verifiers, load_tasks, task_messages, taskset_config
-from amir_lightning.engines.base import Completion, SamplingConfig
-from amir_lightning.environments.base import Environment, Turn
+from amir_lightning.engines.base import Completion, RolloutEngine, SamplingConfig, turn_seed
+from amir_lightning.environments.base import Environment
 from amir_lightning.environments.tool_calls import ToolCallParser
 from amir_lightning.environments.tools import ToolReplies, refuse_hidden_tools
 from amir_lightning.environments.verifiers.policy import CLIENTS, URL, Batches, Episode, PolicyClient, hook_clients
@@ -171,7 +171,8 @@ class VerifiersEnvironment(Environment):
         prompt_ids: Sequence[list[int]],
         n: int,
         sampling: SamplingConfig,
-        generate: Turn,
+        engine: RolloutEngine,
+        seed: int | None,
         tokenizer,
         room: int | None = None,
     ) -> list[list[Completion]]:
@@ -196,7 +197,7 @@ class VerifiersEnvironment(Environment):
                 batch = self._next_batch(run, scoring)
                 if batch is None:
                     break
-                sampled = generate([ids for _, ids in batch], 1, sampling, turn)
+                sampled = engine.generate([ids for _, ids in batch], 1, sampling, turn_seed(seed, turn))
                 loop.call_soon_threadsafe(run.deliver, batch, [group[0] for group in sampled])
             episodes = done.result()
         except BaseException:
