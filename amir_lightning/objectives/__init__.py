@@ -10,7 +10,7 @@ from amir_lightning.objectives.logprobs import (
     sequence_logps,
     token_entropy,
 )
-from amir_lightning.objectives.pairs import mine_pairs, pair_mask
+from amir_lightning.objectives.pairs import MinedGroups, PairRule, mine_pairs
 from amir_lightning.objectives.preference import pair_logits, preference_loss
 
 __all__ = [
@@ -18,12 +18,13 @@ __all__ = [
     "GRPOLoss",
     "LambdaSchedule",
     "LossOutput",
+    "MinedGroups",
+    "PairRule",
     "RowDiagnostics",
     "StepContext",
     "chosen_token_logps",
     "group_advantages",
     "mine_pairs",
-    "pair_mask",
     "pair_logits",
     "preference_loss",
     "selective_log_softmax",

@@ -46,7 +46,7 @@ from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.objectives.base import LossOutput, StepContext
 from amir_lightning.objectives.grpo import GRPOLoss
 from amir_lightning.objectives.logprobs import sequence_logps
-from amir_lightning.objectives.pairs import PairMode, mine_pairs
+from amir_lightning.objectives.pairs import PairMode, PairRule
 from amir_lightning.objectives.preference import pair_logits, preference_loss
 
 #: Where these arguments live in a YAML config, for error messages.
@@ -197,6 +197,7 @@ class AmirGRPOLoss(GRPOLoss):
     ) -> None:
         super().__init__(**grpo)
         self.pair_term = pair_term
+        self.pair_rule = PairRule(pair_term.margin, pair_term.mode, pair_term.max_per_group)
         self.schedule = LambdaSchedule(pair_weight)
 
     @override
@@ -206,11 +207,6 @@ class AmirGRPOLoss(GRPOLoss):
     @property
     def lambda_now(self) -> float:  # noqa: D102
         return float(self.schedule.lambda_value)
-
-    def pairs(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-        """This loss's pairs of ``rewards`` ``[N]``: ``LongTensor[P, 2]`` of (chosen, rejected) rows."""
-        t = self.pair_term
-        return mine_pairs(rewards, group_size, t.margin, t.mode, t.max_per_group)
 
     def forward(
         self,
@@ -236,10 +232,9 @@ class AmirGRPOLoss(GRPOLoss):
             **optional: ``GRPOLoss.forward``'s optional tensors, by name (``old_logps``, ``ref_logps``,
                 ``truncated``, ``sampling_logps``).
         """
-        if context is None:  # this call is the whole step: its pairs, mined once, travel in the context
-            pairs = self.pairs(rewards, group_size)
+        if context is None:  # this call is the whole step
             truncated = optional.get("truncated")
-            context = self.step_context(completion_mask.sum(-1), rewards, group_size, truncated, pairs=pairs)
+            context = self.step_context(completion_mask.sum(-1), rewards, group_size, truncated)
         out = super().forward(logps, completion_mask, advantages, rewards, group_size, context=context, **optional)
         ref_logps = optional.get("ref_logps")
         pair_loss, stats, push = self.pair_loss(logps, completion_mask, out.rows.pairs, ref_logps, context)

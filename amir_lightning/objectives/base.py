@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from amir_lightning.objectives.pairs import MinedGroups
+
 
 @dataclass(frozen=True)
 class StepContext:
@@ -18,8 +20,8 @@ class StepContext:
             tokens).
         num_pairs: Preference pairs mined in the step (the pair losses are pooled over them).
         lambda_: Weight of the pair term during this step (0 for GRPO); schedules update it after the step.
-        pairs: ``LongTensor[P, 2]`` the pairs of the rows of a loss call that is the whole step (a direct call),
-            mined once; ``None`` in training, where each micro-batch mines the pairs of its own groups.
+        mined: The step's groups and their pairs, mined once (``step_context``): each micro-batch finds its own
+            groups' pairs there.
     """
 
     num_sequences: float
@@ -27,7 +29,7 @@ class StepContext:
     max_length: float
     num_pairs: float = 0.0
     lambda_: float = 0.0
-    pairs: torch.Tensor | None = None
+    mined: MinedGroups | None = None
 
 
 @dataclass

@@ -48,7 +48,7 @@ from amir_lightning.objectives.aggregation import global_normalizers, row_weight
 from amir_lightning.objectives.base import LossOutput, RowDiagnostics, StepContext
 from amir_lightning.objectives.logprobs import sequence_logps
 from amir_lightning.objectives.mismatch import mismatch_weights
-from amir_lightning.objectives.pairs import mine_pairs
+from amir_lightning.objectives.pairs import PairRule
 
 #: Where these arguments live in a YAML config, for error messages.
 _KEY = "model.loss.init_args"
@@ -115,6 +115,7 @@ class GRPOLoss(nn.Module):
         self.kl_coef = kl_coef
         self.mask_truncated_completions = mask_truncated_completions
         self.max_completion_length = max_completion_length
+        self.pair_rule = PairRule()  # which pairs it mines: GRPO's (every pair with a reward gap) are measured only
 
     @property
     def needs_reference(self) -> bool:
@@ -131,8 +132,8 @@ class GRPOLoss(nn.Module):
         return 0.0
 
     def pairs(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-        """(chosen, rejected) pairs of ``rewards`` ``[N]`` as ``LongTensor[P, 2]``; GRPO's are for measurement."""
-        return mine_pairs(rewards, group_size)
+        """(chosen, rejected) pairs of ``rewards`` ``[N]`` as ``LongTensor[P, 2]`` (``pair_rule``)."""
+        return self.pair_rule.mine(rewards, group_size).pairs()
 
     def step_context(
         self,
@@ -142,7 +143,6 @@ class GRPOLoss(nn.Module):
         truncated: torch.Tensor | None = None,
         world_size: int = 1,
         all_reduce: AllReduce | None = None,
-        pairs: torch.Tensor | None = None,
     ) -> StepContext:
         """The ``StepContext`` of a step from all of its completions (on this process).
 
@@ -154,16 +154,14 @@ class GRPOLoss(nn.Module):
             world_size: Processes that share the step.
             all_reduce: ``(tensor, op) -> tensor`` with op ``"sum"`` or ``"max"`` over the processes, which
                 combines their counts when ``world_size > 1`` (``aggregation.global_normalizers``).
-            pairs: The step's pairs when they are mined already: kept in the context, for a loss call that is the
-                whole step.
         """
         local = step_normalizers(
             completion_lengths, truncated, self.mask_truncated_completions, self.max_completion_length
         )
-        mined = self.pairs(rewards, group_size) if pairs is None else pairs
-        local["num_pairs"] = float(mined.shape[0])
+        mined = self.pair_rule.mine(rewards, group_size)  # the step's pairs, mined once: its micro-batches find theirs
+        local["num_pairs"] = float(mined.count)
         norms = global_normalizers(local, world_size, all_reduce, self.aggregation) if world_size > 1 else local
-        return StepContext(**norms, lambda_=self.lambda_now, pairs=pairs)
+        return StepContext(**norms, lambda_=self.lambda_now, mined=mined)
 
     def forward(
         self,
@@ -199,10 +197,9 @@ class GRPOLoss(nn.Module):
         if self.needs_reference and ref_logps is None:
             uses = " and ".join(self.reference_uses())
             raise ValueError(f"{type(self).__name__} with {uses} needs ref_logps (a reference model)")
-        if context is None:  # this call is the whole step: its pairs are mined once, for the context
-            pairs = self.pairs(rewards, group_size)
-            context = self.step_context(completion_mask.sum(-1), rewards, group_size, truncated, pairs=pairs)
-        pairs = context.pairs if context.pairs is not None else self.pairs(rewards, group_size)  # [P, 2]
+        if context is None:  # this call is the whole step
+            context = self.step_context(completion_mask.sum(-1), rewards, group_size, truncated)
+        pairs = self.micro_batch_pairs(rewards, group_size, context)  # [P, 2]
         loss, stats, pg_token_weight = self.policy_gradient(
             logps, completion_mask, advantages, old_logps, ref_logps, truncated,
             sampling_logps, context,
@@ -210,6 +207,14 @@ class GRPOLoss(nn.Module):
         seq = sequence_logps(logps.detach(), completion_mask, "mean")  # [N]
         stats.update(pair_stats(seq, pairs, rewards, context.num_pairs))
         return LossOutput(loss, stats, RowDiagnostics(seq, pg_token_weight, pairs))
+
+    def micro_batch_pairs(self, rewards: torch.Tensor, group_size: int, context: StepContext) -> torch.Tensor:
+        """``LongTensor[P, 2]`` the pairs of a micro-batch's groups, found among the step's (mined once).
+
+        A micro-batch whose groups are not among the step's (a filler) mines its own.
+        """
+        found = context.mined.find(rewards, group_size) if context.mined is not None else None
+        return (self.pair_rule.mine(rewards, group_size) if found is None else found).pairs()
 
     def trained_tokens(self, completion_mask: torch.Tensor, truncated: torch.Tensor | None) -> torch.Tensor:
         """``[N, T]`` the policy-gradient term's tokens, those the step's ``num_tokens`` counts.
