@@ -208,36 +208,12 @@ class AmirGRPOLoss(GRPOLoss):
     def lambda_now(self) -> float:  # noqa: D102
         return float(self.schedule.lambda_value)
 
-    def forward(
-        self,
-        logps: torch.Tensor,
-        completion_mask: torch.Tensor,
-        advantages: torch.Tensor,
-        rewards: torch.Tensor,
-        group_size: int,
-        *,
-        context: StepContext | None = None,
-        **optional: torch.Tensor | None,
+    @override
+    def regularize(
+        self, out: LossOutput, logps: torch.Tensor, mask: torch.Tensor, ref: torch.Tensor | None, context: StepContext
     ) -> LossOutput:
-        """The GRPO term's output plus ``lambda *`` the pair loss pooled over the step's pairs.
-
-        Args:
-            logps: ``[N, T]`` as in ``GRPOLoss.forward``, like ``completion_mask``, ``advantages``,
-                ``rewards``, ``group_size`` and ``context``.
-            completion_mask: ``[N, T]``.
-            advantages: ``[N]``.
-            rewards: ``[N]``.
-            group_size: ``G``.
-            context: The step's ``StepContext``; default: this call is the whole step.
-            **optional: ``GRPOLoss.forward``'s optional tensors, by name (``old_logps``, ``ref_logps``,
-                ``truncated``, ``sampling_logps``).
-        """
-        if context is None:  # this call is the whole step
-            truncated = optional.get("truncated")
-            context = self.step_context(completion_mask.sum(-1), rewards, group_size, truncated)
-        out = super().forward(logps, completion_mask, advantages, rewards, group_size, context=context, **optional)
-        ref_logps = optional.get("ref_logps")
-        pair_loss, stats, push = self.pair_loss(logps, completion_mask, out.rows.pairs, ref_logps, context)
+        """The GRPO term's output plus ``lambda *`` the pair loss of its pairs, pooled over the step's pairs."""
+        pair_loss, stats, push = self.pair_loss(logps, mask, out.rows.pairs, ref, context)
         out.loss = out.loss + context.lambda_ * pair_loss
         out.stats.update(stats)
         out.stats["amir/pair_term"] = context.lambda_ * pair_loss.detach()

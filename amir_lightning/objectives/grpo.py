@@ -206,7 +206,8 @@ class GRPOLoss(nn.Module):
         )  # fmt: skip
         seq = sequence_logps(logps.detach(), completion_mask, "mean")  # [N]
         stats.update(pair_stats(seq, pairs, rewards, context.num_pairs))
-        return LossOutput(loss, stats, RowDiagnostics(seq, pg_token_weight, pairs))
+        out = LossOutput(loss, stats, RowDiagnostics(seq, pg_token_weight, pairs))
+        return self.regularize(out, logps, completion_mask, ref_logps, context)
 
     def micro_batch_pairs(self, rewards: torch.Tensor, group_size: int, context: StepContext) -> torch.Tensor:
         """``LongTensor[P, 2]`` the pairs of a micro-batch's groups, found among the step's (mined once).
@@ -215,6 +216,21 @@ class GRPOLoss(nn.Module):
         """
         found = context.mined.find(rewards, group_size) if context.mined is not None else None
         return (self.pair_rule.mine(rewards, group_size) if found is None else found).pairs()
+
+    def regularize(
+        self, out: LossOutput, logps: torch.Tensor, mask: torch.Tensor, ref: torch.Tensor | None, context: StepContext
+    ) -> LossOutput:
+        """The micro-batch's output ``out`` with the terms a subclass adds to the policy gradient's (GRPO: none).
+
+        Args:
+            out: The micro-batch's output so far (its ``rows.pairs`` are its pairs).
+            logps: ``[N, T]`` the forward's log-probs (with grad).
+            mask: ``[N, T]`` its ``completion_mask``.
+            ref: ``[N, T]`` its ``ref_logps``, or ``None``.
+            context: The step's ``StepContext``.
+        """
+        del logps, mask, ref, context
+        return out
 
     def trained_tokens(self, completion_mask: torch.Tensor, truncated: torch.Tensor | None) -> torch.Tensor:
         """``[N, T]`` the policy-gradient term's tokens, those the step's ``num_tokens`` counts.
