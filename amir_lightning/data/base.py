@@ -6,6 +6,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from typing_extensions import override
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -53,3 +55,17 @@ class PromptSource(ABC):
     def describe(self) -> str:
         """One line naming the source, for logs and errors."""
         return type(self).__name__
+
+
+class PromptList(PromptSource):
+    """A prompt source read into a list once (``items``); an index past its end wraps around."""
+
+    items: list[Prompt]
+
+    @override
+    def __len__(self) -> int:
+        return len(self.items)
+
+    @override
+    def __getitem__(self, index: int) -> Prompt:
+        return self.items[index % len(self.items)]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from typing_extensions import override
 
-from amir_lightning.data.base import Prompt, PromptSource
+from amir_lightning.data.base import Prompt, PromptList
 from amir_lightning.helpers.extras import missing as missing_extra
 
 #: Fields holding the prompt, tried in order: TRL's ``prompt`` (text or messages), GSM8K's ``question``, MATH's
@@ -108,7 +108,7 @@ def _answer_text(value, where: str, key: str) -> str:
     return str(value)
 
 
-class JsonlPrompts(PromptSource):
+class JsonlPrompts(PromptList):
     """Prompts from a JSON Lines file in TRL's, GSM8K's or MATH's format (module docstring).
 
     Args:
@@ -148,18 +148,12 @@ class JsonlPrompts(PromptSource):
         if not self.items:
             raise DataFileError(f"{self.path}: no prompts (the file is empty)")
 
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, index: int) -> Prompt:
-        return self.items[index % len(self.items)]
-
     @override
     def describe(self) -> str:
         return f"JsonlPrompts({self.path}, {len(self.items)} prompts)"
 
 
-class HFDatasetPrompts(PromptSource):
+class HFDatasetPrompts(PromptList):
     """Prompts from Hugging Face ``datasets``: a hub id when online, local files or directories always.
 
     Args:
@@ -208,12 +202,6 @@ class HFDatasetPrompts(PromptSource):
         for i, row in enumerate(ds):
             prompt = row_format.prompt(row, f"dataset {self.label} row {i}")
             self.items.append(replace(prompt, meta={"source": f"{self.label}:{i}"}))
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, index: int) -> Prompt:
-        return self.items[index % len(self.items)]
 
     @override
     def describe(self) -> str:

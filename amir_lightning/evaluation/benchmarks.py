@@ -8,7 +8,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from amir_lightning.data.base import Prompt, PromptSource
+from amir_lightning.data.base import Prompt, PromptList
 from amir_lightning.data.files import DataFileError
 from amir_lightning.helpers.extras import missing
 
@@ -68,7 +68,7 @@ def _to_prompt(name: str, record: dict, where: str) -> Prompt:
     return Prompt(question, answer, {"source": where, "benchmark": name})
 
 
-class BenchmarkPrompts(PromptSource):
+class BenchmarkPrompts(PromptList):
     """One of the paper's benchmarks, by name.
 
     Names: ``gsm8k``, ``math500``, ``aime25``, ``amc23``, ``olympiadbench``, ``minervamath``, ``aqua_rat``,
@@ -114,12 +114,6 @@ class BenchmarkPrompts(PromptSource):
         except Exception as err:
             raise DataFileError(f"could not load benchmark {name} from {label}: {type(err).__name__}: {err}") from None
         return list(ds), label
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, index: int) -> Prompt:
-        return self.items[index % len(self.items)]
 
     @override
     def describe(self) -> str:
