@@ -140,8 +140,8 @@ def summarise(log_dir: Path) -> dict:
         "train_tok_s": statistics.median(values("throughput/train_tokens_per_s")[1:] or [float("nan")]),
         "accuracy": values("val/accuracy"),
         "rollouts": len(values("rollout/reward_mean")),
-        "staleness": statistics.mean(values("rollout/staleness")[1:] or [0.0]),
-        "staleness_max": max(values("rollout/staleness_max") or [0.0]),
+        "staleness": statistics.mean(values("rollout/staleness_steps")[1:] or [0.0]),
+        "staleness_max": max(values("rollout/staleness_steps_max") or [0.0]),
         "spanning": statistics.mean(values("rollout/spanning_frac")[1:] or [0.0]),
         "capped": statistics.mean(values("train/is_capped_frac")[1:] or [0.0]),
     }

@@ -289,7 +289,7 @@ def test_a_rollout_sampled_ahead_is_refilled_from_the_weights_it_trains_and_resu
     refilled = [m for m in logged.metrics[1:] if m["rollout/sampling_rounds"] > 1]
     assert refilled, [m["rollout/sampling_rounds"] for m in logged.metrics]
     for metrics in refilled:  # the first round's tokens one update old, the further rounds' none
-        assert 0 < metrics["rollout/staleness"] < 1 and metrics["rollout/staleness_max"] == 1
+        assert 0 < metrics["rollout/staleness_steps"] < 1 and metrics["rollout/staleness_steps_max"] == 1
     assert straight.feed.position == 4 * 4  # 3 rollouts trained and 1 ahead: the main stream as without refills
     assert cursors.saved_at_start == [0, *cursors.at_end[:-1]] and cursors.at_end[-1] > 0
     (after_one,) = (tmp_path / "straight" / "ckpt").glob("epoch=1-*.ckpt")

@@ -81,7 +81,7 @@ def test_a_call_whose_last_token_runs_past_the_closing_tag_is_still_a_call():
         Calculator(max_turns=3), [prompt], [[5, 6]], 1, sampling, Scripted(generate), None, tokenizer
     )
     assert seen == ["<calc>84*42</calc>"]
-    assert episode.text == "<calc>84*42</calc><result>3528</result>=3528" and episode.tool_calls == 1
+    assert episode.text == "<calc>84*42</calc><result>3528</result>=3528" and episode.episode.tool_calls == 1
     reply = tokenizer("result>3528</result>", add_special_tokens=False)["input_ids"]
     assert episode.token_ids == call + reply + answer
     assert episode.loss_mask == [1] * len(call) + [0] * len(reply) + [1] * len(answer)
@@ -90,19 +90,38 @@ def test_a_call_whose_last_token_runs_past_the_closing_tag_is_still_a_call():
 def test_a_checkpoint_keeps_a_pending_episode_whole(tmp_path):
     """A rollout sampled a rollout ahead is saved in the checkpoint as plain data: an episode comes back with its
     loss mask (the tool's reply still masked out) and its tool-call count, through ``torch.load(weights_only=True)``."""
+    from amir_lightning.engines.base import Completion, Episode
     from amir_lightning.loop.pending import PendingRollout, SavedRollout
-    from amir_lightning.rollout import Completion
 
-    episode = Completion([5, 6, 7, 8, 9], "3+4?=7=7", [-0.1, 0.0, 0.0, -0.2, -0.3], "stop", [1, 0, 0, 1, 1], 1)
+    logps, mask = [-0.1, 0.0, 0.0, -0.2, -0.3], [1, 0, 0, 1, 1]
+    episode = Completion([5, 6, 7, 8, 9], "3+4?=7=7", logps, "stop", episode=Episode(mask, tool_calls=1))
     plain = Completion([5, 9], "3+4=7", [-0.4, -0.5], "length")
-    pending = PendingRollout([Prompt(question="3+4=", answer="7")], [[1, 2]], drawn_at=3, version=2, weights={})
-    pending.completions = [[episode, plain]]
+    prompt = Prompt(question="3+4=", answer="7")
+    pending = PendingRollout([prompt], [[1, 2]], drawn_at=3, version=2, weights={}, completions=[[episode, plain]])
     torch.save(pending.state(), tmp_path / "pending.pt")
     saved = SavedRollout.from_state(torch.load(tmp_path / "pending.pt", weights_only=True))
     assert (saved.drawn_at, saved.version) == (3, 2)
     [[back, back_plain]] = saved.pending(pending.prompts, pending.prompt_ids).wait()
-    assert back == episode and back.loss_mask == [1, 0, 0, 1, 1] and back.tool_calls == 1
-    assert back_plain == plain and back_plain.loss_mask is None
+    assert back == episode and back.loss_mask == [1, 0, 0, 1, 1] and back.episode.tool_calls == 1
+    assert back_plain == plain and back_plain.loss_mask is None and back_plain.episode is None
+
+
+def test_a_checkpoint_written_before_the_episode_record_loads_its_episodes_whole():
+    """Checkpoints older than ``Episode`` kept an episode's loss mask, turns and tool counts beside the completion's
+    own fields (``logprobs`` the oldest name of the engine's log-probs): they load as the same completions."""
+    from amir_lightning.engines.base import Completion, Episode
+    from amir_lightning.loop.pending import SavedRollout
+
+    core = {"token_ids": [5, 6, 7], "text": "7=7", "finish_reason": "stop", "versions": None}
+    flat = {"tool_calls": 1, "tool_errors": 0, "tool_truncated": 0, "tool_cut": False, "turns": 2}
+    flat |= {"tool_malformed": 0, "tool_seconds": 0.25, "messages": None, "calls": None, "outcome": None}
+    old_episode = core | flat | {"sampling_logps": [-0.1, 0.0, -0.2], "loss_mask": [1, 0, 1]}
+    old_plain = core | {"logprobs": [-0.3] * 3, "loss_mask": None} | flat | {"tool_calls": 0, "turns": 1}
+    state = {"drawn_at": 3, "version": 2, "weights": {}, "generate_s": 1.0, "completions": [[old_episode, old_plain]]}
+    [[episode, plain]] = SavedRollout.from_state(state).completions
+    assert episode == Completion([5, 6, 7], "7=7", [-0.1, 0.0, -0.2], "stop", episode=Episode(
+        [1, 0, 1], turns=2, tool_calls=1, tool_seconds=0.25))  # fmt: skip
+    assert plain == Completion([5, 6, 7], "7=7", [-0.3] * 3, "stop") and plain.episode is None
 
 
 @pytest.mark.parametrize(
@@ -189,12 +208,12 @@ def test_episodes_interleave_policy_turns_and_masked_replies_with_the_policys_lo
     replied = 0
     for prompt, group in zip(prompt_ids, groups):
         for c in group:
-            assert len(c.loss_mask) == len(c.token_ids) == len(c.sampling_logps) and c.tool_calls <= 2
+            assert len(c.loss_mask) == len(c.token_ids) == len(c.sampling_logps) and c.episode.tool_calls <= 2
             masked = [i for i, m in enumerate(c.loss_mask) if m == 0]
-            assert len(masked) == 3 * c.tool_calls  # each reply is "=12", three tokens
+            assert len(masked) == 3 * c.episode.tool_calls  # each reply is "=12", three tokens
             for start in range(0, len(masked), 3):
                 assert [c.token_ids[i] for i in masked[start : start + 3]] == reply
-            replied += c.tool_calls
+            replied += c.episode.tool_calls
             ids = torch.tensor([prompt + c.token_ids])
             with torch.no_grad():
                 logps = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1] / 0.8, -1)

@@ -27,8 +27,13 @@ def test_staleness_is_counted_over_tokens_from_the_weights_that_sampled_each():
     spans = Completion([1, 2, 3, 4], "", [0.0] * 4, "stop", versions=[3, 3, 4, 4])
     whole = Completion([1, 2], "", [0.0] * 2, "stop", versions=[3, 3])
     untagged = Completion([1, 2], "", [0.0] * 2, "stop")
-    metrics = staleness([[spans, whole], [untagged]], 3, 5)
-    assert metrics == {"rollout/staleness": 14 / 8, "rollout/staleness_max": 2.0, "rollout/spanning_frac": 1 / 3}
+    metrics = staleness([[spans, whole], [untagged]], 3, 5, steps_per_rollout=2)
+    assert metrics == {
+        "rollout/staleness_rollouts": 1.0,  # the unit max_staleness bounds: pushed one rollout (2 steps) before
+        "rollout/staleness_steps": 14 / 8,
+        "rollout/staleness_steps_max": 2.0,
+        "rollout/spanning_frac": 1 / 3,
+    }
 
 
 @pytest.mark.parametrize(

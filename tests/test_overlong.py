@@ -4,7 +4,7 @@ import pytest
 from test_datamodule import build, make_trainer
 
 from amir_lightning.data.base import Prompt
-from amir_lightning.engines.base import Completion
+from amir_lightning.engines.base import Completion, Episode
 from amir_lightning.loop.rewarding import score_completions
 from amir_lightning.rewards import OverlongPenalty
 from amir_lightning.rewards.base import call_reward
@@ -69,7 +69,8 @@ def episode(turns: list[int], reply: int, finish_reason: str = "stop") -> Comple
         if number:
             ids, mask = ids + [7] * reply, mask + [0] * reply
         ids, mask = ids + [5] * length, mask + [1] * length
-    return Completion(ids, "x", [0.0] * len(ids), finish_reason, mask, tool_calls=len(turns) - 1, turns=len(turns))
+    episode = Episode(mask, tool_calls=len(turns) - 1, turns=len(turns))
+    return Completion(ids, "x", [0.0] * len(ids), finish_reason, episode=episode)
 
 
 def test_an_episode_is_penalised_by_its_longest_policy_turn_against_the_turn_cap():

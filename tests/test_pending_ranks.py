@@ -168,7 +168,8 @@ def test_two_processes_resumed_a_rollout_ahead_end_where_an_uninterrupted_run_do
     scalars = read_scalars(runs / "full" / "version_0")
     assert len(scalars["rollout/reward_mean"]) == 3 and len(scalars["train/loss"]) == 3
     assert min(scalars["rollout/sync_verified_tensors"]) > 0 and max(scalars["rollout/sync_logp_diff"]) < 1e-4
-    assert scalars["rollout/staleness"] == [0.0, 1.0, 1.0]
+    assert scalars["rollout/staleness_steps"] == [0.0, 1.0, 1.0]
+    assert scalars["rollout/staleness_rollouts"] == [0.0, 1.0, 1.0]  # max_staleness 1: never more than 1
     (second,) = (runs / "full" / "version_0" / "checkpoints").glob("epoch=1-*")  # rollout 2's, of 0, 1, 2
     shared = ["--data.engine", served.tiny_yaml_engine()]
     run_amir([*common, *shared, "--trainer.logger.init_args.name", "part", "--ckpt_path", str(second)], tmp_path)

@@ -7,8 +7,7 @@ samples of two ranks shared a seed)."""
 
 from itertools import product
 
-from amir_lightning.engines.base import SEED_LIMIT, request_seed
-from amir_lightning.engines.base import turn_seed
+from amir_lightning.engines.base import SEED_LIMIT, request_seed, turn_seed
 from amir_lightning.loop.sampler import AHEAD, EVALUATE, TRAIN, generation_seed, round_seed
 
 

@@ -62,7 +62,7 @@ def test_a_result_that_is_not_valid_unicode_is_an_error_the_policy_reads_and_cou
     completion, _ = episode([call("garbled", "{}"), "Done."], tools=["garbled"])
     assert shown(completion) == ["error: the result of garbled is not valid Unicode (surrogates not allowed at "
                                  "character 3)"]  # fmt: skip
-    assert (completion.tool_calls, completion.tool_errors) == (1, 1)
+    assert (completion.episode.tool_calls, completion.episode.tool_errors) == (1, 1)
     assert tool_metrics([completion])["tools/error_frac"] == 1.0
 
 
@@ -79,9 +79,9 @@ def test_a_huge_result_is_kept_only_as_far_as_the_policy_reads_it():
     expected, cut = encode_reply(TOKENIZER, dump(8), 64)
     assert cut and len(expected) == 64
     for completion in completions:
-        kept = completion.calls[0]["result"]
-        assert completion.messages[1]["content"] == kept and len(kept) <= 16 * 66, len(kept)
-        assert shown(completion) == [TOKENIZER.decode(expected)] and completion.tool_truncated == 1
+        kept = completion.episode.calls[0]["result"]
+        assert completion.episode.messages[1]["content"] == kept and len(kept) <= 16 * 66, len(kept)
+        assert shown(completion) == [TOKENIZER.decode(expected)] and completion.episode.tool_truncated == 1
 
 
 TEXTS = {
@@ -115,7 +115,9 @@ def test_a_turns_calls_run_together_under_one_deadline_and_a_line_names_the_tool
     start = time.monotonic()
     completions, _ = episodes([call("slow", '{"seconds": 30}'), "Done."], n=16, tools=["slow"], timeout_s=0.5)
     assert time.monotonic() - start < 3.0
-    assert all(shown(c) == ["error: slow did not answer within 0.5 s"] and c.tool_errors == 1 for c in completions)
+    assert all(
+        shown(c) == ["error: slow did not answer within 0.5 s"] and c.episode.tool_errors == 1 for c in completions
+    )
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "did not answer" in r.getMessage()]
     assert said == ["data.tools: tool slow did not answer within 0.5 s (timeout_s) in 16 of 16 calls; the policy "
                     "reads an error, and their threads are left to finish"]  # fmt: skip

@@ -55,7 +55,7 @@ def test_a_bug_in_step_is_an_error_reply_when_the_environment_opts_in():
     from amir_lightning.environments.replies import tool_metrics
 
     group = episodes(BuggyStep(on_step_error="reply"), ["7"])
-    assert all(c.tool_errors == c.tool_calls == 2 for c in group)
+    assert all(c.episode.tool_errors == c.episode.tool_calls == 2 for c in group)
     assert group[0].text == "7error: T7error: T7"  # "error: TypeError: ..." cut to max_reply_tokens (8)
     assert tool_metrics(group)["tools/error_frac"] == 1.0
 
@@ -98,7 +98,7 @@ def test_a_megabyte_reply_is_cut_at_max_reply_tokens_in_bounded_work_and_counted
     tokenizer = Measuring(TOKENIZER)
     group = episodes(MegabyteReply(), ["7"], tokenizer=tokenizer, n=8)
     assert tokenizer.lengths and max(tokenizer.lengths) < 1_000, max(tokenizer.lengths)  # of a 1,000,000-char reply
-    assert all(c.text == "7=1=1=1=17=1=1=1=17" and c.tool_truncated == c.tool_calls == 2 for c in group)
+    assert all(c.text == "7=1=1=1=17=1=1=1=17" and c.episode.tool_truncated == c.episode.tool_calls == 2 for c in group)
     assert tool_metrics(group)["tools/reply_truncated_frac"] == 1.0
 
 
@@ -106,7 +106,7 @@ def test_an_episode_that_never_ends_is_cut_at_max_turns_and_counted():
     from amir_lightning.environments.replies import tool_metrics
 
     group = episodes(Echo(max_turns=3), ["7"])
-    assert all(c.tool_calls == 2 and c.tool_cut and c.text == "7=127=127" for c in group)
+    assert all(c.episode.tool_calls == 2 and c.episode.tool_cut and c.text == "7=127=127" for c in group)
     answered = episodes(Echo(max_turns=3), ["7", "8=", "9"])  # the second turn does not end on a call
     metrics = tool_metrics(group + answered)
     assert metrics["tools/cut_frac"] == 0.5 and metrics["tools/error_frac"] == 0.0
@@ -114,7 +114,7 @@ def test_an_episode_that_never_ends_is_cut_at_max_turns_and_counted():
 
 def test_an_episode_out_of_context_room_is_cut_and_counted():
     [episode] = episodes(Echo(max_turns=8), ["7"], n=1, room=11)  # prompt 4 + "7=12" 4 + 4 new tokens > 11
-    assert episode.tool_calls == 1 and episode.tool_cut and episode.finish_reason == "length"
+    assert episode.episode.tool_calls == 1 and episode.episode.tool_cut and episode.finish_reason == "length"
 
 
 class SaysControlTokens(Environment):
@@ -182,7 +182,7 @@ def test_the_calculator_answers_every_expression_within_bounds_as_a_counted_erro
     assert seconds < BOUND_S and peak < BOUND_BYTES, (seconds, peak)
     [episode] = episodes(calculator, [call, "7"], n=1)
     assert episode.text == f"{call}<result>error: {error}</result>7"
-    assert episode.tool_errors == episode.tool_calls == 1
+    assert episode.episode.tool_errors == episode.episode.tool_calls == 1
     assert tool_metrics([episode])["tools/error_frac"] == 1.0
 
 
@@ -239,5 +239,5 @@ def test_a_reply_that_is_not_valid_unicode_is_an_error_the_policy_reads_and_coun
 
     group = episodes(GarbledReply(), ["7", "8"])
     why = "error: the reply is not valid Unicode (surrogates not allowed at character 2)"
-    assert all(c.text == f"7{why}8" and c.tool_errors == c.tool_calls == 1 for c in group)
+    assert all(c.text == f"7{why}8" and c.episode.tool_errors == c.episode.tool_calls == 1 for c in group)
     assert tool_metrics(group)["tools/error_frac"] == 1.0

@@ -96,9 +96,9 @@ def test_an_episode_is_the_conversation_the_chat_template_writes_token_for_token
     policy = [t for t, m in zip(completion.token_ids, completion.loss_mask) if m]
     assert TOKENIZER.decode(policy, skip_special_tokens=False) == first + "<|im_end|>It is 5.<|im_end|>"
     assert completion.sampling_logps == [-0.5 if m else 0.0 for m in completion.loss_mask]
-    assert completion.messages == conversation[1:] and completion.turns == 2
-    assert completion.calls == [{"name": "add", "arguments": {"a": 2, "b": 3}, "result": "5", "error": False,
-                                 "seconds": completion.calls[0]["seconds"]}]  # fmt: skip
+    assert completion.episode.messages == conversation[1:] and completion.episode.turns == 2
+    assert completion.episode.calls == [{"name": "add", "arguments": {"a": 2, "b": 3}, "result": "5", "error": False,
+                                 "seconds": completion.episode.calls[0]["seconds"]}]  # fmt: skip
 
 
 # What the policy writes in its first turn, what its tool results read, calls and errors counted.
@@ -133,8 +133,8 @@ CASES = [
 def test_each_kind_of_call_is_shown_to_the_policy_and_counted(case, turn, results, calls, errors):
     completion, _ = episode([turn, "Done."], timeout_s=0.2, max_tool_calls=2)
     assert shown(completion) == results
-    assert (completion.tool_calls, completion.tool_errors) == (calls, errors)
-    assert completion.turns == 2 and not completion.tool_cut and completion.finish_reason == "stop"
+    assert (completion.episode.tool_calls, completion.episode.tool_errors) == (calls, errors)
+    assert completion.episode.turns == 2 and not completion.episode.tool_cut and completion.finish_reason == "stop"
     metrics = tool_metrics([completion])
     assert metrics["tools/error_frac"] == errors / calls
     assert metrics["tools/malformed_frac"] == (0.5 if case == "malformed JSON" else 0.0)  # 1 of the 2 turns
@@ -151,16 +151,18 @@ def test_a_result_with_control_token_text_is_tokenised_as_text():
 
 def test_a_call_cut_at_max_new_tokens_ends_the_episode_unrun():
     completion, _ = episode([('<tool_call>\n{"name": "add", "arguments": {"a": 2', "length")])
-    assert completion.turns == 1 and completion.tool_cut and completion.finish_reason == "length"
-    assert completion.tool_calls == 0 and all(completion.loss_mask)  # nothing ran, nothing was added
+    assert completion.episode.turns == 1 and completion.episode.tool_cut and completion.finish_reason == "length"
+    assert completion.episode.tool_calls == 0 and all(completion.loss_mask)  # nothing ran, nothing was added
     assert tool_metrics([completion])["tools/cut_frac"] == 1.0
 
 
 def test_a_turn_without_a_call_is_the_answer_and_a_call_at_the_last_turn_is_cut():
     answered, _ = episode(["The answer is 5."])
-    assert answered.turns == 1 and answered.tool_calls == 0 and not answered.tool_cut
+    assert answered.episode.turns == 1 and answered.episode.tool_calls == 0 and not answered.episode.tool_cut
     cut, _ = episode([call("add", '{"a": 2, "b": 3}')] * 3, max_turns=2)
-    assert cut.turns == 2 and cut.tool_calls == 1 and cut.tool_cut  # the second turn's call never ran
+    assert (
+        cut.episode.turns == 2 and cut.episode.tool_calls == 1 and cut.episode.tool_cut
+    )  # the second turn's call never ran
 
 
 def test_a_tool_that_changes_the_working_directory_is_put_back(tmp_path, caplog):

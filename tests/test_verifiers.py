@@ -93,9 +93,18 @@ def test_an_episode_is_the_conversation_the_template_writes_and_the_taskset_scor
             own = TOKENIZER(first, add_special_tokens=False)["input_ids"] + [EOS]
             trained = [t for t, m in zip(c.token_ids, c.loss_mask) if m]
             assert trained == own + TOKENIZER("It is 7.", add_special_tokens=False)["input_ids"] + [EOS]
-            assert c.outcome == {"reward": reward, "rewards": {"correct": reward}, "metrics": {"reply_chars": 8.0}}
-            assert c.turns == 2 and c.tool_calls == 1 and not c.tool_cut and c.finish_reason == "stop"
-            assert c.calls == [{"name": "add", "arguments": {"a": 3, "b": 4}, "result": "7", "error": False,
+            assert c.episode.outcome == {
+                "reward": reward,
+                "rewards": {"correct": reward},
+                "metrics": {"reply_chars": 8.0},
+            }
+            assert (
+                c.episode.turns == 2
+                and c.episode.tool_calls == 1
+                and not c.episode.tool_cut
+                and c.finish_reason == "stop"
+            )
+            assert c.episode.calls == [{"name": "add", "arguments": {"a": 3, "b": 4}, "result": "7", "error": False,
                                 "seconds": 0.0}]  # fmt: skip
     metrics = tool_metrics([c for g in groups for c in g])
     assert metrics["tools/call_frac"] == 1.0 and metrics["tools/error_frac"] == 0.0
@@ -111,8 +120,14 @@ def test_an_episode_still_calling_at_max_turns_is_cut_and_scored(sums):
     generate, seen = scripted([call("add", '{"a": 3, "b": 4}')])
     (group,) = env.episodes([tasks[0]], prompt_ids, 1, SAMPLING, Scripted(generate), None, TOKENIZER)
     (c,) = group
-    assert len(seen) == 3 and c.turns == 3 and c.tool_calls == 3 and len(c.calls) == 2 and c.tool_cut
-    assert c.outcome["reward"] == 0.0 and tool_metrics(group)["tools/cut_frac"] == 1.0
+    assert (
+        len(seen) == 3
+        and c.episode.turns == 3
+        and c.episode.tool_calls == 3
+        and len(c.episode.calls) == 2
+        and c.episode.tool_cut
+    )
+    assert c.episode.outcome["reward"] == 0.0 and tool_metrics(group)["tools/cut_frac"] == 1.0
 
 
 def test_wrong_settings_are_one_line_naming_the_key(sums, tmp_path):
@@ -207,7 +222,9 @@ def test_a_tool_server_of_each_task_starts_with_each_episode_and_serves_its_call
         )
     finally:
         env.close()
-    assert [c.calls[0]["result"] for c in group] == ["8", "8"] and [c.outcome["reward"] for c in group] == [1.0, 1.0]
+    assert [c.episode.calls[0]["result"] for c in group] == ["8", "8"] and [
+        c.episode.outcome["reward"] for c in group
+    ] == [1.0, 1.0]
 
 
 @pytest.fixture
@@ -404,9 +421,11 @@ def test_a_huge_result_is_kept_only_as_far_as_the_policy_reads_it(results):
     expected, cut = encode_reply(TOKENIZER, dump(8), 64)
     assert cut and len(expected) == 64
     for c in group:
-        kept = c.calls[0]["result"]
-        assert c.messages[-2] == {"role": "tool", "name": "dump", "content": kept} and len(kept) <= 16 * 66, len(kept)
-        assert shown(c) == [TOKENIZER.decode(expected)] and (c.tool_truncated, c.tool_errors) == (1, 0)
+        kept = c.episode.calls[0]["result"]
+        assert c.episode.messages[-2] == {"role": "tool", "name": "dump", "content": kept} and len(kept) <= 16 * 66, (
+            len(kept)
+        )
+        assert shown(c) == [TOKENIZER.decode(expected)] and (c.episode.tool_truncated, c.episode.tool_errors) == (1, 0)
 
 
 def test_a_result_that_is_not_valid_unicode_is_an_error_the_policy_reads_and_counted(results):
@@ -453,6 +472,6 @@ def test_a_result_that_is_not_valid_unicode_is_an_error_the_policy_reads_and_cou
     finally:
         client.runs.pop(key, None)
     why = "error: the result of garbled is not valid Unicode (surrogates not allowed at character 3)"
-    assert completion.calls[0]["result"] == why and shown(completion) == [why[:64]]  # one token a character
-    assert (completion.tool_calls, completion.tool_errors) == (1, 1)
+    assert completion.episode.calls[0]["result"] == why and shown(completion) == [why[:64]]  # one token a character
+    assert (completion.episode.tool_calls, completion.episode.tool_errors) == (1, 1)
     assert tool_metrics([completion])["tools/error_frac"] == 1.0

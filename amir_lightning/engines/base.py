@@ -188,6 +188,41 @@ def check_passed_through(sampling: SamplingConfig, known: set[str], engine: str)
 
 
 @dataclass
+class Episode:
+    """What a multi-turn episode adds to its completion (``amir_lightning/environments/``).
+
+    Attributes:
+        loss_mask: Per token of the completion, 1 on the policy's own tokens and 0 on an environment's reply
+            (context, not trained on).
+        turns: The policy's turns.
+        tool_calls: How many times the environment replied (error replies included).
+        tool_errors: How many of those replies were errors (``ToolError``).
+        tool_truncated: How many of those replies were cut at the environment's ``max_reply_tokens``.
+        tool_cut: Whether the episode was cut while calling the tool (at ``max_turns``, or out of context).
+        tool_malformed: Turns whose tool call did not parse (``ToolEnvironment``).
+        tool_seconds: Seconds the episode's tool calls took.
+        messages: The episode as chat messages, with its ``tool_calls`` and ``tool`` turns (``ToolEnvironment``;
+            rewards get these as ``completions``); ``None`` otherwise.
+        calls: The calls it made: ``name``, ``arguments``, ``result``, ``error``, ``seconds`` (rewards'
+            ``tool_calls``).
+        outcome: The environment's own scoring of the episode where it has one (``VerifiersEnvironment``: its
+            taskset's ``reward`` and its named ``rewards`` and ``metrics``), which ``EnvironmentReward`` trains on.
+    """
+
+    loss_mask: list[int]
+    turns: int = 1
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_truncated: int = 0
+    tool_cut: bool = False
+    tool_malformed: int = 0
+    tool_seconds: float = 0.0
+    messages: list[dict[str, Any]] | None = None
+    calls: list[dict[str, Any]] | None = None
+    outcome: dict[str, Any] | None = None
+
+
+@dataclass
 class Completion:
     """One sampled completion.
 
@@ -197,45 +232,29 @@ class Completion:
         sampling_logps: The engine's log-probs of the sampled tokens (its sampling distribution, temperature
             applied): the loss's ``sampling_logps``.
         finish_reason: ``stop`` (EOS) or ``length`` (hit ``max_new_tokens``).
-        loss_mask: 1 on the policy's own tokens, 0 on a tool's reply inside a multi-turn episode (context, not
-            trained on: ``environments/base.py``); ``None``: every token is the policy's.
-        tool_calls: How many times the episode's environment replied (error replies included).
-        tool_errors: How many of those replies were errors (``ToolError``; ``environments/base.py``).
-        tool_truncated: How many of those replies were cut at the environment's ``max_reply_tokens``.
-        tool_cut: Whether the episode was cut while calling the tool (at ``max_turns``, or out of context).
-        versions: Per token, the weight version (optimisation step) that sampled it, where a completion can span
-            pushes (``data.rollout.partial_rollouts``); ``None``: its rollout's version sampled every token.
-        turns: The policy's turns in the episode (1 for a single-turn completion).
-        tool_malformed: Turns whose tool call did not parse (``ToolEnvironment``).
-        tool_seconds: Seconds the episode's tool calls took.
-        messages: The episode as chat messages, with its ``tool_calls`` and ``tool`` turns (``ToolEnvironment``;
-            rewards get these as ``completions``); ``None`` otherwise.
-        calls: The calls it made: ``name``, ``arguments``, ``result``, ``error``, ``seconds`` (rewards' ``tool_calls``).
-        outcome: The environment's own scoring of the episode where it has one (``VerifiersEnvironment``: its
-            taskset's ``reward`` and its named ``rewards`` and ``metrics``), which ``EnvironmentReward`` trains on.
+        versions: Per token, the weight version (the optimisation step that made the weights) that sampled it,
+            where a completion can span pushes (``data.rollout.partial_rollouts``); ``None``: its rollout's version
+            sampled every token.
+        episode: What a multi-turn episode adds (its loss mask, turns, tool counts, messages, the environment's
+            outcome); ``None`` for a single-turn completion.
     """
 
     token_ids: list[int]
     text: str
     sampling_logps: list[float]
     finish_reason: str
-    loss_mask: list[int] | None = None
-    tool_calls: int = 0
-    tool_errors: int = 0
-    tool_truncated: int = 0
-    tool_cut: bool = False
     versions: list[int] | None = None
-    turns: int = 1
-    tool_malformed: int = 0
-    tool_seconds: float = 0.0
-    messages: list[dict[str, Any]] | None = None
-    calls: list[dict[str, Any]] | None = None
-    outcome: dict[str, Any] | None = None
+    episode: Episode | None = None
 
     @property
     def truncated(self) -> bool:
         """Whether the completion was cut by the length limit."""
         return self.finish_reason == "length"
+
+    @property
+    def loss_mask(self) -> list[int] | None:
+        """1 on the policy's own tokens, 0 on an environment's reply (``Episode.loss_mask``); ``None``: all own."""
+        return self.episode.loss_mask if self.episode is not None else None
 
     @property
     def policy_tokens(self) -> int:

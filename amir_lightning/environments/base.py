@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from amir_lightning.data.base import Prompt
-from amir_lightning.engines.base import Completion, RolloutEngine, SamplingConfig, turn_seed
+from amir_lightning.engines.base import Completion, Episode, RolloutEngine, SamplingConfig, turn_seed
 from amir_lightning.environments.replies import (
     EnvironmentStepError,
     ToolError,
@@ -144,22 +144,19 @@ class EpisodeRecord:
     def completion(self, tokenizer) -> Completion:
         """The episode as one completion (its text decoded from every token, replies included)."""
         text = tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        return Completion(
-            self.token_ids,
-            text,
-            self.sampling_logps,
-            self.finish_reason,
+        episode = Episode(
             self.loss_mask,
-            tool_calls=self.tool_calls,
-            tool_errors=self.tool_errors,
-            tool_truncated=self.tool_truncated,
-            tool_cut=self.tool_cut,
-            turns=self.turns,
-            tool_malformed=self.tool_malformed,
-            tool_seconds=self.tool_seconds,
-            messages=self.messages,
-            calls=self.calls,
+            self.turns,
+            self.tool_calls,
+            self.tool_errors,
+            self.tool_truncated,
+            self.tool_cut,
+            self.tool_malformed,
+            self.tool_seconds,
+            self.messages,
+            self.calls,
         )
+        return Completion(self.token_ids, text, self.sampling_logps, self.finish_reason, episode=episode)
 
     def add(self, token_ids: list[int], sampling_logps: list[float] | None = None) -> None:
         """Append the policy's tokens (with their log-probs), or, without log-probs, a reply's: masked out."""

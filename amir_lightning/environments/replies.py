@@ -165,18 +165,19 @@ def tool_metrics(completions: Sequence[Completion]) -> dict[str, float]:
     while calling; of calls that were errors or whose reply was cut at ``max_reply_tokens``; of policy turns whose
     call did not parse; and of the episodes' tokens that are tool output (context, not trained on).
     """
-    episodes = [c for c in completions if c.loss_mask is not None]
+    lengths = [(len(c.token_ids), c.policy_tokens) for c in completions if c.episode is not None]
+    episodes = [c.episode for c in completions if c.episode is not None]
     if not episodes:
         return {}
     count, calls = len(episodes), max(sum(c.tool_calls for c in episodes), 1)
-    reply_tokens = sum(len(c.token_ids) - c.policy_tokens for c in episodes)
+    reply_tokens = sum(length - own for length, own in lengths)
     return {
         "tools/turns": sum(c.turns for c in episodes) / count,
         "tools/calls": sum(c.tool_calls for c in episodes) / count,
         "tools/call_frac": sum(c.tool_calls > 0 for c in episodes) / count,
         "tools/seconds": sum(c.tool_seconds for c in episodes) / count,
         "tools/reply_tokens": reply_tokens / count,
-        "tools/token_frac": reply_tokens / max(sum(len(c.token_ids) for c in episodes), 1),
+        "tools/token_frac": reply_tokens / max(sum(length for length, _ in lengths), 1),
         "tools/error_frac": sum(c.tool_errors for c in episodes) / calls,
         "tools/reply_truncated_frac": sum(c.tool_truncated for c in episodes) / calls,
         "tools/malformed_frac": sum(c.tool_malformed for c in episodes) / max(sum(c.turns for c in episodes), 1),

@@ -118,7 +118,7 @@ class Evaluator:
             "groups": groups,
             "temperature": sampling.temperature,
         }
-        outcomes = [c.outcome for group in completions for c in group]
+        outcomes = [c.episode.outcome if c.episode else None for group in completions for c in group]
         if all(o is not None and o.get("reward") is not None for o in outcomes):  # the environment's own scoring
             batch["environment_reward"] = torch.tensor([o["reward"] for o in outcomes]).view(len(prompts), samples)
         return batch

@@ -26,7 +26,8 @@ class RolloutBatch:
     Attributes:
         input_ids: ``[n, P + T]`` prompt then completion tokens.
         attention_mask: ``[n, P + T]``.
-        completion_mask: ``[n, T]`` 1.0 on completion tokens.
+        completion_mask: ``[n, T]`` 1.0 on the policy's own completion tokens, the tokens the loss trains on; 0.0 on
+            padding and, inside a multi-turn episode, on an environment's replies (``Completion.loss_mask``).
         advantages: ``[n]``.
         rewards: ``[n]`` raw total rewards (pairs are mined from these).
         truncated: ``[n]`` bool, completion hit the length limit.

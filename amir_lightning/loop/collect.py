@@ -63,9 +63,9 @@ class RolloutSettings:
             the last checkpoint, so a run resumed to train longer goes on exactly.
         partial_rollouts: With ``max_staleness`` >= 1, a push does not wait for the rollouts sampling ahead: they
             go on with the new weights (in-flight weight updates), and each token says which weights sampled it
-            (``rollout/staleness``, ``rollout/staleness_max``, over tokens; ``rollout/spanning_frac``: completions
-            sampled across a push). Their behaviour log-probs are the engine's, token by token, which the engine /
-            trainer importance weights use (``stale_logps: current``). A checkpoint waits for the rollouts
+            (``rollout/staleness_steps``, ``rollout/staleness_steps_max``, over tokens; ``rollout/spanning_frac``:
+            completions sampled across a push). Their sampling log-probs are the engine's, token by token, which the
+            engine / trainer importance weights use (``stale_logps: current``). A checkpoint waits for the rollouts
             sampling ahead to finish on the weights they have, and keeps them whole: checkpoint every few rollouts
             (``checkpoint.every_n_epochs``) to keep the overlap; which tokens a push catches depends on timing, so
             two such runs differ (the exact resume holds from a checkpoint, for the rollouts it kept).

@@ -10,7 +10,7 @@ scored, until ``prompts_per_process`` groups have variance or ``max_sampling_rou
 In turn (``max_staleness`` 0) the further rounds take the stream's next prompts and sample them from the first
 round's weights. A rollout sampled ahead is refilled when an epoch takes it: its further rounds sample from the
 weights that epoch trains, pushed first, and draw from the refill stream (``data/feed.py``), as the stream's next
-prompts belong to the rollouts sampling ahead. Their tokens are then not stale; ``rollout/staleness`` counts them.
+prompts belong to the rollouts sampling ahead. Their tokens are then not stale; ``rollout/staleness_steps`` counts them.
 
 Every process runs the same rounds and draws the same number of prompts in each (the stream stays in step; a
 process already full draws its share without sampling it), so the steps that follow are planned as before

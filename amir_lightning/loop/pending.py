@@ -18,12 +18,12 @@ import hashlib
 import json
 import time
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
 from amir_lightning.data.base import Prompt
-from amir_lightning.engines.base import Completion
+from amir_lightning.engines.base import Completion, Episode
 from amir_lightning.loop.rewarding import Scores
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rewards.inputs import RunState
@@ -169,11 +169,22 @@ class SavedRollout:
                               completions=self.completions, scores=self.scores)  # fmt: skip
 
 
+#: The fields an episode's completion held itself in checkpoints older than ``Episode``.
+EPISODE_FIELDS = {f.name for f in fields(Episode)}
+
+
 def _completion(state: dict) -> Completion:
     """A completion as a checkpoint holds it (``asdict``), also as older checkpoints wrote it.
 
     Those named the engine's log-probs ``logprobs``, and kept each completion's ``old_logprobs`` (its log-probs under
     the rollout's kept weights): the resumed run scores those again from the weights (``batch.py``'s ``score_old``).
+    Those also kept an episode's loss mask, turns, tool counts, messages and outcome beside the completion's own
+    fields; they are its ``Episode`` now (a completion whose loss mask was ``None`` had none).
     """
     renamed = {"logprobs": "sampling_logps"}
-    return Completion(**{renamed.get(k, k): v for k, v in state.items() if k != "old_logprobs"})
+    state = {renamed.get(k, k): v for k, v in state.items() if k != "old_logprobs"}
+    flat = {name: state.pop(name) for name in EPISODE_FIELDS if name in state}
+    episode = state.pop("episode", None)
+    if episode is None and flat.get("loss_mask") is not None:
+        episode = flat
+    return Completion(**state, episode=Episode(**episode) if episode is not None else None)

@@ -114,16 +114,18 @@ def score_completions(
     what reward functions give ``log_metric`` as ``reward/<name>``.
     """
     rows = [(p, c) for p, group in zip(prompts, completions) for c in group]
-    with_tools = any(c.messages is not None for _, c in rows)  # episodes of tool calls: their messages and calls
+    episodes = [c.episode for _, c in rows]  # None for a single-turn completion
+    with_tools = any(e is not None and e.messages is not None for e in episodes)  # tool calls: messages and calls
+    outcomes = [e.outcome if e is not None else None for e in episodes]
     logged = RewardLog(len(rows))
     inputs = RewardInputs(
         [c.text for _, c in rows],
         [p for p, _ in rows],
         [c.token_ids for _, c in rows],
         [c.finish_reason for _, c in rows],
-        [c.messages for _, c in rows] if with_tools else None,
-        [c.calls for _, c in rows] if with_tools else None,
-        [c.outcome for _, c in rows] if any(c.outcome is not None for _, c in rows) else None,
+        [e.messages if e is not None else None for e in episodes] if with_tools else None,
+        [e.calls if e is not None else None for e in episodes] if with_tools else None,
+        outcomes if any(o is not None for o in outcomes) else None,
         state or RunState(),
         logged,
         completion_mask=[c.loss_mask for _, c in rows] if any(c.loss_mask is not None for _, c in rows) else None,

@@ -96,7 +96,7 @@ class Sampler:
     ) -> None:
         self.engine, self.environment, self.sync_check = engine, environment, sync_check
         self.updates_in_flight = updates_in_flight
-        self.synced_at_step: int | None = None
+        self.pushed_version: int | None = None
 
     def start(
         self, policy: Policy, seed: int, device: torch.device, local_rank: int, samplings: Sequence[SamplingConfig]
@@ -159,13 +159,16 @@ class Sampler:
         probe: tuple[list[int], str],
         max_over_processes: Callable[[list[float]], list[float]],
     ) -> SyncReport | None:
-        """Push the policy into the engine and verify it, once per optimisation ``step`` (``None``: done already).
+        """Push the policy into the engine and verify it, once per weight version (``None``: pushed already).
+
+        The weight version is the optimisation ``step`` that made the weights: the engine labels the tokens they
+        sample with it (``Completion.versions``), a rollout keeps it (``PendingRollout.version``).
 
         The first push fixes the probe (a prompt's ids and its answer) for the rest of the run.
         """
-        if self.synced_at_step == step:
+        if self.pushed_version == step:
             return None
         self.sync_check.set_probe(policy.tokenizer, *probe)
         report = self.sync_check.push_and_verify(policy, self.engine, max_over_processes, version=step)
-        self.synced_at_step = step
+        self.pushed_version = step
         return report

@@ -298,7 +298,9 @@ class Ahead(Schedule):
         # goes on as if it had never stopped.
         sync = joined(sync, self._sample_ahead(at))
         # rollout/wait_s: the trainer's wait for this rollout (0 when sampling kept up)
-        more = sync | dynamic | {"rollout/wait_s": waited} | staleness(first.completions, current.version, at.step)
+        per_rollout = self.settings.steps_per_rollout * self.settings.passes
+        age = staleness(first.completions, current.version, at.step, per_rollout)
+        more = sync | dynamic | {"rollout/wait_s": waited} | age
         old_weights = None
         if current.version != at.step and self.settings.stale_logps == "sampler":  # exact PPO ratios
             old_weights = current.weights  # the ratios' old log-probs are the trainer's under these
@@ -416,11 +418,14 @@ def joined(first: dict[str, float], then: dict[str, float]) -> dict[str, float]:
     return first | then | {"rollout/sync_s": first["rollout/sync_s"] + then["rollout/sync_s"]}
 
 
-def staleness(completions: list[list[Completion]], version: int, step: int) -> dict[str, float]:
+def staleness(completions: list[list[Completion]], version: int, step: int, steps_per_rollout: int) -> dict[str, float]:
     """How stale a rollout sampled from weight ``version`` is when trained at optimisation ``step``.
 
-    The updates between the weights that sampled each token (``Completion.versions``) and those it trains, mean
-    and max over tokens, and the share of its completions sampled across a push.
+    In the unit ``data.rollout.max_staleness`` bounds, rollouts: how many rollouts ago the weights that started
+    sampling it were pushed (``rollout/staleness_rollouts``, at most ``max_staleness``). In optimiser steps, what the
+    importance weights see: the updates between the weights that sampled each token (``Completion.versions``) and
+    those it trains, mean and max over tokens (``rollout/staleness_steps``, ``rollout/staleness_steps_max``); and
+    the share of its completions sampled across a push.
     """
     ages, spanning, count = [], 0, 0
     for completion in (c for group in completions for c in group):
@@ -429,7 +434,8 @@ def staleness(completions: list[list[Completion]], version: int, step: int) -> d
         spanning += len(set(versions)) > 1
         count += 1
     return {
-        "rollout/staleness": sum(ages) / len(ages) if ages else float(step - version),
-        "rollout/staleness_max": float(max(ages)) if ages else float(step - version),
+        "rollout/staleness_rollouts": (step - version) / steps_per_rollout,
+        "rollout/staleness_steps": sum(ages) / len(ages) if ages else float(step - version),
+        "rollout/staleness_steps_max": float(max(ages)) if ages else float(step - version),
         "rollout/spanning_frac": spanning / max(count, 1),
     }

@@ -10,7 +10,7 @@ from amir_lightning.rewards.base import Reward
 
 
 class EnvironmentReward(Reward):
-    """The reward the episode's environment gave it (``Completion.outcome``), e.g. a verifiers taskset's weighted sum.
+    """The reward the episode's environment gave it (``Episode.outcome``), e.g. a verifiers taskset's weighted sum.
 
     Each of the environment's named rewards and metrics is logged too, averaged over the rollout, as
     ``reward/<name>``. Outside such episodes it does not apply (``None``).

@@ -107,7 +107,7 @@ class RewardInputs:
             (``ToolEnvironment``), else ``None``.
         tool_calls: Per completion, the calls it made (``name``, ``arguments``, ``result``, ``error``, ``seconds``),
             else ``None``.
-        outcomes: Per completion, its environment's own scoring (``Completion.outcome``: ``reward``, ``rewards``,
+        outcomes: Per completion, its environment's own scoring (``Episode.outcome``: ``reward``, ``rewards``,
             ``metrics``), passed as ``environment_scores``; ``None`` where the environment scores nothing.
         completion_mask: Per completion, 1 on each token the policy wrote, 0 on its environment's replies
             (``Completion.loss_mask``: a multi-turn episode's turns are the runs of 1); ``None`` for a completion

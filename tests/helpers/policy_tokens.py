@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from amir_lightning.engines.base import Completion
+from amir_lightning.engines.base import Completion, Episode
 from amir_lightning.loop.batch import build_steps, plan_steps
 from amir_lightning.loop.types import Group
 from amir_lightning.objectives import GRPOLoss, group_advantages
@@ -78,7 +78,8 @@ def _completion(gen: torch.Generator, trailing: bool, truncated: bool) -> tuple[
     own = [i for i, m in enumerate(mask) if m]
     reason = "length" if truncated else "stop"
     # Replies are not sampled (engine log-prob 0, as run_episodes writes); the trainer scores them like any token.
-    episode = Completion(ids, "", [q if m else 0.0 for q, m in zip(engine, mask)], reason, mask, len(turns) - 1)
+    logps = [q if m else 0.0 for q, m in zip(engine, mask)]
+    episode = Completion(ids, "", logps, reason, episode=Episode(mask, tool_calls=len(turns) - 1))
     bare = Completion([ids[i] for i in own], "", [engine[i] for i in own], reason)
     old = {id(episode): [p if m else -4.0 for p, m in zip(sampler, mask)], id(bare): [sampler[i] for i in own]}
     return episode, bare, old

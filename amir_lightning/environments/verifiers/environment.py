@@ -352,7 +352,8 @@ def _completion(record: Episode, episode, tokenizer, task, index: int, scoring: 
     rewards = {name: r.score for name, r in trace.rewards.items() if r is not None and r.score is not None}
     metrics = {name: float(v) for name, v in (trace.metrics or {}).items() if isinstance(v, int | float)}
     outcome = {"reward": None if trace.reward is None else float(trace.reward), "rewards": rewards, "metrics": metrics}
-    return replace(record.completion(tokenizer), outcome=outcome)
+    completion = record.completion(tokenizer)
+    return replace(completion, episode=replace(completion.episode, outcome=outcome))
 
 
 async def _tool_schemas(env) -> list[dict[str, Any]]:
