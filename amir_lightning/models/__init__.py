@@ -2,7 +2,13 @@
 
 from amir_lightning.models.loading import LoraSettings, load_policy, load_reference, merged_state
 from amir_lightning.models.sources import BundledSmolLM2, HFModel, ModelSource, TinyModel
-from amir_lightning.models.tiny import PRINTABLE_ALPHABET, QWEN25_3B_SHAPE, build_char_tokenizer, build_tiny_model
+from amir_lightning.models.tiny import (
+    PRINTABLE_ALPHABET,
+    QWEN25_3B_SHAPE,
+    TinySpec,
+    build_char_tokenizer,
+    build_tiny_model,
+)
 
 __all__ = [
     "PRINTABLE_ALPHABET",
@@ -12,6 +18,7 @@ __all__ = [
     "LoraSettings",
     "ModelSource",
     "TinyModel",
+    "TinySpec",
     "build_char_tokenizer",
     "build_tiny_model",
     "load_policy",

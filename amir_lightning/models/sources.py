@@ -10,13 +10,13 @@ import json
 import logging
 import os
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Literal
 
 from typing_extensions import override
 
 from amir_lightning.models.bundled import cache_root, materialize_smollm2
-from amir_lightning.models.tiny import DEFAULT_ALPHABET, build_tiny_model
+from amir_lightning.models.tiny import TinySpec
 
 log = logging.getLogger(__name__)
 
@@ -116,63 +116,27 @@ class BundledSmolLM2(ModelSource):
 _HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
 
 
-class TinyModel(ModelSource):
-    """A random tiny Qwen2 with a character tokenizer, built from these arguments and cached by their hash.
+@dataclass(frozen=True)
+class TinyModel(ModelSource, TinySpec):
+    """A random tiny Qwen2 with a character tokenizer, built from ``TinySpec``'s fields and cached by their hash.
 
     Args:
-        alphabet: Characters of the tokenizer (plus pad, eos, unk).
-        hidden_size: Model width (``hidden_size / num_heads >= 32`` for vLLM).
-        num_layers: Transformer layers.
-        num_heads: Attention heads.
-        num_kv_heads: Key/value heads.
-        intermediate_size: MLP width.
-        max_position_embeddings: Longest sequence.
-        seed: Initialisation seed.
-        vocab_size: Model vocabulary (default: the tokenizer's); larger gives a real model's embedding size.
-        dtype: Dtype the weights are saved in.
         cache_dir: Parent directory (default ``$AMIR_CACHE/models``).
-        head: ``causal_lm`` (a policy) or ``reward`` (a sequence classifier with one output, for ``RewardModel``).
     """
 
-    def __init__(
-        self,
-        alphabet: str = DEFAULT_ALPHABET,
-        hidden_size: int = 64,
-        num_layers: int = 2,
-        num_heads: int = 2,
-        num_kv_heads: int = 1,
-        intermediate_size: int = 128,
-        max_position_embeddings: int = 256,
-        seed: int = 0,
-        vocab_size: int | None = None,
-        dtype: str = "float32",
-        cache_dir: str | None = None,
-        head: Literal["causal_lm", "reward"] = "causal_lm",
-    ) -> None:
-        self.kwargs = dict(
-            alphabet=alphabet,
-            hidden_size=hidden_size,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            intermediate_size=intermediate_size,
-            max_position_embeddings=max_position_embeddings,
-            seed=seed,
-        )
-        # Only non-default extras enter the cache key, so existing caches keep their names.
-        self.kwargs.update(
-            {
-                k: v
-                for k, v in (("vocab_size", vocab_size), ("dtype", dtype), ("head", head))
-                if v not in (None, "float32", "causal_lm")
-            }
-        )
-        self.cache_dir = cache_dir
+    cache_dir: str | None = None
 
     @override
     def resolve(self) -> Path:
-        key = hashlib.sha256(json.dumps(self.kwargs, sort_keys=True).encode()).hexdigest()[:12]
+        spec = {f.name: getattr(self, f.name) for f in fields(TinySpec)}
+        # Only non-default extras enter the cache key, so existing caches keep their names.
+        key_fields = {k: v for k, v in spec.items() if k not in _EXTRAS or v != _EXTRAS[k]}
+        key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:12]
         target = Path(self.cache_dir or cache_root() / "models") / f"tiny-qwen2-{key}"
         if not (target / "config.json").is_file():
-            build_tiny_model(target, **self.kwargs)
+            self.build(target)
         return target
+
+
+#: The fields added to ``TinySpec`` after its first caches were made, with their defaults.
+_EXTRAS = {"vocab_size": None, "dtype": "float32", "head": "causal_lm"}

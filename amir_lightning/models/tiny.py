@@ -4,10 +4,13 @@ The model is random (seeded) and small enough to train from scratch in seconds o
 Hugging Face model directory that transformers and vLLM both load (vLLM needs head_dim >= 32).
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: TinySpec's field types stay objects, so that the ``__init__`` the
+# dataclass writes for ``TinyModel`` (in sources.py, where these names are not imported) resolves its types.
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
@@ -52,63 +55,92 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
     return tokenizer
 
 
-def build_tiny_model(
-    directory: str | Path,
-    alphabet: str = DEFAULT_ALPHABET,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 2,
-    num_kv_heads: int = 1,
-    intermediate_size: int = 128,
-    max_position_embeddings: int = 256,
-    seed: int = 0,
-    vocab_size: int | None = None,
-    dtype: str = "float32",
-    head: str = "causal_lm",
-) -> Path:
+@dataclass(frozen=True)
+class TinySpec:
+    """What a tiny model is built from: its tokenizer's alphabet, its transformer's shape, seed, dtype and head.
+
+    Attributes:
+        alphabet: Characters of the tokenizer (plus pad, eos, unk).
+        hidden_size: Model width (``hidden_size / num_heads >= 32`` for vLLM).
+        num_layers: Transformer layers.
+        num_heads: Attention heads.
+        num_kv_heads: Key/value heads.
+        intermediate_size: MLP width.
+        max_position_embeddings: Longest sequence.
+        seed: Initialisation seed.
+        vocab_size: Model vocabulary (default: the tokenizer's); larger gives a real model's embedding size (ids past
+            the alphabet decode to nothing).
+        dtype: Dtype the weights are saved in.
+        head: ``causal_lm`` (a policy) or ``reward`` (a sequence classifier with one output: a reward model,
+            ``RewardModel``).
+    """
+
+    alphabet: str = DEFAULT_ALPHABET
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+    num_kv_heads: int = 1
+    intermediate_size: int = 128
+    max_position_embeddings: int = 256
+    seed: int = 0
+    vocab_size: int | None = None
+    dtype: str = "float32"
+    head: Literal["causal_lm", "reward"] = "causal_lm"
+
+    def build(self, directory: str | Path) -> Path:
+        """Write the random Qwen2 and its character tokenizer to ``directory`` (atomically) and return it.
+
+        The weights are initialised on a GPU when there is one.
+        """
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Qwen2Config
+
+        if self.head not in ("causal_lm", "reward"):
+            raise ValueError(f"tiny model head must be causal_lm or reward, got {self.head!r}")
+        if self.hidden_size // self.num_heads < 32:
+            raise ValueError(
+                "tiny model head_dim = hidden_size / num_heads must be >= 32 for vLLM, "
+                f"got {self.hidden_size} / {self.num_heads}"
+            )
+        tokenizer = build_char_tokenizer(self.alphabet)
+        if self.vocab_size is not None and self.vocab_size < len(tokenizer):
+            raise ValueError(
+                f"tiny model vocab_size {self.vocab_size} is smaller than its tokenizer ({len(tokenizer)} tokens)"
+            )
+        config = Qwen2Config(
+            vocab_size=self.vocab_size or len(tokenizer),
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=True,
+            bos_token_id=tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            **({"num_labels": 1} if self.head == "reward" else {}),
+        )
+        auto = AutoModelForCausalLM if self.head == "causal_lm" else AutoModelForSequenceClassification
+        # A random state of its own: the run's global one (seeded by seed_everything, and drawn from by LoRA's adapter
+        # init) must be the same whether this model was built now or found in the cache.
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices), torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            torch.manual_seed(self.seed)
+            model = auto.from_config(config, dtype=getattr(torch, self.dtype))
+        with atomic_directory(Path(directory), replace=False) as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "generation_config.json").write_text(
+                json.dumps({"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id})
+            )
+        return Path(directory)
+
+
+def build_tiny_model(directory: str | Path, **spec: Any) -> Path:
     """Write a random Qwen2 and its character tokenizer to ``directory`` (atomically) and return it.
 
-    ``vocab_size`` beyond the tokenizer's gives a model with a real model's embedding size (ids past the alphabet
-    decode to nothing); the weights are initialised on a GPU when there is one. ``head``: ``causal_lm`` (a policy)
-    or ``reward`` (a sequence classifier with one output: a reward model, ``RewardModel``).
+    Args:
+        directory: Where the model directory goes.
+        **spec: ``TinySpec``'s fields by name (``alphabet``, ``hidden_size``, ``seed``, ``head``, ...).
     """
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Qwen2Config
-
-    if head not in ("causal_lm", "reward"):
-        raise ValueError(f"tiny model head must be causal_lm or reward, got {head!r}")
-
-    if hidden_size // num_heads < 32:
-        raise ValueError(
-            f"tiny model head_dim = hidden_size / num_heads must be >= 32 for vLLM, got {hidden_size} / {num_heads}"
-        )
-    tokenizer = build_char_tokenizer(alphabet)
-    if vocab_size is not None and vocab_size < len(tokenizer):
-        raise ValueError(f"tiny model vocab_size {vocab_size} is smaller than its tokenizer ({len(tokenizer)} tokens)")
-    config = Qwen2Config(
-        vocab_size=vocab_size or len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **({"num_labels": 1} if head == "reward" else {}),
-    )
-    auto = AutoModelForCausalLM if head == "causal_lm" else AutoModelForSequenceClassification
-    # A random state of its own: the run's global one (seeded by seed_everything, and drawn from by LoRA's adapter
-    # init) must be the same whether this model was built now or found in the cache.
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices), torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        torch.manual_seed(seed)
-        model = auto.from_config(config, dtype=getattr(torch, dtype))
-    with atomic_directory(Path(directory), replace=False) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "generation_config.json").write_text(
-            json.dumps({"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id})
-        )
-    return Path(directory)
+    return TinySpec(**spec).build(directory)
