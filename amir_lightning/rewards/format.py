@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from abc import abstractmethod
 from collections.abc import Sequence
 
 from typing_extensions import override
@@ -14,7 +15,23 @@ _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _DIGIT = re.compile(r"\d")
 
 
-class ThinkAnswerFormatReward(Reward):
+class _CheckReward(Reward):
+    """``score`` for each completion that passes the subclass's ``passes`` check, else 0."""
+
+    def __init__(self, weight: float, score: float, name: str | None) -> None:
+        super().__init__(weight, name)
+        self.value = score
+
+    @abstractmethod
+    def passes(self, completion: str) -> bool:
+        """Whether ``completion`` earns the score."""
+
+    @override
+    def score(self, completions: Sequence[str], answers: Sequence[str], **kwargs) -> list[float]:
+        return [self.value if self.passes(c) else 0.0 for c in completions]
+
+
+class ThinkAnswerFormatReward(_CheckReward):
     """``score`` if the whole completion is ``<think>...</think>`` then ``<answer>...</answer>``, else 0.
 
     Stricter than the official regex, whose ``re.MULTILINE`` let trailing lines after ``</answer>`` pass.
@@ -26,12 +43,11 @@ class ThinkAnswerFormatReward(Reward):
     """
 
     def __init__(self, weight: float = 1.0, score: float = 0.5, name: str | None = None) -> None:
-        super().__init__(weight, name)
-        self.value = score
+        super().__init__(weight, score, name)
 
     @override
-    def score(self, completions: Sequence[str], answers: Sequence[str], **kwargs) -> list[float]:
-        return [self.value if _STRICT.match(c) else 0.0 for c in completions]
+    def passes(self, completion: str) -> bool:
+        return _STRICT.match(completion) is not None
 
 
 class TagCountReward(Reward):
@@ -59,7 +75,7 @@ class TagCountReward(Reward):
         return [sum(self.per_tag for tag in self.tags if c.count(tag) == 1) for c in completions]
 
 
-class AnswerNumberReward(Reward):
+class AnswerNumberReward(_CheckReward):
     """``score`` if the first ``<answer>...</answer>`` holds a number (the official ``int_reward_func``: 0.2).
 
     Args:
@@ -69,16 +85,12 @@ class AnswerNumberReward(Reward):
     """
 
     def __init__(self, weight: float = 1.0, score: float = 0.2, name: str | None = None) -> None:
-        super().__init__(weight, name)
-        self.value = score
+        super().__init__(weight, score, name)
 
     @override
-    def score(self, completions: Sequence[str], answers: Sequence[str], **kwargs) -> list[float]:
-        out = []
-        for c in completions:
-            match = _ANSWER.search(c)
-            out.append(self.value if match and _DIGIT.search(match.group(1)) else 0.0)
-        return out
+    def passes(self, completion: str) -> bool:
+        match = _ANSWER.search(completion)
+        return match is not None and _DIGIT.search(match.group(1)) is not None
 
 
 class ToolUseReward(Reward):
