@@ -61,7 +61,7 @@ def main() -> None:
 
     from amir_lightning.data import ArithmeticPrompts
     from amir_lightning.data.templates import ChatFormat
-    from amir_lightning.environments.base import run_episodes
+    from amir_lightning.environments.base import EpisodeBatch, run_episodes
     from amir_lightning.models import BundledSmolLM2
     from amir_lightning.rewards import MathAnswerReward
     from amir_lightning.rollout import CalculatorEnvironment, SamplingConfig, ToolEnvironment, VLLMEngine
@@ -104,7 +104,8 @@ def main() -> None:
         prompt_ids = [chat.render(tokenizer, p) for p in shown]
 
         start = time.perf_counter()
-        groups = run_episodes(environment, prompts, prompt_ids, args.samples, sampling, engine, 0, tokenizer, 512)
+        batch = EpisodeBatch(prompts, prompt_ids, args.samples, sampling, engine, 0, tokenizer, 512)
+        groups = run_episodes(environment, batch)
         seconds = time.perf_counter() - start
         episodes = [c for group in groups for c in group]
         answers = [p.answer for p in prompts for _ in range(args.samples)]

@@ -8,7 +8,7 @@ from helpers.scripted import Scripted
 from helpers.tools import Echo
 
 from amir_lightning.data.base import Prompt
-from amir_lightning.environments.base import run_episodes
+from amir_lightning.environments.base import EpisodeBatch, run_episodes
 from amir_lightning.environments.calculator import evaluate_arithmetic
 from amir_lightning.loop.batch import make_batch, make_groups
 from amir_lightning.models import build_tiny_model
@@ -78,7 +78,7 @@ def test_a_call_whose_last_token_runs_past_the_closing_tag_is_still_a_call():
     prompt = Prompt(question="84*42", answer="3528")
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=24)
     [[episode]] = run_episodes(
-        Calculator(max_turns=3), [prompt], [[5, 6]], 1, sampling, Scripted(generate), None, tokenizer
+        Calculator(max_turns=3), EpisodeBatch([prompt], [[5, 6]], 1, sampling, Scripted(generate), None, tokenizer)
     )
     assert seen == ["<calc>84*42</calc>"]
     assert episode.text == "<calc>84*42</calc><result>3528</result>=3528" and episode.episode.tool_calls == 1
@@ -202,7 +202,9 @@ def test_episodes_interleave_policy_turns_and_masked_replies_with_the_policys_lo
         return engine.generate(ids, n, sampling)
 
     sampling = SamplingConfig(temperature=0.8, max_new_tokens=3)
-    groups = run_episodes(Echo(max_turns=3), prompts, prompt_ids, 4, sampling, Scripted(generate), None, tokenizer)
+    groups = run_episodes(
+        Echo(max_turns=3), EpisodeBatch(prompts, prompt_ids, 4, sampling, Scripted(generate), None, tokenizer)
+    )
     assert [len(g) for g in groups] == [4, 4] and turns[0] == (2, 4, 0) and all(n == 1 for _, n, _ in turns[1:])
     reply = tokenizer("=12", add_special_tokens=False)["input_ids"]
     replied = 0

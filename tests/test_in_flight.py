@@ -63,7 +63,7 @@ def test_a_push_reaches_the_requests_in_flight_and_the_tokens_say_which_weights_
     # 2000 tokens take ~4 s on 2 cores: the push lands inside them (240 once finished before it on a faster machine)
     model_dir = build_tiny_model(tmp_path / "model", seed=5, max_position_embeddings=LONG + 8)
     engine = VLLMServerEngine(**SERVER | {"max_model_len": LONG + 8})
-    engine.start(model_dir, seed=0, updates_in_flight=True)
+    engine.start(model_dir, seed=0, in_flight=True)
     try:
         tensors = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
         engine.load_weights(tensors.items(), version=3)  # the run's weights

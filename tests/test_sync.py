@@ -292,8 +292,8 @@ class _BlindEngine(RolloutEngine):
     def __init__(self, engine):
         self.engine = engine
 
-    def start(self, model_dir, seed, device=None, local_rank=0, updates_in_flight=False):
-        self.engine.start(model_dir, seed, device, local_rank, updates_in_flight)
+    def start(self, model_dir, seed, device=None, local_rank=0, in_flight=False):
+        self.engine.start(model_dir, seed, device, local_rank, in_flight)
 
     def generate(self, prompts, n, sampling, seed=None):
         return self.engine.generate(prompts, n, sampling, seed)

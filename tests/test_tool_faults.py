@@ -19,7 +19,7 @@ from helpers.tools import BuggyReset, BuggyStep, Echo, MegabyteReply, NumberRepl
 from test_faults import fit_here, policy
 
 from amir_lightning.data.base import Prompt
-from amir_lightning.environments.base import run_episodes
+from amir_lightning.environments.base import EpisodeBatch, run_episodes
 from amir_lightning.models.tiny import PRINTABLE_ALPHABET, build_char_tokenizer
 from amir_lightning.rollout import CalculatorEnvironment, Completion, Environment, SamplingConfig
 
@@ -39,7 +39,9 @@ def episodes(environment, turns, tokenizer=TOKENIZER, n=2, room=None, seen=None)
         return [[Completion(list(own), text, [-0.5] * len(own), "stop") for _ in range(count)] for _ in ids]
 
     prompt_ids = [tokenizer(PROMPT.question, add_special_tokens=False)["input_ids"]]
-    return run_episodes(environment, [PROMPT], prompt_ids, n, SAMPLING, Scripted(generate), None, tokenizer, room)[0]
+    return run_episodes(
+        environment, EpisodeBatch([PROMPT], prompt_ids, n, SAMPLING, Scripted(generate), None, tokenizer, room)
+    )[0]
 
 
 def test_a_bug_in_step_stops_at_once_naming_the_class_and_the_key():

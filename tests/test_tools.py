@@ -14,7 +14,7 @@ from helpers.scripted import Scripted
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.data.templates import ChatFormat
-from amir_lightning.environments.base import run_episodes
+from amir_lightning.environments.base import EpisodeBatch, run_episodes
 from amir_lightning.environments.replies import tool_metrics
 from amir_lightning.environments.tools import argument_problem, tool_schema
 from amir_lightning.models.tiny import PRINTABLE_ALPHABET, build_char_tokenizer
@@ -66,7 +66,9 @@ def episodes(turns, n=1, **kwargs) -> tuple[list[Completion], list[int]]:
         return [[Completion(list(own), text, [-0.5] * len(own), finish) for _ in range(count)] for _ in ids]
 
     prompt_ids = chat.render(TOKENIZER, PROMPT)
-    return run_episodes(env, [PROMPT], [prompt_ids], n, SAMPLING, Scripted(generate), None, TOKENIZER)[0], prompt_ids
+    return run_episodes(env, EpisodeBatch([PROMPT], [prompt_ids], n, SAMPLING, Scripted(generate), None, TOKENIZER))[
+        0
+    ], prompt_ids
 
 
 def shown(completion: Completion) -> list[str]:

@@ -17,6 +17,7 @@ from test_tools import EOS, SAMPLING, TEMPLATE, TOKENIZER, call
 
 from amir_lightning.data.templates import ChatFormat
 from amir_lightning.data.verifiers_tasks import VerifiersTasks
+from amir_lightning.environments.base import EpisodeBatch
 from amir_lightning.environments.replies import tool_metrics
 from amir_lightning.environments.verifiers.environment import VerifiersEnvironment
 from amir_lightning.rollout import Completion
@@ -75,7 +76,7 @@ def test_an_episode_is_the_conversation_the_template_writes_and_the_taskset_scor
     prompt_ids = [chat.render(TOKENIZER, p) for p in prompts]
     first = "Adding.\n" + call("add", '{"a": 3, "b": 4}')
     generate, seen = scripted([first, "It is 7."])
-    groups = env.episodes(prompts, prompt_ids, 2, SAMPLING, Scripted(generate), None, TOKENIZER)
+    groups = env.episodes(EpisodeBatch(prompts, prompt_ids, 2, SAMPLING, Scripted(generate), None, TOKENIZER))
     assert [turn for turn, _ in seen] == [0, 1] and [len(ids) for _, ids in seen] == [4, 4]  # one batch a turn
     assert seen[0][1] == [prompt_ids[0]] * 2 + [prompt_ids[1]] * 2
     for prompt, ids, group, reward in zip(prompts, prompt_ids, groups, (1.0, 0.0)):
@@ -118,7 +119,7 @@ def test_an_episode_still_calling_at_max_turns_is_cut_and_scored(sums):
     env, chat, tasks = sums
     prompt_ids = [chat.render(TOKENIZER, tasks[0])]
     generate, seen = scripted([call("add", '{"a": 3, "b": 4}')])
-    (group,) = env.episodes([tasks[0]], prompt_ids, 1, SAMPLING, Scripted(generate), None, TOKENIZER)
+    (group,) = env.episodes(EpisodeBatch([tasks[0]], prompt_ids, 1, SAMPLING, Scripted(generate), None, TOKENIZER))
     (c,) = group
     assert (
         len(seen) == 3
@@ -143,7 +144,9 @@ def test_wrong_settings_are_one_line_naming_the_key(sums, tmp_path):
     stray = Prompt("What is 3 + 4?", "7")
     with pytest.raises(ValueError, match=r"is not a task of the verifiers taskset 'vf_sums': give data.prompts"):
         env.episodes(
-            [stray], [chat.render(TOKENIZER, stray)], 1, SAMPLING, Scripted(scripted(["7"])[0]), None, TOKENIZER
+            EpisodeBatch(
+                [stray], [chat.render(TOKENIZER, stray)], 1, SAMPLING, Scripted(scripted(["7"])[0]), None, TOKENIZER
+            )
         )
 
 
@@ -218,7 +221,9 @@ def test_a_tool_server_of_each_task_starts_with_each_episode_and_serves_its_call
     generate, _ = scripted([call("add", '{"a": 2, "b": 6}'), "It is 8."])
     try:
         (group,) = env.episodes(
-            [tasks[1]], [chat.render(TOKENIZER, tasks[1])], 2, SAMPLING, Scripted(generate), None, TOKENIZER
+            EpisodeBatch(
+                [tasks[1]], [chat.render(TOKENIZER, tasks[1])], 2, SAMPLING, Scripted(generate), None, TOKENIZER
+            )
         )
     finally:
         env.close()
@@ -243,7 +248,7 @@ def faulty(monkeypatch):
         made.append(env)
         task = VerifiersTasks(config)[7]
         policy, ids = Scripted(scripted(["seven"])[0]), [chat.render(TOKENIZER, task)]
-        return lambda: env.episodes([task], ids, 2, SAMPLING, policy, None, TOKENIZER)
+        return lambda: env.episodes(EpisodeBatch([task], ids, 2, SAMPLING, policy, None, TOKENIZER))
 
     yield make
     for env in made:
@@ -416,7 +421,7 @@ def test_a_huge_result_is_kept_only_as_far_as_the_policy_reads_it(results):
     env, chat, tasks = results
     generate, _ = scripted([call("dump", '{"megabytes": 8}'), "Done."])
     (group,) = env.episodes(
-        [tasks[0]], [chat.render(TOKENIZER, tasks[0])], 4, SAMPLING, Scripted(generate), None, TOKENIZER
+        EpisodeBatch([tasks[0]], [chat.render(TOKENIZER, tasks[0])], 4, SAMPLING, Scripted(generate), None, TOKENIZER)
     )
     expected, cut = encode_reply(TOKENIZER, dump(8), 64)
     assert cut and len(expected) == 64

@@ -292,27 +292,22 @@ class RolloutEngine(ABC):
     runs_apart: bool = False
     #: Whether a push can land while requests are in flight, which go on with the new weights and say which
     #: weights sampled each token (``Completion.versions``; ``data.rollout.partial_rollouts``): such an engine's
-    #: ``start`` takes ``updates_in_flight``.
+    #: ``start`` takes ``in_flight``.
     takes_updates_in_flight: bool = False
     #: Whether pushes carry a LoRA policy's adapters, the base weights pushed once (``take_adapters``).
     takes_adapters: bool = False
 
     @abstractmethod
     def start(
-        self,
-        model_dir: Path,
-        seed: int,
-        device: torch.device | None = None,
-        local_rank: int = 0,
-        updates_in_flight: bool = False,
+        self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0, in_flight=False
     ) -> None:
         """Load the policy from ``model_dir`` (a Hugging Face directory); called once before generating.
 
         ``device`` is the training process's own (Lightning's ``strategy.root_device``) and ``local_rank`` its rank
         on its node (``trainer.local_rank``, whatever the launcher: torchrun's ``LOCAL_RANK``, SLURM's
         ``SLURM_LOCALID``); an engine inside the process uses them instead of guessing from the environment.
-        ``updates_in_flight``: pushes land with requests in flight (``data.rollout.partial_rollouts``), only asked
-        of an engine that ``takes_updates_in_flight``.
+        ``in_flight``: pushes land with requests in flight (``data.rollout.partial_rollouts``), only asked of an
+        engine that ``takes_updates_in_flight``.
         """
 
     @abstractmethod

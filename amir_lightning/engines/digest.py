@@ -233,12 +233,6 @@ class PushedDigests:
         self.unheld: list[str] = []  # pushed names the engine keeps no copy of
         self.dtypes: set[torch.dtype] = set()  # the dtypes the engine keeps the pushed tensors in
 
-    def tap(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """``named``, unchanged, with each tensor digested as it passes."""
-        for name, tensor in named:
-            self.add(name, tensor)
-            yield name, tensor
-
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Record one pushed tensor."""
         if self.watched is None or name in self.watched:
@@ -305,3 +299,24 @@ class PushedDigests:
 
     def _digested(self, key: str, sampled: bool) -> bool:
         return any(d[sampled] is not None for d in self.parts[key].values())
+
+
+class PushStream:
+    """The pushed weights on their way into the engine: each tensor counted and, with ``digests``, digested.
+
+    Iterated by the engine as it loads (``load_weights``); what it does not read is drained by the pusher, so every
+    tensor counts. ``bytes`` is what passed, in the dtypes sent.
+    """
+
+    def __init__(self, named: Iterable[tuple[str, torch.Tensor]], digests: PushedDigests | None) -> None:
+        self._named, self.digests, self.bytes = iter(named), digests, 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        name, tensor = next(self._named)
+        self.bytes += tensor.numel() * tensor.element_size()
+        if self.digests is not None:
+            self.digests.add(name, tensor)
+        return name, tensor

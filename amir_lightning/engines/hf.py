@@ -51,12 +51,7 @@ class HFEngine(RolloutEngine):
 
     @override
     def start(
-        self,
-        model_dir: Path,
-        seed: int,
-        device: torch.device | None = None,
-        local_rank: int = 0,
-        updates_in_flight: bool = False,
+        self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0, in_flight=False
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -75,7 +70,7 @@ class HFEngine(RolloutEngine):
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         # Nothing of the checkpoint's sampling defaults survives: generate() fills unset options from this one.
         self.model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
-        del seed, updates_in_flight  # each generation is seeded with its own seed (``seeded``)
+        del seed, in_flight  # each generation is seeded with its own seed (``seeded``)
         self._started = True
 
     @override

@@ -34,6 +34,7 @@ returns the whole command), on a machine that shares ``transfer_dir`` with the t
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import shutil
@@ -46,7 +47,7 @@ import torch
 from typing_extensions import override
 
 from amir_lightning.engines import server_setup
-from amir_lightning.engines.adapters import ServesAdapters
+from amir_lightning.engines.adapters import ServesAdapters, write_adapter
 from amir_lightning.engines.base import (
     Completion,
     RolloutEngine,
@@ -56,7 +57,7 @@ from amir_lightning.engines.base import (
     request_seed,
 )
 from amir_lightning.engines.digest import ColumnSample, Reading, WeightSlot
-from amir_lightning.engines.server_setup import KEY
+from amir_lightning.engines.server_setup import ADAPTER, KEY, ROUTE_S, UNREAD, adapter_name, write_weights
 from amir_lightning.engines.shards import merge_workers
 from amir_lightning.engines.vllm_worker import decode
 from amir_lightning.helpers.distributed import from_rank_zero, global_rank, world_size
@@ -164,12 +165,7 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         return server_setup.server_env(self)
 
     def start(
-        self,
-        model_dir: Path,
-        seed: int,
-        device: torch.device | None = None,
-        local_rank: int = 0,
-        updates_in_flight: bool = False,
+        self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0, in_flight=False
     ) -> None:
         """Start the server (or reach the one at ``url``); with several training processes, the first starts it.
 
@@ -177,7 +173,7 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         weights, and every process reads them back for its sync check.
         """
         del device, local_rank  # the server has devices of its own
-        self.updates_in_flight = updates_in_flight
+        self.updates_in_flight = in_flight
         self._workdir = server_setup.make_workdir(self.transfer_dir)
         # where the first process started it (or the url given)
         self.url = from_rank_zero(lambda: self.url or self._launch(model_dir, seed))
@@ -278,7 +274,7 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
             return
         try:
             tensors = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in named_tensors}
-            server_setup.push_weights(self, tensors, version)
+            self._push_file(tensors, version)
         finally:
             _barrier()
 
@@ -293,7 +289,7 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         try:
             if global_rank() == 0:
                 try:
-                    server_setup.push_adapters(self, adapters, rank, self._served_dtype())
+                    self._push_adapter_files(adapters, rank, self._served_dtype())
                 except ServerError as err:
                     if "/v1/load_lora_adapter" not in str(err) or "404" in str(err):
                         raise
@@ -303,7 +299,100 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
                 self.pushes += 1
         finally:
             _barrier()
-        self._adapter = server_setup.adapter_name(self.pushes)  # every process counts the pushes
+        self._adapter = adapter_name(self.pushes)  # every process counts the pushes
+
+    # ------------------------------------------------------------------ the routes a push goes through
+    def _push_file(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Push ``tensors`` into the server: a file in its transfer folder, loaded through vLLM's update routes.
+
+        ``/pause`` (``_paused``), ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update`` with the
+        run's weight ``version`` (the optimisation step), ``/reset_prefix_cache``, ``/resume``.
+        """
+        if not tensors:
+            raise ValueError("load_weights got no tensors: the engine would keep stale weights")
+        path = self._workdir / f"push_{self.pushes + 1}.safetensors"
+        write_weights(path, tensors)
+        del tensors
+        try:
+            with self._paused():
+                self._post("/start_weight_update")
+                self._load(path)
+                self._post("/finish_weight_update", {"weight_version": str(version)})
+        finally:
+            path.unlink(missing_ok=True)
+        self.pushes += 1
+
+    def _push_adapter_files(self, adapters: dict[str, torch.Tensor], rank: int, dtype: torch.dtype) -> None:
+        """Serve ``adapters`` from the server as a new LoRA adapter (``adapter_name``), and drop the last one.
+
+        vLLM's ``/v1/load_lora_adapter``, generation paused as for a weight push (``paused``). Each push is an adapter
+        of its own (``policy-<push>``): one loaded ``load_inplace`` would be read from its folder again at every
+        scheduling step, as vLLM 0.32 re-applies such a request's adapter. The server holds one adapter (``--max-loras
+        1``), so the new one takes the old one's place.
+        """
+        name = adapter_name(self.pushes + 1)
+        folder = self._workdir / name
+        try:
+            write_adapter(folder, adapters, rank, dtype)
+        except OSError as err:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise ServerError(f"could not write the pushed adapters to {folder} ({KEY}.transfer_dir): "
+                              f"{err.strerror or err}") from None  # fmt: skip
+        try:
+            if self._adapter is None:  # this run's first: an earlier run on a server given by url left its adapter
+                for left in self._served_adapters():
+                    with contextlib.suppress(ServerError):
+                        self._post("/v1/unload_lora_adapter", {"lora_name": left}, plain=True)
+            with self._paused():
+                self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)}, plain=True)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)  # read into the server's memory by now
+        if self._adapter is not None:  # the last adapter, no longer served
+            with contextlib.suppress(ServerError):
+                self._post("/v1/unload_lora_adapter", {"lora_name": self._adapter}, plain=True)
+        self.pushes += 1
+
+    def _served_adapters(self) -> list[str]:
+        """The policy adapters the server holds now (``/v1/models`` lists each with its base as ``parent``)."""
+        answer = request(self.endpoint, "/v1/models", None, deadline_s=ROUTE_S, deadline_key=f"{KEY}.request_timeout",
+                         method="GET")  # fmt: skip
+        with reading(self.endpoint, "/v1/models", answer):
+            names = [model["id"] for model in answer["data"] if model.get("parent")]
+        return [name for name in names if name.startswith(f"{ADAPTER}-")]
+
+    @contextlib.contextmanager
+    def _paused(self):
+        """The server with generation paused, for a push; its prefix cache dropped before it resumes.
+
+        ``/pause`` waits for the requests in flight to finish on the old weights; with updates in flight
+        (``self.updates_in_flight``) it keeps them (``mode=keep``) and the cache reset sends them back to the queue
+        (``reset_running_requests``): their tokens so far are read again under the new weights, which sample the rest.
+        """
+        keep = self.updates_in_flight
+        self._post("/pause?mode=keep" if keep else "/pause?mode=wait")
+        try:
+            yield
+            reset = self._post("/reset_prefix_cache?reset_running_requests=true" if keep else "/reset_prefix_cache")
+            if keep and not (isinstance(reset, dict) and reset.get("success")):
+                raise ServerError(
+                    f"{self.endpoint.what} at {self.url} could not drop its cache of the old weights after a push "
+                    f"with requests in flight (/reset_prefix_cache answered {reset!r:.200})"
+                )
+        except BaseException:
+            with contextlib.suppress(ServerError):  # the first failure is the one to name
+                self._post("/resume")
+            raise
+        self._post("/resume")
+
+    def _load(self, path: Path) -> None:
+        try:
+            self._post("/update_weights", {"update_info": {"path": str(path)}})
+        except ServerError as err:
+            if any(sign in str(err) for sign in UNREAD):  # the server does not see the trainer's folder
+                raise ServerError(f"{err}; it could not read the pushed weights {path}: the server must see "
+                                  f"{KEY}.transfer_dir at the same path (the same machine, or a shared file system)",
+                                  tail=err.tail) from None  # fmt: skip
+            raise
 
     @override
     def held_adapters(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:

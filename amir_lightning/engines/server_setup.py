@@ -1,12 +1,11 @@
-"""What ``VLLMServerEngine`` needs around its server, each fault in one line naming the key.
+"""What ``VLLMServerEngine`` needs around its server, each fault in one line naming the key: functions of values.
 
-The command and environment, the transfer folder and the weight push through it, the deadline of each request, and
-reading the server's answers.
+The command and environment, the transfer folder and the files a push writes into it, the deadline of each request,
+and reading the server's answers. The routes a push goes through are the engine's own methods (``server.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import math
@@ -18,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from amir_lightning.engines.adapters import engine_rank, write_adapter
+from amir_lightning.engines.adapters import engine_rank
 from amir_lightning.engines.base import Completion, RolloutEngine
 from amir_lightning.engines.vllm_worker import FILE_BACKEND
-from amir_lightning.helpers.http import Endpoint, ServerError, reading, request
+from amir_lightning.helpers.http import Endpoint, ServerError, reading
 from amir_lightning.helpers.serving import TRAINER_GROUP
 
 #: ``VLLMServerEngine``, whose settings these functions read (not imported: it imports this module).
@@ -122,106 +121,9 @@ def write_weights(path: Path, tensors: dict[str, torch.Tensor]) -> None:
                           f"{need / 2**20:.2f} MiB{room}") from None  # fmt: skip
 
 
-def push_weights(engine: ServerEngine, tensors: dict[str, torch.Tensor], version: int) -> None:
-    """Push ``tensors`` into ``engine``'s server: a file in its transfer folder, loaded through vLLM's update routes.
-
-    ``/pause`` (``paused``), ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update`` with the run's
-    weight ``version`` (the optimisation step), ``/reset_prefix_cache``, ``/resume``.
-    """
-    if not tensors:
-        raise ValueError("load_weights got no tensors: the engine would keep stale weights")
-    path = engine._workdir / f"push_{engine.pushes + 1}.safetensors"
-    write_weights(path, tensors)
-    del tensors
-    try:
-        with paused(engine):
-            engine._post("/start_weight_update")
-            _load(engine, path)
-            engine._post("/finish_weight_update", {"weight_version": str(version)})
-    finally:
-        path.unlink(missing_ok=True)
-    engine.pushes += 1
-
-
-def push_adapters(engine: ServerEngine, adapters: dict[str, torch.Tensor], rank: int, dtype: torch.dtype) -> None:
-    """Serve ``adapters`` from ``engine``'s server as a new LoRA adapter (``adapter_name``), and drop the last one.
-
-    vLLM's ``/v1/load_lora_adapter``, generation paused as for a weight push (``paused``). Each push is an adapter
-    of its own (``policy-<push>``): one loaded ``load_inplace`` would be read from its folder again at every
-    scheduling step, as vLLM 0.32 re-applies such a request's adapter. The server holds one adapter (``--max-loras
-    1``), so the new one takes the old one's place.
-    """
-    name = adapter_name(engine.pushes + 1)
-    folder = engine._workdir / name
-    try:
-        write_adapter(folder, adapters, rank, dtype)
-    except OSError as err:
-        shutil.rmtree(folder, ignore_errors=True)
-        raise ServerError(f"could not write the pushed adapters to {folder} ({KEY}.transfer_dir): "
-                          f"{err.strerror or err}") from None  # fmt: skip
-    try:
-        if engine._adapter is None:  # this run's first: an earlier run on a server given by url left its adapter
-            for left in served_adapters(engine):
-                with contextlib.suppress(ServerError):
-                    engine._post("/v1/unload_lora_adapter", {"lora_name": left}, plain=True)
-        with paused(engine):
-            engine._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)}, plain=True)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)  # read into the server's memory by now
-    if engine._adapter is not None:  # the last adapter, no longer served
-        with contextlib.suppress(ServerError):
-            engine._post("/v1/unload_lora_adapter", {"lora_name": engine._adapter}, plain=True)
-    engine.pushes += 1
-
-
-def served_adapters(engine: ServerEngine) -> list[str]:
-    """The policy adapters ``engine``'s server holds now (``/v1/models`` lists each with its base as ``parent``)."""
-    answer = request(engine.endpoint, "/v1/models", None, deadline_s=ROUTE_S, deadline_key=f"{KEY}.request_timeout",
-                     method="GET")  # fmt: skip
-    with reading(engine.endpoint, "/v1/models", answer):
-        names = [model["id"] for model in answer["data"] if model.get("parent")]
-    return [name for name in names if name.startswith(f"{ADAPTER}-")]
-
-
 def adapter_name(push: int) -> str:
     """The name the server serves the adapters of push number ``push`` under."""
     return f"{ADAPTER}-{push}"
-
-
-@contextlib.contextmanager
-def paused(engine: ServerEngine):
-    """``engine``'s server with generation paused, for a push; its prefix cache dropped before it resumes.
-
-    ``/pause`` waits for the requests in flight to finish on the old weights; with updates in flight
-    (``engine.updates_in_flight``) it keeps them (``mode=keep``) and the cache reset sends them back to the queue
-    (``reset_running_requests``): their tokens so far are read again under the new weights, which sample the rest.
-    """
-    keep = engine.updates_in_flight
-    engine._post("/pause?mode=keep" if keep else "/pause?mode=wait")
-    try:
-        yield
-        reset = engine._post("/reset_prefix_cache?reset_running_requests=true" if keep else "/reset_prefix_cache")
-        if keep and not (isinstance(reset, dict) and reset.get("success")):
-            raise ServerError(
-                f"{engine.endpoint.what} at {engine.url} could not drop its cache of the old weights after a push "
-                f"with requests in flight (/reset_prefix_cache answered {reset!r:.200})"
-            )
-    except BaseException:
-        with contextlib.suppress(ServerError):  # the first failure is the one to name
-            engine._post("/resume")
-        raise
-    engine._post("/resume")
-
-
-def _load(engine: ServerEngine, path: Path) -> None:
-    try:
-        engine._post("/update_weights", {"update_info": {"path": str(path)}})
-    except ServerError as err:
-        if any(sign in str(err) for sign in UNREAD):  # the server does not see the trainer's folder
-            raise ServerError(f"{err}; it could not read the pushed weights {path}: the server must see "
-                              f"{KEY}.transfer_dir at the same path (the same machine, or a shared file system)",
-                              tail=err.tail) from None  # fmt: skip
-        raise
 
 
 def deadline(engine: ServerEngine, route: str, body: dict | None, sequences: int) -> float:

@@ -149,12 +149,7 @@ class VLLMEngine(ServesAdapters, RolloutEngine):
 
     @override
     def start(
-        self,
-        model_dir: Path,
-        seed: int,
-        device: torch.device | None = None,
-        local_rank: int = 0,
-        updates_in_flight: bool = False,
+        self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0, in_flight=False
     ) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         vllm = _import_vllm()

@@ -38,7 +38,7 @@ from amir_lightning.environments.replies import (
 )
 from amir_lightning.helpers.validation import check_number, raise_errors
 
-__all__ = ["Environment", "EnvironmentStepError", "EpisodeRecord", "ToolError", "run_episodes"]
+__all__ = ["EpisodeBatch", "Environment", "EnvironmentStepError", "EpisodeRecord", "ToolError", "run_episodes"]
 
 #: One turn of sampling: ``(token ids, n, sampling, turn index) -> n completions per input``, seeded by the index.
 
@@ -97,24 +97,14 @@ class Environment(ABC):
     def prepare(self, tokenizer, chat) -> None:  # noqa: B027 (optional hook: text protocols need nothing)
         """Learn the policy's tokenizer and chat format (``data/templates.py``) before the first episode."""
 
-    def episodes(
-        self,
-        prompts: Sequence[Prompt],
-        prompt_ids: Sequence[list[int]],
-        n: int,
-        sampling: SamplingConfig,
-        engine: RolloutEngine,
-        seed: int | None,
-        tokenizer,
-        room: int | None = None,
-    ) -> list[list[Completion]]:
-        """``n`` episodes per prompt, in prompt order: ``run_episodes``, this environment replying to each turn.
+    def episodes(self, batch: EpisodeBatch) -> list[list[Completion]]:
+        """``batch.n`` episodes per prompt, in prompt order: ``run_episodes``, this environment replying to each turn.
 
-        An environment that runs its episodes itself (``VerifiersEnvironment``) overrides this; ``engine`` samples
-        every turn, turn ``i`` from ``turn_seed(seed, i)``, so each stays the engine's and seeded by its place in
-        the run.
+        An environment that runs its episodes itself (``VerifiersEnvironment``) overrides this; ``batch.engine``
+        samples every turn, turn ``i`` from ``turn_seed(batch.seed, i)``, so each stays the engine's and seeded by
+        its place in the run.
         """
-        return run_episodes(self, prompts, prompt_ids, n, sampling, engine, seed, tokenizer, room)
+        return run_episodes(self, batch)
 
     def close(self) -> None:  # noqa: B027 (optional hook: most environments hold nothing)
         """Release what the environment holds (servers, threads); called when the run ends."""
@@ -165,22 +155,12 @@ class EpisodeRecord:
         self.loss_mask += [int(sampling_logps is not None)] * len(token_ids)  # a reply is context, never trained on
 
 
-def run_episodes(
-    environment: Environment,
-    prompts: Sequence[Prompt],
-    prompt_ids: Sequence[list[int]],
-    n: int,
-    sampling: SamplingConfig,
-    engine: RolloutEngine,
-    seed: int | None,
-    tokenizer,
-    room: int | None = None,
-) -> list[list[Completion]]:
-    """``n`` episodes per prompt, in prompt order, as completions whose tool replies are masked out of the loss.
+@dataclass(frozen=True)
+class EpisodeBatch:
+    """The episodes to play: ``n`` per prompt, every turn sampled by ``engine``.
 
-    Args:
-        environment: Replies to the policy's turns.
-        prompts: The prompts (``environment.reset`` gets each).
+    Attributes:
+        prompts: The prompts (``Environment.reset`` gets each).
         prompt_ids: Their token ids.
         n: Episodes per prompt (the group size).
         sampling: Sampling of each policy turn; the environment's ``stop`` strings are added to its own.
@@ -189,6 +169,22 @@ def run_episodes(
         tokenizer: Encodes the replies and decodes the turns.
         room: Longest prompt + episode in tokens (the engine's ``max_model_len``); an episode that would not fit its
             next turn ends as truncated.
+    """
+
+    prompts: Sequence[Prompt]
+    prompt_ids: Sequence[list[int]]
+    n: int
+    sampling: SamplingConfig
+    engine: RolloutEngine
+    seed: int | None
+    tokenizer: Any
+    room: int | None = None
+
+
+def run_episodes(environment: Environment, batch: EpisodeBatch) -> list[list[Completion]]:
+    """``batch.n`` episodes per prompt, in prompt order, as completions whose tool replies are masked out of the loss.
+
+    ``environment`` replies to the policy's turns.
 
     Returns:
         ``n`` completions per prompt, each counting its tool's replies, errors, cut replies and whether it was cut.
@@ -198,7 +194,9 @@ def run_episodes(
             ``reply``).
         ValueError: ``step`` returned something other than a string or ``None``.
     """
-    turn_sampling = replace(sampling, stop=[*(sampling.stop or []), *environment.stop] or None)
+    prompts, prompt_ids, n, engine = batch.prompts, batch.prompt_ids, batch.n, batch.engine
+    seed, tokenizer, room = batch.seed, batch.tokenizer, batch.room
+    turn_sampling = replace(batch.sampling, stop=[*(batch.sampling.stop or []), *environment.stop] or None)
     states = [call_environment(environment, "reset", prompt) for prompt in prompts]
     episodes = [EpisodeRecord(i, states[i]) for i in range(len(prompts)) for _ in range(n)]
     if environment.whole_turns:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -30,6 +31,24 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", device: torch.device | Non
     if op == "mean":
         out /= world_size()
     return out.cpu()
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """The run's reductions over processes on one ``device`` (CUDA for NCCL), as a value a lower part can call.
+
+    Every process must call each as often, in the same order.
+    """
+
+    device: torch.device | None = None
+
+    def sum_over_processes(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over processes."""
+        return all_reduce(values, "sum", self.device)
+
+    def max_over_processes(self, values: list[float]) -> list[float]:
+        """``values``, each the largest over processes."""
+        return all_reduce(torch.tensor(values, dtype=torch.float64), "max", self.device).tolist()
 
 
 def mean_over_processes(values: dict[str, float], device: torch.device | None = None) -> dict[str, float]:

@@ -22,7 +22,7 @@ import torch
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.engines.base import Completion, RolloutEngine, SamplingConfig, mix_seed
-from amir_lightning.environments.base import Environment
+from amir_lightning.environments.base import Environment, EpisodeBatch
 from amir_lightning.loop.collect import RolloutSettings
 from amir_lightning.loop.pending import PendingRollout, Sampled
 from amir_lightning.loop.sync import SyncCheck, SyncReport
@@ -150,7 +150,9 @@ class Sampler:
     def episodes(self, prompts, prompt_ids, n, sampling, seed: int, tokenizer) -> list[list[Completion]]:
         """``n`` multi-turn episodes per prompt through ``environment``, turn ``i`` from ``turn_seed(seed, i)``."""
         room = getattr(self.engine, "max_model_len", None)
-        return self.environment.episodes(prompts, prompt_ids, n, sampling, self.engine, seed, tokenizer, room)
+        return self.environment.episodes(
+            EpisodeBatch(prompts, prompt_ids, n, sampling, self.engine, seed, tokenizer, room)
+        )
 
     def push(
         self,

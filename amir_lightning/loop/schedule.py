@@ -28,7 +28,7 @@ from typing_extensions import override
 from amir_lightning.data.base import Prompt
 from amir_lightning.data.feed import PromptFeed
 from amir_lightning.engines.base import Completion, SamplingConfig
-from amir_lightning.helpers.distributed import all_reduce
+from amir_lightning.helpers.distributed import Collectives
 from amir_lightning.loop.collect import RolloutSettings, make_rollout
 from amir_lightning.loop.dynamic import Round, needs_more, refill
 from amir_lightning.loop.pending import PendingRollout, SavedRollout
@@ -64,13 +64,15 @@ class At:
     device: torch.device | None = None
     max_steps: int = -1
 
-    def sum_over_processes(self, values: torch.Tensor) -> torch.Tensor:
-        """``values`` summed over processes (every process must call it)."""
-        return all_reduce(values, "sum", self.device)
+    @property
+    def sum_over_processes(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Sums a tensor over processes (``helpers/distributed.py``'s ``Collectives``: every process must call it)."""
+        return Collectives(self.device).sum_over_processes
 
-    def max_over_processes(self, values: list[float]) -> list[float]:
-        """``values``, each the largest over processes (every process must call it)."""
-        return all_reduce(torch.tensor(values, dtype=torch.float64), "max", self.device).tolist()
+    @property
+    def max_over_processes(self) -> Callable[[list[float]], list[float]]:
+        """Takes element-wise maxima over processes (``Collectives``: every process must call it)."""
+        return Collectives(self.device).max_over_processes
 
 
 class Schedule(ABC):
@@ -196,6 +198,29 @@ class Schedule(ABC):
         scores = Scores.of(self.rewards, prompts, completions, self.settings.reward_warn_s, state)
         return Round(prompts, prompt_ids, completions, scores, generate_s)
 
+    def _rollout(
+        self,
+        at: At,
+        kept: Round,
+        seconds: dict[str, float],
+        metrics: dict[str, float],
+        old_weights: dict[str, torch.Tensor] | None = None,
+    ) -> Rollout:
+        """The rollout of the round ``kept`` (scored): its groups and advantages, the loop's seconds and metrics."""
+        return make_rollout(
+            kept.prompts,
+            kept.prompt_ids,
+            kept.completions,
+            kept.generate_s,
+            self.rewards,
+            self.settings,
+            at.sum_over_processes,
+            kept.scores,
+            more_seconds=seconds,
+            more_metrics=metrics,
+            old_weights=old_weights,
+        )
+
     def _refill(self, at: At, first: Round, draw: Draw, state: RunState) -> tuple[Round, dict[str, float]]:
         """Dynamic sampling (``loop/dynamic.py``): ``first``, scored, and more rounds until the groups vary.
 
@@ -232,18 +257,7 @@ class InTurn(Schedule):
         if settings.dynamic_sampling:  # more rounds, from these weights, until the groups have reward variance
             first, dynamic = self._refill(at, first, self.feed.draw, state)
         self.sampler.sleep()  # a colocated engine with sleep mode lends its memory to training until the push
-        return make_rollout(
-            first.prompts,
-            first.prompt_ids,
-            first.completions,
-            first.generate_s,
-            self.rewards,
-            settings,
-            at.sum_over_processes,
-            first.scores,
-            more_seconds={"sync_s": sync["rollout/sync_s"]},
-            more_metrics=sync | dynamic,
-        )
+        return self._rollout(at, first, {"sync_s": sync["rollout/sync_s"]}, sync | dynamic)
 
 
 class Ahead(Schedule):
@@ -304,19 +318,7 @@ class Ahead(Schedule):
         old_weights = None
         if current.version != at.step and self.settings.stale_logps == "sampler":  # exact PPO ratios
             old_weights = current.weights  # the ratios' old log-probs are the trainer's under these
-        return make_rollout(
-            first.prompts,
-            first.prompt_ids,
-            first.completions,
-            first.generate_s,
-            self.rewards,
-            self.settings,
-            at.sum_over_processes,
-            first.scores,
-            more_seconds={"sync_s": sync["rollout/sync_s"], "wait_s": waited},
-            more_metrics=more,
-            old_weights=old_weights,
-        )
+        return self._rollout(at, first, {"sync_s": sync["rollout/sync_s"], "wait_s": waited}, more, old_weights)
 
     def _sample_ahead(self, at: At) -> dict[str, float]:
         """Push the weights this epoch trains from and start sampling from them; the sync's metrics.

@@ -28,14 +28,14 @@ the run says so once.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from amir_lightning.engines.adapters import adapter_mismatches
 from amir_lightning.engines.base import RolloutEngine
-from amir_lightning.engines.digest import ColumnSample, Digest, PushedDigests, WeightLayout
+from amir_lightning.engines.digest import ColumnSample, Digest, PushedDigests, PushStream, WeightLayout
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.models.policy import Policy
 
@@ -206,11 +206,11 @@ class SyncCheck:
         verify = self.settings.verify_weights and self._layout
         pushed = PushedDigests(self._layout, columns, watched) if verify else None
         with policy.export_weights() if merged else policy.export_weights(merged=False) as named:
-            named = self._counted(named)
-            stream = pushed.tap(named) if pushed is not None else iter(named)
+            stream = PushStream(named, pushed)
             engine.load_weights(stream, version)
             for _ in stream:  # what the engine did not read still counts as pushed
                 pass
+        self._bytes += stream.bytes
         if pushed is not None and pushed.unheld and self.syncs == 0:
             log.info("weight sync: the engine keeps no copy of %s: checked to stay as first pushed",
                      ", ".join(pushed.unheld[:8]))  # fmt: skip
@@ -240,11 +240,6 @@ class SyncCheck:
         if not self.settings.verify_weights or self._layout is None:
             return [], 0
         return adapter_mismatches(adapters, engine.held_adapters(), self._layout)
-
-    def _counted(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in named:
-            self._bytes += tensor.numel() * tensor.element_size()
-            yield name, tensor
 
     def _stop(self, wrong: list[str], checked: int) -> None:
         where = "this process's engine" if wrong else "the engine of another process"

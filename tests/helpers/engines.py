@@ -102,8 +102,8 @@ class HFPartialUpdate(_PartialUpdate, HFEngine):
 class RecordsLocalRank(VLLMEngine):
     """``VLLMEngine`` that writes the local rank its vLLM worker got to ``vllm_local_rank.<global rank>``."""
 
-    def start(self, model_dir, seed, device=None, local_rank=0, updates_in_flight=False):  # noqa: D102
-        super().start(model_dir, seed, device, local_rank, updates_in_flight)
+    def start(self, model_dir, seed, device=None, local_rank=0, in_flight=False):  # noqa: D102
+        super().start(model_dir, seed, device, local_rank, in_flight)
         from pathlib import Path
 
         import torch.distributed as dist

@@ -16,7 +16,7 @@ class Scripted(RolloutEngine):
     def __init__(self, policy) -> None:
         self.policy, self.turn, self.seeds = policy, 0, []
 
-    def start(self, model_dir, seed, device=None, local_rank=0, updates_in_flight=False):  # noqa: D102
+    def start(self, model_dir, seed, device=None, local_rank=0, in_flight=False):  # noqa: D102
         self._started = True
 
     def generate(self, prompts, n, sampling, seed=None):  # noqa: D102

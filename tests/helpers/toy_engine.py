@@ -17,7 +17,7 @@ from amir_lightning.engines.base import seeded
 class ToyEngine(RolloutEngine):
     """One prompt at a time, one token at a time, from the softmax at ``temperature``."""
 
-    def start(self, model_dir, seed, device=None, local_rank=0, updates_in_flight=False):  # noqa: D102
+    def start(self, model_dir, seed, device=None, local_rank=0, in_flight=False):  # noqa: D102
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
         self._started = True

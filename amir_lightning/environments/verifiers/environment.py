@@ -32,7 +32,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -40,8 +39,8 @@ from typing_extensions import override
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.data.verifiers_tasks import import_verifiers, load_tasks, task_messages, taskset_config
-from amir_lightning.engines.base import Completion, RolloutEngine, SamplingConfig, turn_seed
-from amir_lightning.environments.base import Environment
+from amir_lightning.engines.base import Completion, turn_seed
+from amir_lightning.environments.base import Environment, EpisodeBatch
 from amir_lightning.environments.tool_calls import ToolCallParser
 from amir_lightning.environments.tools import ToolReplies, refuse_hidden_tools
 from amir_lightning.environments.verifiers.policy import CLIENTS, URL, Batches, Episode, PolicyClient, hook_clients
@@ -165,18 +164,8 @@ class VerifiersEnvironment(Environment):
         return None  # verifiers keeps each episode's state
 
     @override
-    def episodes(
-        self,
-        prompts: Sequence[Prompt],
-        prompt_ids: Sequence[list[int]],
-        n: int,
-        sampling: SamplingConfig,
-        engine: RolloutEngine,
-        seed: int | None,
-        tokenizer,
-        room: int | None = None,
-    ) -> list[list[Completion]]:
-        """``n`` episodes of each prompt's task, run by verifiers while this thread samples their turns.
+    def episodes(self, batch: EpisodeBatch) -> list[list[Completion]]:
+        """``batch.n`` episodes of each prompt's task, run by verifiers while this thread samples their turns.
 
         Raises:
             RewardError: One of the taskset's rewards or metrics raised, returned what is not a score, or ran over
@@ -184,6 +173,8 @@ class VerifiersEnvironment(Environment):
         """
         if self._client is None:
             raise RuntimeError("VerifiersEnvironment.prepare must run before its first episode")
+        prompts, prompt_ids, n, sampling = batch.prompts, batch.prompt_ids, batch.n, batch.sampling
+        engine, seed, tokenizer, room = batch.engine, batch.seed, batch.tokenizer, batch.room
         tasks = [self._task(prompt) for prompt in prompts]  # a stray prompt is refused before anything starts
         loop = self._start()
         run = Batches([i for i in range(len(prompts)) for _ in range(n)], prompt_ids, sampling, room, loop)
