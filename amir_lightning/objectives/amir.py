@@ -35,7 +35,7 @@ compares ``lambda * L_pref`` with the signed GRPO loss, band 0.30-0.70, x1.25 / 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -201,8 +201,8 @@ class AmirGRPOLoss(GRPOLoss):
         self.schedule = LambdaSchedule(pair_weight)
 
     @override
-    def reference_uses(self) -> list[str]:
-        return super().reference_uses() + ([] if self.pair_term.reference_free else ["pair_term.reference_free=False"])
+    def added_reference_uses(self) -> list[str]:
+        return [] if self.pair_term.reference_free else ["pair_term.reference_free=False"]
 
     @property
     def lambda_now(self) -> float:  # noqa: D102
@@ -214,12 +214,10 @@ class AmirGRPOLoss(GRPOLoss):
     ) -> LossOutput:
         """The GRPO term's output plus ``lambda *`` the pair loss of its pairs, pooled over the step's pairs."""
         pair_loss, stats, push = self.pair_loss(logps, mask, out.rows.pairs, ref, context)
-        out.loss = out.loss + context.lambda_ * pair_loss
-        out.stats.update(stats)
-        out.stats["amir/pair_term"] = context.lambda_ * pair_loss.detach()
-        out.stats["train/loss"] = out.loss.detach()
-        out.rows.pair_push = context.lambda_ * push
-        return out
+        loss = out.loss + context.lambda_ * pair_loss
+        added = stats | {"amir/pair_term": context.lambda_ * pair_loss.detach(), "train/loss": loss.detach()}
+        rows = replace(out.rows, pair_push=context.lambda_ * push)
+        return LossOutput(loss, out.stats | added, rows)
 
     def pair_loss(
         self,

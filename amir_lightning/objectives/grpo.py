@@ -123,8 +123,12 @@ class GRPOLoss(nn.Module):
         return bool(self.reference_uses())
 
     def reference_uses(self) -> list[str]:
-        """The settings that need reference log-probs."""
-        return ["kl_coef != 0"] if self.kl_coef != 0.0 else []
+        """The settings that need reference log-probs: the KL term's, and those of the terms a subclass adds."""
+        return (["kl_coef != 0"] if self.kl_coef != 0.0 else []) + self.added_reference_uses()
+
+    def added_reference_uses(self) -> list[str]:
+        """The settings of the terms a subclass adds (``regularize``) that need reference log-probs (GRPO: none)."""
+        return []
 
     @property
     def lambda_now(self) -> float:
@@ -262,9 +266,9 @@ class GRPOLoss(nn.Module):
         weights = row_weights(self.aggregation, lengths, vars(context)).detach()  # [N] per-token weight of row i
         token_weights, stats = mask, {}
         if sampling_logps is not None:
-            behaviour = logps if old_logps is None else old_logps  # [N, T] p_old
+            old = logps if old_logps is None else old_logps  # [N, T] p_old
             corrected, stats = mismatch_weights(
-                behaviour, sampling_logps, mask, self.sampling_correction, self.sampling_cap, context.num_tokens
+                old, sampling_logps, mask, self.sampling_correction, self.sampling_cap, context.num_tokens
             )
             token_weights = mask if corrected is None else corrected  # [N, T] mask * importance weight
         adv = advantages.to(logps.dtype).unsqueeze(1)  # [N, 1]

@@ -15,7 +15,7 @@ import torch
 
 
 def mismatch_weights(
-    behaviour_logps: torch.Tensor,
+    old_logps: torch.Tensor,
     sampling_logps: torch.Tensor,
     mask: torch.Tensor,
     mode: str,
@@ -25,7 +25,8 @@ def mismatch_weights(
     """Per-token importance weights ``[N, T]`` (``None`` for mode ``none``) and the mismatch stats.
 
     Args:
-        behaviour_logps: ``[N, T]`` the trainer's log-probs of the sampled tokens under the sampling policy.
+        old_logps: ``[N, T]`` the trainer's log-probs of the sampled tokens under the old policy, the weights
+            that sampled them (the ratios' denominator; the current log-probs, detached, on-policy).
         sampling_logps: ``[N, T]`` the engine's log-probs of the same tokens.
         mask: ``[N, T]`` tokens that enter the loss.
         mode: ``token_truncate``, ``token_mask``, ``sequence_truncate``, ``sequence_mask`` or ``none``.
@@ -34,7 +35,7 @@ def mismatch_weights(
     """
     with torch.no_grad():
         # A token the engine could not score (NaN) gets ratio 1: no correction rather than a NaN loss.
-        log_ratio = (behaviour_logps.detach() - sampling_logps.to(behaviour_logps.dtype)).nan_to_num_(0.0)
+        log_ratio = (old_logps.detach() - sampling_logps.to(old_logps.dtype)).nan_to_num_(0.0)
         log_ratio = log_ratio.mul_(mask)  # [N, T]
         norm = max(num_tokens, 1.0)
         stats = {"rollout/engine_trainer_kl": (log_ratio.exp() - 1.0 - log_ratio).mul_(mask).sum() / norm}
