@@ -15,8 +15,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks/loop_files.py"
 SUMMARY = re.compile(r"back-and-forths (\w+): (\d+) \(re-entries (\d+), closures (\d+)\), late writes: (\d+)")
-#: The counts at the time of writing: a change that adds a back-and-forth or a late write to the loop shows here.
-BOUNDS = {"colocated": (3, 2), "server": (8, 3)}  # mode -> (back-and-forths, late writes)
+#: The counts now: a change that adds a back-and-forth or a late write to the loop shows here. The one left with the
+#: server: the sync check asks the server's layout for each pushed tensor's slot as the push streams through it
+#: (engines/server.py -> engines/digest.py -> engines/server.py). On the layout before the rooms (69afdeb) the same
+#: counter found 5 and 5 colocated, 11 and 5 with the server.
+BOUNDS = {"colocated": (0, 0), "server": (1, 0)}  # mode -> (back-and-forths, late writes)
 
 FIRST = """
 import threading
