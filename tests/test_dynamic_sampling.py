@@ -9,12 +9,13 @@ import torch
 import torch.multiprocessing as mp
 from helpers import ranks
 from helpers.ranks import G, a_round
+from helpers.refill import refill
 from test_datamodule import Watch, build, cut_and_resume, make_trainer
 from transformers import AutoModelForCausalLM
 
 from amir_lightning.helpers.serving import free_port
 from amir_lightning.loop.collect import RolloutSettings
-from amir_lightning.loop.dynamic import has_variance, needs_more, prompts_to_draw, refill
+from amir_lightning.loop.dynamic import has_variance, needs_more, prompts_to_draw
 from amir_lightning.rewards.base import Reward
 from amir_lightning.rollout import VLLMServerEngine
 

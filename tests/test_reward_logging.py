@@ -9,13 +9,14 @@ import torch
 import torch.multiprocessing as mp
 from conftest import HF_ENGINE, read_scalars, run_here
 from helpers import ranks
+from helpers.refill import refill
 
 from amir_lightning.callbacks import RolloutSampleLogger
 from amir_lightning.data.base import Prompt
 from amir_lightning.engines.base import Completion
 from amir_lightning.helpers.serving import free_port
 from amir_lightning.loop.batch import make_groups
-from amir_lightning.loop.dynamic import Round, refill
+from amir_lightning.loop.dynamic import Round
 from amir_lightning.loop.pending import PendingRollout, SavedRollout
 from amir_lightning.loop.rewarding import Scores, score_completions
 from amir_lightning.rewards import FunctionReward, RunState

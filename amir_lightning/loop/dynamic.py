@@ -85,60 +85,92 @@ def needs_more(first: Round, wanted: int, group_size: int, max_rounds: int, max_
     return max_rounds > 1 and max_over_processes([float(missing)])[0] > 0
 
 
-def refill(
-    first: Round,
-    more: Callable[[int, int, bool], Round | None],
-    wanted: int,
-    group_size: int,
-    max_rounds: int,
-    max_over_processes: Callable[[list[float]], list[float]],
-) -> tuple[Round, dict[str, float]]:
-    """The rollout of up to ``wanted`` groups with variance, from ``first`` and further rounds; its metrics.
+class Refill:
+    """Dynamic sampling for one rollout: further rounds until it has its groups with reward variance.
+
+    From its ``first`` round, until it has ``wanted`` groups with reward variance or ``max_rounds`` ran out. The loop
+    drives it::
+
+        while count := refill.next_draw():            # every process, the same count (one collective)
+            prompts = draw(count)                      # every process draws alike
+            refill.add(sample(prompts) if refill.missing else None)
+        kept, metrics = refill.result()
 
     Args:
-        first: The rollout's first round (``wanted`` prompts).
-        more: ``more(count, index, sample)`` draws ``count`` prompts for round ``index`` and, when ``sample``,
-            samples and scores them (``None`` otherwise: this process is full, its share of the stream is skipped).
+        first: The rollout's first round (``wanted`` prompts), scored.
         wanted: ``prompts_per_process``.
         group_size: ``G``.
         max_rounds: ``max_sampling_rounds``, the first included.
         max_over_processes: Every process calls it once per round: the largest draw any process needs.
+    """
 
-    Returns:
-        ``wanted`` groups: those with variance in the order sampled, then, when the rounds ran out, groups without
-        (which the step drops: kept so that every process has a rollout to log and a filler to plan with); and
+    def __init__(
+        self,
+        first: Round,
+        wanted: int,
+        group_size: int,
+        max_rounds: int,
+        max_over_processes: Callable[[list[float]], list[float]],
+    ) -> None:
+        self.wanted, self.group_size, self.max_rounds, self.max_over_processes = (
+            wanted,
+            group_size,
+            max_rounds,
+            max_over_processes,
+        )
+        self.rounds, self.flags = [first], [has_variance(first.scores, group_size)]
+        self.index, self._said = 1, time.monotonic()  # the next round's index
+
+    @property
+    def missing(self) -> bool:
+        """Whether this process still lacks groups with variance (a full process skips its share of a draw)."""
+        return sum(map(sum, self.flags)) < self.wanted
+
+    def next_draw(self) -> int:
+        """How many prompts round ``index`` draws, the same on every process; 0: full everywhere, or no rounds left.
+
+        A stop asked for (SIGTERM, Ctrl-C) ends the refill here, and a line every ``PROGRESS_S`` says where a long
+        one stands.
+        """
+        if self.index >= self.max_rounds:
+            return 0
+        stops.raise_if_stopped()
+        kept, sampled = sum(map(sum, self.flags)), sum(map(len, self.flags))
+        if time.monotonic() - self._said >= PROGRESS_S:
+            self._said = time.monotonic()
+            log.info("dynamic sampling: round %d of at most %d (data.rollout.max_sampling_rounds): %d of %d groups "
+                     "with reward variance, in %d sampled", self.index + 1, self.max_rounds, kept, self.wanted,
+                     sampled)  # fmt: skip
+        return int(self.max_over_processes([float(prompts_to_draw(self.wanted, kept, sampled))])[0])
+
+    def add(self, extra: Round | None) -> None:
+        """Round ``index``, scored (``None``: this process was full and sampled nothing)."""
+        self.index += 1
+        if extra is not None:
+            self.rounds.append(extra)
+            self.flags.append(has_variance(extra.scores, self.group_size))
+
+    def result(self) -> tuple[Round, dict[str, float]]:
+        """The rollout's ``wanted`` groups as one round, and dynamic sampling's metrics.
+
+        The groups with variance in the order sampled, then, when the rounds ran out, groups without (which the step
+        drops: kept so that every process has a rollout to log and a filler to plan with). The metrics:
         ``rollout/sampling_rounds``, ``rollout/kept_group_frac`` (groups with variance among those sampled),
         ``rollout/zero_std_frac`` (all rewards equal, among those sampled).
-    """
-    rounds, flags = [first], [has_variance(first.scores, group_size)]
-    index, said = 1, time.monotonic()
-    while index < max_rounds:
-        stops.raise_if_stopped()  # a stop (SIGTERM, Ctrl-C) ends the refill between rounds
-        kept, sampled = sum(map(sum, flags)), sum(map(len, flags))
-        if time.monotonic() - said >= PROGRESS_S:
-            said = time.monotonic()
-            log.info("dynamic sampling: round %d of at most %d (data.rollout.max_sampling_rounds): %d of %d groups "
-                     "with reward variance, in %d sampled", index + 1, max_rounds, kept, wanted, sampled)  # fmt: skip
-        count = int(max_over_processes([float(prompts_to_draw(wanted, kept, sampled))])[0])
-        if count == 0:  # every process is full
-            break
-        extra = more(count, index, kept < wanted)
-        index += 1
-        if extra is not None:
-            rounds.append(extra)
-            flags.append(has_variance(extra.scores, group_size))
-    places = [(r, g) for r, round_flags in enumerate(flags) for g, varied in enumerate(round_flags) if varied]
-    places = places[:wanted]
-    fill = [(r, g) for r, round_flags in enumerate(flags) for g, varied in enumerate(round_flags) if not varied]
-    places += fill[: wanted - len(places)]
-    sampled = sum(map(len, flags))
-    zero_std = sum(bool((row == row[0]).all()) for r in rounds for row in r.scores.total.view(-1, group_size))
-    metrics = {
-        "rollout/sampling_rounds": float(index),
-        "rollout/kept_group_frac": sum(map(sum, flags)) / sampled,
-        "rollout/zero_std_frac": zero_std / sampled,
-    }
-    return _select(rounds, places, group_size), metrics
+        """
+        rounds, flags, size = self.rounds, self.flags, self.group_size
+        places = [(r, g) for r, round_flags in enumerate(flags) for g, varied in enumerate(round_flags) if varied]
+        places = places[: self.wanted]
+        fill = [(r, g) for r, round_flags in enumerate(flags) for g, varied in enumerate(round_flags) if not varied]
+        places += fill[: self.wanted - len(places)]
+        sampled = sum(map(len, flags))
+        zero_std = sum(bool((row == row[0]).all()) for r in rounds for row in r.scores.total.view(-1, size))
+        metrics = {
+            "rollout/sampling_rounds": float(self.index),
+            "rollout/kept_group_frac": sum(map(sum, flags)) / sampled,
+            "rollout/zero_std_frac": zero_std / sampled,
+        }
+        return _select(rounds, places, size), metrics
 
 
 def _select(rounds: list[Round], places: list[tuple[int, int]], group_size: int) -> Round:

@@ -20,7 +20,6 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from functools import partial
 
 import torch
 from typing_extensions import override
@@ -30,7 +29,7 @@ from amir_lightning.data.feed import PromptFeed
 from amir_lightning.engines.base import Completion, SamplingConfig
 from amir_lightning.helpers.distributed import Collectives
 from amir_lightning.loop.collect import RolloutSettings, make_rollout
-from amir_lightning.loop.dynamic import Round, needs_more, refill
+from amir_lightning.loop.dynamic import Refill, Round, needs_more
 from amir_lightning.loop.pending import PendingRollout, SavedRollout
 from amir_lightning.loop.rewarding import Scores
 from amir_lightning.loop.sampler import AHEAD, TRAIN, Sampler, generation_seed, round_seed
@@ -225,23 +224,25 @@ class Schedule(ABC):
         """Dynamic sampling (``loop/dynamic.py``): ``first``, scored, and more rounds until the groups vary.
 
         The further rounds draw their prompts from ``draw``, sample them from the weights in the engine and score
-        them with the rollout's ``state``.
+        them with the rollout's ``state``. A process whose groups are full draws its share of the stream and skips
+        it, as every process draws alike.
         """
         settings = self.settings
-        wanted, size, rounds = settings.prompts_per_process, settings.group_size, settings.max_sampling_rounds
-        return refill(first, partial(self._more, at, draw, state), wanted, size, rounds, at.max_over_processes)
+        wanted, size, most = settings.prompts_per_process, settings.group_size, settings.max_sampling_rounds
+        refilling = Refill(first, wanted, size, most, at.max_over_processes)
+        while count := refilling.next_draw():
+            prompts = draw(at.rank, at.ranks, count)
+            extra = None
+            if refilling.missing:
+                ids = self.feed.tokenize(self.policy.tokenizer, prompts)
+                extra = self._sample(at, prompts, ids, refilling.index, state)
+            refilling.add(extra)
+        return refilling.result()
 
     def _needs_more(self, at: At, first: Round) -> bool:
         settings = self.settings
         wanted, size, rounds = settings.prompts_per_process, settings.group_size, settings.max_sampling_rounds
         return needs_more(first, wanted, size, rounds, at.max_over_processes)
-
-    def _more(self, at: At, draw: Draw, state: RunState, count: int, index: int, sample: bool) -> Round | None:
-        """Dynamic sampling's round ``index``: ``count`` more prompts drawn, sampled and scored when ``sample``."""
-        prompts = draw(at.rank, at.ranks, count)
-        if not sample:  # this process is full; its share of the stream is skipped, as every process draws alike
-            return None
-        return self._sample(at, prompts, self.feed.tokenize(self.policy.tokenizer, prompts), index, state)
 
 
 class InTurn(Schedule):

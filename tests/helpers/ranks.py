@@ -11,11 +11,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from helpers.refill import refill
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.engines.base import Completion
 from amir_lightning.helpers.distributed import all_reduce, mean_over_processes
-from amir_lightning.loop.dynamic import Round, refill
+from amir_lightning.loop.dynamic import Round
 from amir_lightning.loop.rewarding import Scores
 
 G = 2
