@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from amir_lightning.data.base import Prompt
@@ -111,41 +111,26 @@ class Environment(ABC):
 
 
 @dataclass
-class EpisodeRecord:
-    """One episode as it grows: its tokens (the policy's with their log-probs, the replies masked) and its counts."""
+class EpisodeRecord(Episode):
+    """One episode as it grows: the ``Episode`` it becomes, its tokens and the environment's state.
 
-    prompt_index: int
-    state: Any
-    token_ids: list[int] = field(default_factory=list)
-    sampling_logps: list[float] = field(default_factory=list)
+    Its loss mask and counts are the ``Episode``'s; its tokens are the policy's with their log-probs, the replies
+    masked.
+    """
+
     loss_mask: list[int] = field(default_factory=list)
-    finish_reason: str = "stop"
     turns: int = 0
-    tool_calls: int = 0
-    tool_errors: int = 0
-    tool_truncated: int = 0
-    tool_malformed: int = 0
-    tool_seconds: float = 0.0
-    tool_cut: bool = False
-    messages: list[dict[str, Any]] | None = None  # whole-turn environments: the episode as chat messages
-    calls: list[dict[str, Any]] | None = None  # and the calls it made
-    done: bool = False
+    prompt_index: int = field(default=0, kw_only=True)
+    state: Any = field(default=None, kw_only=True)
+    token_ids: list[int] = field(default_factory=list, kw_only=True)
+    sampling_logps: list[float] = field(default_factory=list, kw_only=True)
+    finish_reason: str = field(default="stop", kw_only=True)
+    done: bool = field(default=False, kw_only=True)
 
     def completion(self, tokenizer) -> Completion:
         """The episode as one completion (its text decoded from every token, replies included)."""
         text = tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        episode = Episode(
-            self.loss_mask,
-            self.turns,
-            self.tool_calls,
-            self.tool_errors,
-            self.tool_truncated,
-            self.tool_cut,
-            self.tool_malformed,
-            self.tool_seconds,
-            self.messages,
-            self.calls,
-        )
+        episode = Episode(**{f.name: getattr(self, f.name) for f in fields(Episode)})
         return Completion(self.token_ids, text, self.sampling_logps, self.finish_reason, episode=episode)
 
     def add(self, token_ids: list[int], sampling_logps: list[float] | None = None) -> None:
@@ -198,7 +183,7 @@ def run_episodes(environment: Environment, batch: EpisodeBatch) -> list[list[Com
     seed, tokenizer, room = batch.seed, batch.tokenizer, batch.room
     turn_sampling = replace(batch.sampling, stop=[*(batch.sampling.stop or []), *environment.stop] or None)
     states = [call_environment(environment, "reset", prompt) for prompt in prompts]
-    episodes = [EpisodeRecord(i, states[i]) for i in range(len(prompts)) for _ in range(n)]
+    episodes = [EpisodeRecord(prompt_index=i, state=states[i]) for i in range(len(prompts)) for _ in range(n)]
     if environment.whole_turns:
         for e in episodes:
             e.messages, e.calls = [], []

@@ -43,7 +43,7 @@ from amir_lightning.engines.base import Completion, turn_seed
 from amir_lightning.environments.base import Environment, EpisodeBatch
 from amir_lightning.environments.tool_calls import ToolCallParser
 from amir_lightning.environments.tools import ToolReplies, refuse_hidden_tools
-from amir_lightning.environments.verifiers.policy import CLIENTS, URL, Batches, Episode, PolicyClient, hook_clients
+from amir_lightning.environments.verifiers.policy import CLIENTS, URL, Batches, PolicyClient, TaskEpisode, hook_clients
 from amir_lightning.environments.verifiers.scoring import Scoring
 from amir_lightning.helpers import stops
 from amir_lightning.helpers.validation import check_number, raise_errors
@@ -322,7 +322,7 @@ class VerifiersEnvironment(Environment):
             await asyncio.wait(left, timeout=HELD_S)
 
 
-def _completion(record: Episode, episode, tokenizer, task, index: int, scoring: Scoring) -> Completion:
+def _completion(record: TaskEpisode, episode, tokenizer, task, index: int, scoring: Scoring) -> Completion:
     """The episode as a completion, with the taskset's scoring of it.
 
     Raises:

@@ -4,10 +4,10 @@ verifiers' interception server asks its client for each model call. ``hook_clien
 episodes of a run here, a ``PolicyClient``: it renders the call's messages with the policy's chat template (tool
 results as ``ToolReplies`` writes them), waits in ``Batches`` until every unfinished episode has asked, and returns
 the turn the run's engine sampled, its tool calls read by the policy's parser. Each episode's tokens are kept as
-they were sampled (``Episode``); of a tool's result, the episode keeps what the policy reads (``kept_result``:
-``max_reply_tokens``' worth of text, however much the tool printed), and a result that is not valid Unicode (a lone
-surrogate, which verifiers' interception server takes from JSON that escapes one) is an error naming the tool, as
-for ``data.tools``.
+they were sampled (``TaskEpisode``); of a tool's result, the episode keeps what the policy reads
+(``kept_result``: ``max_reply_tokens``' worth of text, however much the tool printed), and a result that is not
+valid Unicode (a lone surrogate, which verifiers' interception server takes from JSON that escapes one) is an error
+naming the tool, as for ``data.tools``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ CLIENTS: dict[str, PolicyClient] = {}
 
 
 @dataclass
-class Episode(EpisodeRecord):
+class TaskEpisode(EpisodeRecord):
     """An episode verifiers runs: its record, and where its conversation stands."""
 
     seen: int = 0  # the messages its tokens hold (the prompt's, the replies', the results')
@@ -48,7 +48,7 @@ class Batches:
     """
 
     def __init__(self, prompt_of: list[int], prompt_ids, sampling: SamplingConfig, room, loop) -> None:
-        self.records = [Episode(p, None, messages=[], calls=[]) for p in prompt_of]
+        self.records = [TaskEpisode(prompt_index=p, messages=[], calls=[]) for p in prompt_of]
         self.prompt_ids, self.sampling, self.room, self.loop = prompt_ids, sampling, room, loop
         self.requests: queue.Queue = queue.Queue()
         self.waiting: dict[int, tuple[list[int], asyncio.Future]] = {}
@@ -151,7 +151,7 @@ class PolicyClient:
         if self.chat.render(self.tokenizer, Prompt("", "", messages=tuple(messages))) != list(prompt_ids):
             raise ValueError("the episode's first messages are not the task's prompt as the run rendered it")
 
-    def _add_results(self, record: Episode, messages: list[dict[str, Any]]) -> None:
+    def _add_results(self, record: TaskEpisode, messages: list[dict[str, Any]]) -> None:
         """Add the tool results since the policy's last turn (the template's text around them; masked)."""
         new = messages[record.seen :]
         if not new or any(m.get("role") != "tool" for m in new) or self.replies is None:
@@ -174,7 +174,7 @@ class PolicyClient:
         """What the episode keeps of a result (``kept_result``: what the policy reads of it), and whether unreadable."""
         return kept_result(self.tokenizer, tool, result[: self.max_chars], self.replies.max_reply_tokens)
 
-    def _read(self, record: Episode, completion: Completion) -> tuple[str, list]:
+    def _read(self, record: TaskEpisode, completion: Completion) -> tuple[str, list]:
         """The turn's text and its tool calls (``vf.ToolCall``), as the policy's parser reads them."""
         vf = import_verifiers("data.environment")
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=False)
