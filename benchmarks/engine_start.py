@@ -25,7 +25,7 @@ import lightning.pytorch, transformers, vllm.v1.engine.llm_engine  # noqa: F401,
 from vllm import LLM  # noqa: F401
 
 from amir_lightning.models import build_tiny_model
-from amir_lightning.rollout import VLLMEngine
+from amir_lightning.engines import VLLMEngine
 
 if sys.argv[2] == "no freeze":
     gc.freeze = lambda: None

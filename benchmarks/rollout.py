@@ -31,9 +31,9 @@ import torch  # noqa: E402
 from _common import machine  # noqa: E402
 
 from amir_lightning.data import ArithmeticPrompts, render_prompt  # noqa: E402
+from amir_lightning.engines import HFEngine, SamplingConfig, VLLMEngine, VLLMServerEngine  # noqa: E402
 from amir_lightning.loop.sync import SyncCheck  # noqa: E402
 from amir_lightning.models import BundledSmolLM2  # noqa: E402
-from amir_lightning.rollout import HFEngine, SamplingConfig, VLLMEngine, VLLMServerEngine  # noqa: E402
 
 
 def timed_generate(engine, prompts, samples, sampling) -> tuple[float, int]:

@@ -39,8 +39,8 @@ def server_start(folder: Path) -> float:
     """Seconds from a server engine's start to its first answer (the tiny model, the tests' settings)."""
     from helpers.served import SETTINGS
 
+    from amir_lightning.engines import VLLMServerEngine
     from amir_lightning.models import build_tiny_model
-    from amir_lightning.rollout import VLLMServerEngine
 
     model = build_tiny_model(folder / "model", seed=0)
     engine = VLLMServerEngine(**SETTINGS)

@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 import torch  # noqa: E402
 from test_sync import FAULTS, Trainer, make_engine, syncs_until_stopped  # noqa: E402
 
+from amir_lightning.engines import HFEngine, VLLMEngine  # noqa: E402
 from amir_lightning.loop.sync import SyncCheck, SyncSettings  # noqa: E402
 from amir_lightning.models import build_tiny_model  # noqa: E402
-from amir_lightning.rollout import HFEngine, VLLMEngine  # noqa: E402
 
 
 def faults(model_dir: Path, syncs: int) -> None:

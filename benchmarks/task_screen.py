@@ -21,9 +21,9 @@ import numpy as np  # noqa: E402
 from _common import machine  # noqa: E402
 
 from amir_lightning.data import ArithmeticPrompts, render_prompt  # noqa: E402
+from amir_lightning.engines import SamplingConfig, VLLMEngine  # noqa: E402
 from amir_lightning.models import BundledSmolLM2  # noqa: E402
 from amir_lightning.rewards import MathAnswerReward  # noqa: E402
-from amir_lightning.rollout import SamplingConfig, VLLMEngine  # noqa: E402
 
 #: name -> (template, terms, largest operand, max new tokens)
 CANDIDATES = {

@@ -61,10 +61,11 @@ def main() -> None:
 
     from amir_lightning.data import ArithmeticPrompts
     from amir_lightning.data.templates import ChatFormat
+    from amir_lightning.engines import SamplingConfig, VLLMEngine
+    from amir_lightning.environments import CalculatorEnvironment, ToolEnvironment
     from amir_lightning.environments.base import EpisodeBatch, run_episodes
     from amir_lightning.models import BundledSmolLM2
     from amir_lightning.rewards import MathAnswerReward
-    from amir_lightning.rollout import CalculatorEnvironment, SamplingConfig, ToolEnvironment, VLLMEngine
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a Hugging Face directory (default: the bundled SmolLM2)")

@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from amir_lightning.data import ArithmeticPrompts
+from amir_lightning.engines import SamplingConfig, VLLMEngine, VLLMServerEngine
+from amir_lightning.engines import server as server_engine_module
 from amir_lightning.engines import vllm as vllm_engine_module
 from amir_lightning.engines.adapters import adapter_mismatches, engine_rank, modules_of
 from amir_lightning.loop.collect import RolloutSettings
 from amir_lightning.loop.sync import StaleEngineError, SyncCheck
 from amir_lightning.models import HFModel, LoraSettings, build_tiny_model
 from amir_lightning.models.policy import Policy
-from amir_lightning.rollout import SamplingConfig, VLLMEngine, VLLMServerEngine, server_setup
 from amir_lightning.systems.datamodule import RolloutDataModule
 
 LORA = LoraSettings(r=8, alpha=16)
@@ -53,7 +54,7 @@ ENGINES = {
     ),  # fmt: skip
 }
 #: Where each engine's adapter folder is written from (a fault below rewrites what it writes).
-WRITERS = {"in-process": vllm_engine_module, "server": server_setup}
+WRITERS = {"in-process": vllm_engine_module, "server": server_engine_module}  # where each writes an adapter
 
 
 @pytest.fixture(scope="module", params=list(ENGINES))

@@ -11,10 +11,10 @@ from test_datamodule import build as build_with
 from test_datamodule import cut_and_resume, make_trainer
 
 from amir_lightning.data import ArithmeticPrompts
+from amir_lightning.engines import HFEngine, VLLMServerEngine
 from amir_lightning.loop.batch import batch_logps
 from amir_lightning.loop.collect import RolloutSettings
 from amir_lightning.rewards.base import Reward
-from amir_lightning.rollout import HFEngine, VLLMServerEngine
 from amir_lightning.systems.datamodule import RolloutDataModule
 from amir_lightning.systems.module import AmirGRPOModule
 

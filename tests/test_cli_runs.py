@@ -141,7 +141,7 @@ def test_an_overlong_prompt_is_skipped_counted_and_named_once(amir, tmp_path):
 def test_an_overlong_prompt_is_one_line_naming_file_and_line_before_the_engine_starts(amir, tmp_path, monkeypatch):
     """``data.bad_prompts: error``: one line naming the file and line, before vLLM starts. (Before, the error came
     when the stream reached the prompt, mid-run, and again at every resume.)"""
-    from amir_lightning.rollout import VLLMEngine
+    from amir_lightning.engines import VLLMEngine
 
     started = []
     monkeypatch.setattr(VLLMEngine, "start", lambda self, *args, **kwargs: started.append(args))

@@ -222,7 +222,7 @@ def test_sampling_that_reshapes_the_distribution_says_what_it_does_to_the_log_pr
     (top-p/k, min-p) samples p / Z on the kept tokens: the mismatch weight is Z <= 1 on every token, which the
     warning says cannot repair it."""
     from amir_lightning.data import ArithmeticPrompts
-    from amir_lightning.rollout import HFEngine, SamplingConfig
+    from amir_lightning.engines import HFEngine, SamplingConfig
     from amir_lightning.systems.datamodule import RolloutDataModule
 
     sampling = SamplingConfig(**given)
@@ -245,7 +245,7 @@ def test_sampling_that_reshapes_the_distribution_says_what_it_does_to_the_log_pr
     ],
 )
 def test_a_bad_sampling_setting_names_its_key(given, message):
-    from amir_lightning.rollout import SamplingConfig
+    from amir_lightning.engines import SamplingConfig
 
     with pytest.raises(ValueError, match=re.escape(message)):
         SamplingConfig(**given)

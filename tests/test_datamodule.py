@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from amir_lightning.data import ArithmeticPrompts
+from amir_lightning.engines import HFEngine, SamplingConfig
 from amir_lightning.loop.batch import batch_logps
 from amir_lightning.loop.collect import RolloutSettings
 from amir_lightning.models import HFModel, build_tiny_model
@@ -18,7 +19,6 @@ from amir_lightning.models.policy import ScoringSettings
 from amir_lightning.objectives import AmirGRPOLoss
 from amir_lightning.objectives.amir import PairWeightSettings
 from amir_lightning.rewards.base import Reward
-from amir_lightning.rollout import HFEngine, SamplingConfig
 from amir_lightning.systems.datamodule import RolloutDataModule
 from amir_lightning.systems.module import AmirGRPOModule
 

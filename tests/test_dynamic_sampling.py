@@ -13,11 +13,11 @@ from helpers.refill import refill
 from test_datamodule import Watch, build, cut_and_resume, make_trainer
 from transformers import AutoModelForCausalLM
 
+from amir_lightning.engines import VLLMServerEngine
 from amir_lightning.helpers.serving import free_port
 from amir_lightning.loop.collect import RolloutSettings
 from amir_lightning.loop.dynamic import has_variance, needs_more, prompts_to_draw
 from amir_lightning.rewards.base import Reward
-from amir_lightning.rollout import VLLMServerEngine
 
 
 def one_process(values: list[float]) -> list[float]:
@@ -113,6 +113,7 @@ def test_a_further_round_is_needed_when_a_group_lacks_variance_on_some_process_a
     assert needs_more(full, 2, G, 4, lambda values: [1.0])  # another process misses a group
 
 
+@pytest.mark.slow  # two processes of its own
 def test_every_process_runs_the_same_rounds_and_draws_alike(tmp_path):
     port = free_port("127.0.0.1")  # below the ephemeral range: no socket takes it meanwhile
     out = str(tmp_path / "ranks")

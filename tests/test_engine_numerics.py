@@ -10,10 +10,10 @@ import pytest
 import torch
 from helpers.engines import SkipsPushes, perturb
 
+from amir_lightning.engines import HFEngine, SamplingConfig, VLLMEngine
 from amir_lightning.loop.sync import StaleEngineError, SyncCheck
 from amir_lightning.models import HFModel, build_tiny_model
 from amir_lightning.objectives import GRPOLoss
-from amir_lightning.rollout import HFEngine, SamplingConfig, VLLMEngine
 from amir_lightning.systems.module import AmirGRPOModule
 
 pytestmark = pytest.mark.slow

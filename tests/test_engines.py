@@ -9,9 +9,9 @@ import pytest
 import torch
 from helpers.engines import SkipsPushes, perturb
 
+from amir_lightning.engines import HFEngine, SamplingConfig, VLLMEngine
 from amir_lightning.loop.sync import StaleEngineError, SyncCheck, SyncSettings
 from amir_lightning.models import build_tiny_model
-from amir_lightning.rollout import HFEngine, SamplingConfig, VLLMEngine
 
 pytestmark = pytest.mark.slow
 

@@ -8,12 +8,13 @@ from helpers.scripted import Scripted
 from helpers.tools import Echo
 
 from amir_lightning.data.base import Prompt
+from amir_lightning.engines import HFEngine, SamplingConfig
+from amir_lightning.environments import CalculatorEnvironment, ToolError
 from amir_lightning.environments.base import EpisodeBatch, run_episodes
 from amir_lightning.environments.calculator import evaluate_arithmetic
 from amir_lightning.loop.batch import make_batch, make_groups
 from amir_lightning.models import build_tiny_model
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss
-from amir_lightning.rollout import CalculatorEnvironment, HFEngine, SamplingConfig, ToolError
 
 
 @pytest.mark.parametrize(
@@ -54,8 +55,8 @@ def test_a_call_whose_last_token_runs_past_the_closing_tag_is_still_a_call():
     """Engines stop at the token that completes a stop string, and a token can hold more: a tokenizer with the
     token ``><`` ends a call ``...</calc><``. The calculator still replies (to the turn cut at ``</calc>``), the
     reply does not repeat the ``<`` the policy wrote, and the episode's text reads as one call and one result."""
+    from amir_lightning.engines import Completion
     from amir_lightning.models.tiny import build_char_tokenizer
-    from amir_lightning.rollout import Completion
 
     tokenizer = build_char_tokenizer("0123456789*=<>/calrseut")
     tokenizer.add_tokens(["><"])

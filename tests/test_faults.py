@@ -177,6 +177,7 @@ def test_rows_that_cannot_be_used_are_found_when_the_data_opens(case, row, reaso
                for r in caplog.records)  # fmt: skip
 
 
+@pytest.mark.slow  # a vLLM engine that cannot start
 def test_a_kv_cache_too_small_names_this_package_keys(tmp_path, monkeypatch, capsys):
     extra = ["--data.engine", "amir_lightning.engines.VLLMEngine", "--data.engine.init_args.max_model_len", "64"]
     extra += ["--data.engine.init_args.kv_cache_memory_bytes", "1024"]

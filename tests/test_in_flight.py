@@ -10,11 +10,11 @@ from helpers.server_runs import running_requests
 from transformers import AutoModelForCausalLM
 
 from amir_lightning.data import ArithmeticPrompts
+from amir_lightning.engines import HFEngine, SamplingConfig, VLLMServerEngine
 from amir_lightning.engines.base import Completion
 from amir_lightning.loop.collect import RolloutSettings
 from amir_lightning.loop.schedule import staleness
 from amir_lightning.models import build_tiny_model
-from amir_lightning.rollout import HFEngine, SamplingConfig, VLLMServerEngine
 from amir_lightning.systems.datamodule import RolloutDataModule
 
 SERVER = {"max_model_len": 256, "kv_cache_memory_bytes": 32 * 1024**2, "threads": 1}

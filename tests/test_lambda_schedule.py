@@ -174,8 +174,8 @@ def test_the_rewards_trainer_state_counts_the_steps_the_lr_schedule_spans():
     from types import SimpleNamespace
 
     from amir_lightning.data import ArithmeticPrompts
+    from amir_lightning.engines import HFEngine
     from amir_lightning.loop.collect import RolloutSettings
-    from amir_lightning.rollout import HFEngine
     from amir_lightning.systems.datamodule import RolloutDataModule
     from amir_lightning.systems.summary import planned_steps
 

@@ -80,6 +80,7 @@ def _two_ranks(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two processes of its own
 def test_each_process_resumes_its_own_rollout_sampled_ahead_and_never_another_ranks(tmp_path):
     """Two real processes (gloo): rank 0 writes both ranks' saved rollouts, keyed by rank; on resume rank 1 takes its
     own completions, scores and weight shard (rank 0's weights only when they are replicated, as under DDP). Rank 0's

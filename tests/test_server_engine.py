@@ -14,12 +14,12 @@ from conftest import read_scalars, run_amir
 from helpers.engines import ServerDropsHalf, ServerSwapsParts, SkipsPushes, perturb
 from helpers.served import SETTINGS
 
+from amir_lightning.engines import SamplingConfig, VLLMServerEngine
 from amir_lightning.helpers.http import ServerError
 from amir_lightning.loop.sampler import AHEAD, generation_seed
 from amir_lightning.loop.sync import StaleEngineError, SyncCheck
 from amir_lightning.models import HFModel, build_tiny_model
 from amir_lightning.models.policy import Policy
-from amir_lightning.rollout import SamplingConfig, VLLMServerEngine
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[1]

@@ -23,12 +23,12 @@ from helpers.engines import (
     perturb,
 )
 
+from amir_lightning.engines import HFEngine, VLLMEngine
 from amir_lightning.engines.base import RolloutEngine
 from amir_lightning.engines.digest import ColumnSample, Digest, Place, PushedDigests, Reading, WeightSlot, tensor_digest
 from amir_lightning.engines.hf import _NamedLayout
 from amir_lightning.loop.sync import StaleEngineError, SyncCheck, SyncSettings
 from amir_lightning.models import build_tiny_model
-from amir_lightning.rollout import HFEngine, VLLMEngine
 
 
 # ---------------------------------------------------------------------------------------------------- digests

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from amir_lightning.rollout import ToolEnvironment
+from amir_lightning.environments import ToolEnvironment
 
 TOOLS = "helpers.tool_functions"
 

@@ -19,9 +19,10 @@ from helpers.tools import BuggyReset, BuggyStep, Echo, MegabyteReply, NumberRepl
 from test_faults import fit_here, policy
 
 from amir_lightning.data.base import Prompt
+from amir_lightning.engines import Completion, SamplingConfig
+from amir_lightning.environments import CalculatorEnvironment, Environment
 from amir_lightning.environments.base import EpisodeBatch, run_episodes
 from amir_lightning.models.tiny import PRINTABLE_ALPHABET, build_char_tokenizer
-from amir_lightning.rollout import CalculatorEnvironment, Completion, Environment, SamplingConfig
 
 TOKENIZER = build_char_tokenizer(PRINTABLE_ALPHABET)
 SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=4)
@@ -170,8 +171,8 @@ BOUND_S, BOUND_BYTES = 5.0, 1_000_000
 
 @pytest.mark.parametrize(("case", "expression", "error"), CALCULATOR, ids=[c[0] for c in CALCULATOR])
 def test_the_calculator_answers_every_expression_within_bounds_as_a_counted_error(case, expression, error):
+    from amir_lightning.environments import ToolError
     from amir_lightning.environments.replies import tool_metrics
-    from amir_lightning.rollout import ToolError
 
     call = f"<calc>{expression}</calc>"
     calculator = CalculatorEnvironment(max_turns=2, max_reply_tokens=200)

@@ -14,11 +14,12 @@ from helpers.scripted import Scripted
 
 from amir_lightning.data.base import Prompt
 from amir_lightning.data.templates import ChatFormat
+from amir_lightning.engines import Completion, SamplingConfig
+from amir_lightning.environments import ToolEnvironment
 from amir_lightning.environments.base import EpisodeBatch, run_episodes
 from amir_lightning.environments.replies import tool_metrics
 from amir_lightning.environments.tools import argument_problem, tool_schema
 from amir_lightning.models.tiny import PRINTABLE_ALPHABET, build_char_tokenizer
-from amir_lightning.rollout import Completion, SamplingConfig, ToolEnvironment
 
 TEMPLATE = (Path(__file__).parents[1] / "configs" / "templates" / "chatml_tools.jinja").read_text()
 TOOLS = ["add", "divide", "slow", "shout", "wander", "lookup"]

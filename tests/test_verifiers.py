@@ -17,10 +17,10 @@ from test_tools import EOS, SAMPLING, TEMPLATE, TOKENIZER, call
 
 from amir_lightning.data.templates import ChatFormat
 from amir_lightning.data.verifiers_tasks import VerifiersTasks
+from amir_lightning.engines import Completion
 from amir_lightning.environments.base import EpisodeBatch
 from amir_lightning.environments.replies import tool_metrics
 from amir_lightning.environments.verifiers.environment import VerifiersEnvironment
-from amir_lightning.rollout import Completion
 
 # Looked up, not imported: collecting the suite in each worker need not pay verifiers' import (4 s).
 pytestmark = pytest.mark.skipif(find_spec("verifiers") is None, reason="needs the verifiers extra")

@@ -120,7 +120,7 @@ def test_nothing_of_a_started_server_outlives_the_run(ending, tiny_dir, tmp_path
 
 @pytest.fixture(scope="module")
 def server(tiny_dir):
-    from amir_lightning.rollout import VLLMServerEngine
+    from amir_lightning.engines import VLLMServerEngine
 
     engine = VLLMServerEngine(**SERVER)
     engine.start(tiny_dir, seed=0)

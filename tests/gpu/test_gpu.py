@@ -116,8 +116,8 @@ def test_sleep_mode_frees_the_engines_memory_and_wakes_with_its_weights(tmp_path
     pytest.importorskip("vllm")
     import torch
 
+    from amir_lightning.engines import SamplingConfig, VLLMEngine
     from amir_lightning.models import build_tiny_model
-    from amir_lightning.rollout import SamplingConfig, VLLMEngine
 
     model_dir = build_tiny_model(tmp_path / "model", seed=1)
     kv_cache = 1024**3

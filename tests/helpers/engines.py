@@ -7,7 +7,7 @@ PYTHONPATH) and selected by ``class_path``.
 
 import torch
 
-from amir_lightning.rollout import HFEngine, VLLMEngine, VLLMServerEngine
+from amir_lightning.engines import HFEngine, VLLMEngine, VLLMServerEngine
 
 
 def perturb(model, scale, seed):

@@ -9,8 +9,8 @@ import signal
 from lightning import Callback
 
 from amir_lightning.checkpoints.writing import AtomicCheckpointIO
+from amir_lightning.engines import VLLMEngine
 from amir_lightning.rewards import MathAnswerReward
-from amir_lightning.rollout import VLLMEngine
 
 
 def _die() -> None:

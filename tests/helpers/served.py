@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from amir_lightning.rollout import VLLMServerEngine
+from amir_lightning.engines import VLLMServerEngine
 
 ROOT = Path(__file__).parents[2]
 #: The tests' server settings: the tiny model's context, a 32 MiB KV cache, one thread.

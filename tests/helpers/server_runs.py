@@ -19,7 +19,7 @@ import threading
 import time
 import urllib.request
 
-from amir_lightning.rollout import SamplingConfig, VLLMServerEngine
+from amir_lightning.engines import SamplingConfig, VLLMServerEngine
 
 log = logging.getLogger(__name__)
 SERVER = {"max_model_len": 64, "kv_cache_memory_bytes": 32 * 1024**2, "threads": 1}

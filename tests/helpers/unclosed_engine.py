@@ -16,7 +16,7 @@ os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", HF_HU
 import vllm.v1.engine.core  # noqa: E402, F401
 from vllm import LLM  # noqa: E402, F401
 
-from amir_lightning.rollout import SamplingConfig, VLLMEngine  # noqa: E402
+from amir_lightning.engines import SamplingConfig, VLLMEngine  # noqa: E402
 
 
 def started(model_dir: str) -> VLLMEngine:
