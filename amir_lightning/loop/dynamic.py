@@ -39,20 +39,20 @@ PROGRESS_S = 30.0
 
 @dataclass
 class Round:
-    """One round of a rollout's sampling.
+    """One round of a rollout's sampling, built scored.
 
     Attributes:
         prompts: Its prompts.
         prompt_ids: Their token ids.
         completions: ``G`` per prompt.
-        scores: Their scores (``[count * G]`` totals); ``None`` until scored.
+        scores: Their scores (``[count * G]`` totals).
         generate_s: Seconds sampling took.
     """
 
     prompts: list[Prompt]
     prompt_ids: list[list[int]]
     completions: list[list[Completion]]
-    scores: Scores | None
+    scores: Scores
     generate_s: float
 
 
