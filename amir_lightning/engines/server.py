@@ -42,6 +42,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 from typing_extensions import override
@@ -57,6 +58,7 @@ from amir_lightning.engines.base import (
     request_seed,
 )
 from amir_lightning.engines.digest import ColumnSample, Reading, WeightSlot
+from amir_lightning.engines.passthrough import setting_errors
 from amir_lightning.engines.server_setup import ADAPTER, KEY, ROUTE_S, UNREAD, adapter_name, write_weights
 from amir_lightning.engines.shards import merge_workers
 from amir_lightning.engines.vllm_worker import decode
@@ -96,6 +98,10 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         log_file: Where the started server's output goes (default: a file beside the pushed weights).
         push_adapters: With a LoRA policy (``model.lora``), push its adapters at each sync, not the merged
             weights (the base weights once, at the first); on one server worker (``tensor_parallel_size`` 1).
+        server_args: Any other setting of the started server, as its command-line flags (``engines/passthrough.py``:
+            ``{max_num_batched_tokens: 8192}`` is ``--max-num-batched-tokens 8192``, ``true`` a bare flag). The
+            settings the run owns and ``quantization`` are refused in one line naming the key; for a server given by
+            ``url``, its own command line sets them.
     """
 
     def __init__(
@@ -117,8 +123,12 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         request_timeout: float | None = None,
         log_file: str | None = None,
         push_adapters: bool = False,
+        server_args: dict[str, Any] | None = None,
     ) -> None:
-        errors: list[str] = []
+        # vLLM's names are the server's to check (its start fails naming the flag): the trainer never imports vLLM
+        errors: list[str] = setting_errors(server_args or {}, f"{KEY}.server_args", None)
+        if server_args and url is not None:
+            errors.append(f"{KEY}.server_args are flags of a server started here: the server at url has its own")
         check_number(errors, f"{KEY}.max_model_len", max_model_len, ge=1)
         check_number(errors, f"{KEY}.kv_cache_memory_bytes", kv_cache_memory_bytes, gt=0, optional=True)
         check_number(errors, f"{KEY}.gpu_memory_utilization", gpu_memory_utilization, gt=0, le=1)
@@ -136,7 +146,7 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
             errors.append(f"{KEY}.cpu_cores needs the taskset command (util-linux), which this machine lacks")
         raise_errors(errors)
         self.url, self.devices, self.cpu_cores, self.threads = url, devices, cpu_cores, threads
-        self.host = host
+        self.host, self.server_args = host, dict(server_args or {})
         self.dtype, self.max_model_len, self.kv_cache_memory_bytes = dtype, max_model_len, kv_cache_memory_bytes
         self.gpu_memory_utilization, self.tensor_parallel_size = gpu_memory_utilization, tensor_parallel_size
         self.max_num_seqs, self.enable_prefix_caching = max_num_seqs, enable_prefix_caching

@@ -19,6 +19,7 @@ import torch
 
 from amir_lightning.engines.adapters import engine_rank
 from amir_lightning.engines.base import Completion, RolloutEngine
+from amir_lightning.engines.passthrough import server_flags
 from amir_lightning.engines.vllm_worker import FILE_BACKEND
 from amir_lightning.helpers.http import Endpoint, ServerError, reading
 from amir_lightning.helpers.serving import TRAINER_GROUP
@@ -64,6 +65,7 @@ def server_command(engine: ServerEngine, model_dir: Path, port: int, seed: int, 
     else:  # a seeded request whose prompt is split over steps crashes vLLM's CPU sampler: never split prompts
         command += ["--enforce-eager", "--kv-cache-memory-bytes", str(kv_bytes or 256 * 1024**2)]
         command += ["--no-enable-chunked-prefill"]
+    command += server_flags(engine.server_args)
     if engine.cpu_cores is not None:
         command = ["taskset", "-c", engine.cpu_cores, *command]
     return command

@@ -27,6 +27,7 @@ import os
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from typing_extensions import override
@@ -41,6 +42,7 @@ from amir_lightning.engines.base import (
     seeded,
 )
 from amir_lightning.engines.digest import ColumnSample, Reading
+from amir_lightning.engines.passthrough import setting_errors, setting_name, vllm_setting_names
 from amir_lightning.engines.shards import merge_workers
 from amir_lightning.engines.vllm_worker import VLLMLayout, layout_of, read_adapters, read_back
 from amir_lightning.helpers.distributed import world_size
@@ -100,6 +102,9 @@ class VLLMEngine(ServesAdapters, RolloutEngine):
         push_adapters: With a LoRA policy (``model.lora``), serve its adapters through vLLM's LoRA layers: the base
             weights are pushed once, then every sync pushes the adapters alone (``engines/adapters.py``), verified
             exactly. Off: every sync pushes the merged weights, and generation runs without LoRA kernels.
+        engine_kwargs: Any other setting of vLLM's ``LLM`` (``EngineArgs``), passed as given, e.g.
+            ``{max_num_batched_tokens: 8192}`` (``engines/passthrough.py``). The settings the run owns (seed, dtype,
+            the weight transfer, the log-probs mode...) and ``quantization`` are refused in one line naming the key.
     """
 
     def __init__(
@@ -115,9 +120,11 @@ class VLLMEngine(ServesAdapters, RolloutEngine):
         progress: bool = True,
         enable_sleep_mode: bool = False,
         push_adapters: bool = False,
+        engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         errors: list[str] = []
         key = "data.engine.init_args"
+        errors += setting_errors(engine_kwargs or {}, f"{key}.engine_kwargs", None)  # vLLM's names: checked at start
         if enable_sleep_mode and not torch.cuda.is_available():
             errors.append(
                 f"{key}.enable_sleep_mode needs a CUDA device: vLLM's sleep mode frees GPU memory through its CUDA "
@@ -142,6 +149,7 @@ class VLLMEngine(ServesAdapters, RolloutEngine):
         self.enable_prefix_caching, self.max_num_seqs, self.progress = enable_prefix_caching, max_num_seqs, progress
         self.enable_sleep_mode, self.asleep = enable_sleep_mode, False
         self.push_adapters, self._lora_request = push_adapters, None
+        self.engine_kwargs = {setting_name(name): value for name, value in (engine_kwargs or {}).items()}
         self.llm = None
 
     #: vLLM engines this process has started (the first start has no earlier engine to let go).
@@ -188,6 +196,8 @@ class VLLMEngine(ServesAdapters, RolloutEngine):
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes or 256 * 1024**2
         if self.kv_cache_memory_bytes and on_gpu:
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
+        raise_errors(setting_errors(self.engine_kwargs, "data.engine.init_args.engine_kwargs", vllm_setting_names()))
+        kwargs.update(self.engine_kwargs)
         # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op; the trainer shares this
         # process and keeps control of its threads.
         set_num_threads = torch.set_num_threads
