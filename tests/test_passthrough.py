@@ -30,6 +30,15 @@ def test_a_setting_the_run_owns_or_cannot_verify_is_refused_naming_the_key(engin
     assert f"{KEY}.{field}.{next(iter(setting))}" in str(refused.value)
 
 
+def test_a_flag_the_started_server_sets_on_this_machine_or_a_sampling_default_is_refused():
+    """On CPU the server runs without chunked prefill (a seeded prompt split over steps crashes vLLM's sampler);
+    a server-side sampling default would apply to what a request leaves out."""
+    with pytest.raises(ValueError, match=r"server_args\.enable-chunked-prefill: set by the run on CPU"):
+        VLLMServerEngine(server_args={"enable-chunked-prefill": True})
+    with pytest.raises(ValueError, match=r"server_args\.override_generation_config: set by data\.sampling"):
+        VLLMServerEngine(server_args={"override_generation_config": {"repetition_penalty": 1.2}})
+
+
 def test_every_owned_setting_is_refused_and_a_misspelt_one_is_named_with_the_closest():
     assert len(setting_errors(dict.fromkeys(OWNED, 1), "k", None)) == len(OWNED)
     known = {"max_num_batched_tokens", "max_num_partial_prefills", "block_size"}

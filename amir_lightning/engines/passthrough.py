@@ -39,6 +39,11 @@ OWNED = {
     "host": "its own init_args.host",
     "port": "the run (a free port)",
     "load_format": "the run: the policy's files, then every push",
+    "generation_config": "data.sampling (every sampling setting comes from it; a default of the server's would apply "
+    "to what a request leaves out)",
+    "override_generation_config": "data.sampling (every sampling setting comes from it)",
+    "api_key": "the run (its requests carry no key)",
+    "enable_scale_out": "the run (the route that says which weights sampled each token)",
 }
 #: Refused outright: the engine would hold other weights than the trainer pushes, which no exact check can verify.
 UNVERIFIABLE = {
@@ -61,20 +66,23 @@ def vllm_setting_names() -> set[str] | None:
     return {field.name for field in dataclasses.fields(EngineArgs)}
 
 
-def setting_errors(settings: dict[str, Any], key: str, known: set[str] | None) -> list[str]:
+def setting_errors(
+    settings: dict[str, Any], key: str, known: set[str] | None, owned_here: dict[str, str] | None = None
+) -> list[str]:
     """What is wrong with ``settings`` given as ``key``: each a line naming ``key.<name>``.
 
-    A setting the run owns, a quantization, or (where vLLM's ``known`` settings are at hand) a name vLLM does not
-    have, with the names closest to it.
+    A setting the run owns (``OWNED``, and ``owned_here``: what this engine sets on this machine), a quantization, or
+    (where vLLM's ``known`` settings are at hand) a name vLLM does not have, with the names closest to it.
     """
+    owned = OWNED | (owned_here or {})
     errors = []
     for given in settings:
         name = setting_name(str(given))
         where = f"{key}.{given}"
         if name in UNVERIFIABLE:
             errors.append(f"{where}: {UNVERIFIABLE[name]}")
-        elif name in OWNED:
-            errors.append(f"{where}: set by {OWNED[name]}, not passed through")
+        elif name in owned:
+            errors.append(f"{where}: set by {owned[name]}, not passed through")
         elif known is not None and name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=3)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""

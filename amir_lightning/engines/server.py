@@ -126,7 +126,7 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         server_args: dict[str, Any] | None = None,
     ) -> None:
         # vLLM's names are the server's to check (its start fails naming the flag): the trainer never imports vLLM
-        errors: list[str] = setting_errors(server_args or {}, f"{KEY}.server_args", None)
+        errors: list[str] = setting_errors(server_args or {}, f"{KEY}.server_args", None, server_setup.owned_flags())
         if server_args and url is not None:
             errors.append(f"{KEY}.server_args are flags of a server started here: the server at url has its own")
         check_number(errors, f"{KEY}.max_model_len", max_model_len, ge=1)

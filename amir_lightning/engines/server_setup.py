@@ -71,6 +71,13 @@ def server_command(engine: ServerEngine, model_dir: Path, port: int, seed: int, 
     return command
 
 
+def owned_flags() -> dict[str, str]:
+    """The flags ``server_command`` sets on this machine beyond ``passthrough.OWNED``, and why (``server_args``)."""
+    if torch.cuda.is_available():
+        return {}
+    return {"enable_chunked_prefill": "the run on CPU (a seeded prompt split over steps crashes vLLM's CPU sampler)"}
+
+
 def served_dtype(engine: ServerEngine, on_gpu: bool) -> str:
     """The dtype ``engine``'s server computes in: ``dtype``, or for ``auto`` bf16 on a GPU and float32 on a CPU."""
     return engine.dtype if engine.dtype != "auto" else ("bfloat16" if on_gpu else "float32")

@@ -112,12 +112,8 @@ class Refill:
         max_rounds: int,
         max_over_processes: Callable[[list[float]], list[float]],
     ) -> None:
-        self.wanted, self.group_size, self.max_rounds, self.max_over_processes = (
-            wanted,
-            group_size,
-            max_rounds,
-            max_over_processes,
-        )
+        self.wanted, self.group_size, self.max_rounds = wanted, group_size, max_rounds
+        self.max_over_processes = max_over_processes
         self.rounds, self.flags = [first], [has_variance(first.scores, group_size)]
         self.index, self._said = 1, time.monotonic()  # the next round's index
 
