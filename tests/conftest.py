@@ -75,7 +75,10 @@ def run_amir(args, tmp_path, timeout=600, console_script=False, env=None):
     prefix = [str(Path(sys.executable).parent / "amir")] if console_script else [sys.executable, "-m", "amir_lightning"]
     cmd = [*prefix, *args]
     run = subprocess.run if console_script else forks.run
-    result = run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    try:
+        result = run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:  # its stderr ends with where each of its threads waited (forks.run)
+        raise AssertionError(f"{' '.join(cmd)} ran past {timeout} s:\n{(err.stderr or '')[-12000:]}") from None
     if result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stderr[-4000:]}")
     return result

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers import forks
@@ -159,3 +160,30 @@ def test_a_pid_the_system_gives_again_is_the_new_runs(monkeypatch):
     finally:
         for end in (ours, theirs):
             end.close()
+
+
+def test_a_run_past_its_time_says_where_each_of_its_threads_waits_and_ends_with_what_it_started(forking, tmp_path):
+    """A run that hangs (a collective, a server, user code) is worth a stack, not a bare timeout: its ``amir``
+    processes print every thread's stack (the CLI's ``kill -USR1``), then it and the processes it started end."""
+    forking()
+    started = tmp_path / "child.pid"
+    text = (
+        "import subprocess, sys, time\n"
+        "from amir_lightning.cli import _stacks_on_sigusr1\n"
+        "_stacks_on_sigusr1()\n"
+        f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(started)!r}, 'w').write(str(child.pid))\n"
+        "def waits_on_a_collective_that_never_comes():\n"
+        "    print('waiting', flush=True)\n"
+        "    time.sleep(60)\n"
+        "waits_on_a_collective_that_never_comes()\n"
+    )
+    begun = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired) as caught:
+        forks.run(script(tmp_path, text), capture_output=True, text=True, timeout=8)
+    assert time.monotonic() - begun < 30
+    assert caught.value.output == "waiting\n"
+    assert "in waits_on_a_collective_that_never_comes" in caught.value.stderr
+    child = int(started.read_text())
+    time.sleep(0.5)
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]

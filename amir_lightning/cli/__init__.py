@@ -4,6 +4,9 @@ amir fit --config configs/demo.yaml
 amir validate --config configs/demo.yaml
 amir fit --config configs/qwen.yaml --model.loss amir_lightning.objectives.GRPOLoss
 
+``kill -USR1 <pid>`` prints the stack of every thread of a running ``amir`` to its stderr (a run that seems stuck
+says where it waits).
+
 Exit codes: 0 done, 1 a reward's or environment's own error, 2 bad input (one line naming the key or file), 3 a
 server failed or stopped answering (its last output lines, then one line naming it, the route and the key), 130
 Ctrl-C, 143 SIGTERM.
@@ -11,6 +14,7 @@ Ctrl-C, 143 SIGTERM.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -63,6 +67,7 @@ def main(args: ArgsType = None) -> None:
         quiet_second_interrupt()
     if not isinstance(sys.stdout, PipeSafeStdout) and sys.stdout is not None:
         sys.stdout = PipeSafeStdout(sys.stdout)
+    _stacks_on_sigusr1()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: fast start, no disk sync
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -75,6 +80,16 @@ def main(args: ArgsType = None) -> None:
     finally:
         stops.request_stop("exit")  # a request still in flight on another thread must not hold the exit
         restore()
+
+
+def _stacks_on_sigusr1() -> None:
+    """``kill -USR1`` prints every thread's stack to stderr (unless SIGUSR1 has a handler, or stderr no file)."""
+    if not hasattr(signal, "SIGUSR1") or signal.getsignal(signal.SIGUSR1) != signal.SIG_DFL:
+        return
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (AttributeError, OSError, ValueError):  # stderr replaced by an object without a file descriptor
+        pass
 
 
 def _run(args: ArgsType, argv: list[str]) -> None:

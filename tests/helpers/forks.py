@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 import warnings
+from pathlib import Path
 
 #: What the forks find imported: ``amir``'s CLI and what a run imports before its first rollout.
 PRELOAD = [
@@ -411,6 +412,8 @@ class Forked:
             for fd in opened:
                 os.close(fd)
         self.returncode: int | None = None
+        self._readers: list[threading.Thread] | None = None
+        self._out: dict[str, object] = {}
 
     def poll(self) -> int | None:
         return self.wait(0, raising=False)
@@ -429,14 +432,32 @@ class Forked:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
+    def stacks_then_kill(self, grace_s: float = 3.0) -> tuple:
+        """A run past its time: every ``amir`` process of it prints its threads' stacks (``kill -USR1``, which the
+        CLI answers), then it and everything under it is killed; what it wrote, stacks included."""
+        for pid in [self.pid, *descendants(self.pid)]:  # the run, and the training processes it started
+            try:
+                if pid == self.pid or b"amir_lightning" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGUSR1)
+            except OSError:
+                pass
+        time.sleep(grace_s)
+        for pid in [*descendants(self.pid), self.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        return self.communicate(timeout=30)
+
     def communicate(self, timeout: float | None = None) -> tuple:
         """Everything the run writes to its pipes, once it ended (``TimeoutExpired`` past ``timeout``)."""
-        out: dict[str, object] = {}
-        pipes = [(n, s) for n, s in (("stdout", self.stdout), ("stderr", self.stderr)) if s and not s.closed]
-        readers = [threading.Thread(target=lambda n=n, s=s: out.__setitem__(n, s.read()), daemon=True)
-                   for n, s in pipes]  # fmt: skip
-        for reader in readers:
-            reader.start()
+        if self._readers is None:  # once: a second call (after a timeout) waits on the same readers
+            out, pipes = self._out, [(n, s) for n, s in (("stdout", self.stdout), ("stderr", self.stderr)) if s]
+            self._readers = [threading.Thread(target=lambda n=n, s=s: out.__setitem__(n, s.read()), daemon=True)
+                             for n, s in pipes if not s.closed]  # fmt: skip
+            for reader in self._readers:
+                reader.start()
+        out, readers = self._out, self._readers
         end = None if timeout is None else time.monotonic() + timeout
         for reader in readers:
             reader.join(None if end is None else max(0.0, end - time.monotonic()))
@@ -456,10 +477,26 @@ def run(command, cwd=None, env=None, capture_output=False, text=False, timeout=N
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        raise
+        stdout, stderr = process.stacks_then_kill()
+        raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr) from None
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes under ``pid``, children first (from ``/proc``; empty where there is none)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # ended meanwhile
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
 
 
 if __name__ == "__main__":
