@@ -12,6 +12,17 @@ import torch
 
 from amir_lightning.helpers.extras import missing
 from amir_lightning.models import attention
+from amir_lightning.models.sharded import (
+    WeightStream,
+    _base_name,
+    _full,
+    initialise_adapters,
+    is_peft,
+    lora_linear,
+    parameters_on_meta,
+)
+
+__all__ = ["is_peft", "lora_linear"]  # re-exported: their home is models/sharded.py
 
 
 @dataclass
@@ -50,6 +61,7 @@ def load_policy(
     lora: LoraSettings | None = None,
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
+    on_meta: bool = False,
 ):
     """The trainable policy from ``model_dir``.
 
@@ -57,18 +69,27 @@ def load_policy(
     is frozen, without it every weight trains. ``attn_implementation``: Hugging Face's (``sdpa``, ``eager``,
     ``flash_attention_2``...) or ours, ``varlen`` (``amir_lightning.models.attention``); ``None`` takes
     transformers' default.
+
+    ``on_meta``: built from the config with its weights on the meta device, none read (the sharded start,
+    ``models/sharded.py``); LoRA factors are initialised on the CPU all the same, with the same random draws.
     """
     from transformers import AutoModelForCausalLM
 
     load_dtype = frozen_dtype if lora is not None else trainable_dtype
     config = without_dropout(model_dir, trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir,
-        config=config,
-        dtype=load_dtype,
-        trust_remote_code=trust_remote_code,
-        **_attention(attn_implementation),
-    )
+    if on_meta:
+        with parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=load_dtype, trust_remote_code=trust_remote_code, **_attention(attn_implementation)
+            )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir,
+            config=config,
+            dtype=load_dtype,
+            trust_remote_code=trust_remote_code,
+            **_attention(attn_implementation),
+        )
     model.config.use_cache = False
     for module in model.modules():  # a dropout a model's code sets without its config
         if isinstance(module, torch.nn.Dropout):
@@ -86,7 +107,10 @@ def load_policy(
             target_modules=lora.target_modules,
             task_type="CAUSAL_LM",
         )
+        rng_state = torch.get_rng_state()
         model = get_peft_model(model, config, autocast_adapter_dtype=False)  # the dtype is set just below
+        if on_meta:  # peft left the factors on the meta device: their values, as on a loaded model
+            initialise_adapters(model, rng_state)
     with torch.no_grad():
         for param in model.parameters():
             if param.requires_grad and param.dtype != trainable_dtype:
@@ -184,16 +208,6 @@ def _attention(attn_implementation: str | None) -> dict[str, str]:
     return {"attn_implementation": attn_implementation}
 
 
-def is_peft(model) -> bool:
-    """Whether ``model`` carries peft adapters."""
-    return hasattr(model, "disable_adapter") and hasattr(model, "merge_adapter")
-
-
-def _base_name(name: str) -> str:
-    # base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight -> model.layers.0.self_attn.q_proj.weight
-    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-
-
 def shard_fsdp2(model, device_type: str, compute_dtype: torch.dtype = torch.float32) -> None:
     """Shard ``model`` with FSDP2 ``fully_shard`` over every process: each decoder layer, then the root.
 
@@ -239,44 +253,11 @@ def merged_state(model, merge: bool = True) -> Iterator[Iterable[tuple[str, torc
 
     vLLM knows nothing of adapter names, so the engine gets merged weights. They are computed out of
     place, one matrix at a time: peft's in-place merge/unmerge would round the frozen base weights a little at
-    every sync, and a lazily merged stream never holds a second copy of the model. ``merge`` off: the base weights
-    alone (for an engine that takes the adapters apart, ``adapter_state``).
+    every sync. The stream (``models.sharded.WeightStream``) gathers a bucket at a time from the FSDP2 shards, so
+    no process holds the whole model. ``merge`` off: the base weights alone (for an engine that takes the adapters
+    apart, ``adapter_state``).
     """
-    state = full_state_dict(model)
-    if not is_peft(model):
-        yield list(state.items())
-        return
-    yield _merged_weights(model, state, merge)
-
-
-def _lora_linear(layer, prefix: str):
-    from peft.tuners.lora import Linear as LoraLinear
-
-    if not isinstance(layer, LoraLinear) or layer.fan_in_fan_out:
-        raise ValueError(
-            f"model.lora.target_modules: {prefix} is a {type(layer).__name__}; the rollout engine receives "
-            "merged weights or linear adapters, and only LoRA on linear layers (fan_in_fan_out false) can be either; "
-            "leave this module out of target_modules"
-        )
-    return layer
-
-
-def _merged_weights(model, state: dict[str, torch.Tensor], merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    from peft.tuners.lora import LoraLayer
-
-    layers = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
-    for key, tensor in state.items():
-        if "lora_" in key:
-            continue
-        if merge and ".base_layer." in key and key.endswith(".weight"):
-            prefix = key[: key.index(".base_layer.")]
-            layer = _lora_linear(layers[prefix], prefix)
-            for adapter in layer.active_adapters:
-                a, b = state.get(f"{prefix}.lora_A.{adapter}.weight"), state.get(f"{prefix}.lora_B.{adapter}.weight")
-                if a is not None and b is not None:  # W + scale * B @ A in float32, rounded once
-                    delta = (b.float() @ a.float()) * layer.scaling[adapter]
-                    tensor = (tensor.float() + delta).to(tensor.dtype)
-        yield _base_name(key), tensor.detach()
+    yield WeightStream(model, merge)
 
 
 def adapter_state(model) -> dict[str, torch.Tensor]:
@@ -291,7 +272,7 @@ def adapter_state(model) -> dict[str, torch.Tensor]:
     for name, layer in model.named_modules():
         if not isinstance(layer, LoraLayer):
             continue
-        layer = _lora_linear(layer, name)
+        layer = lora_linear(layer, name)
         if len(layer.active_adapters) != 1:
             raise ValueError(f"{name} has {len(layer.active_adapters)} active adapters; an engine takes one")
         adapter = layer.active_adapters[0]
@@ -300,8 +281,3 @@ def adapter_state(model) -> dict[str, torch.Tensor]:
         out[f"{key}.lora_A.weight"] = a.cpu()
         out[f"{key}.lora_B.weight"] = (b * layer.scaling[adapter]).cpu()
     return out
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """All of ``tensor``: gathered from every process when it is an FSDP2 shard (a DTensor)."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

@@ -12,6 +12,7 @@ the reference) go through ``completion_logps`` too, so every log-prob of a run i
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,7 +40,10 @@ from amir_lightning.models.scoring import (
     sequence_token_logps,
     varlen_attention,
 )
+from amir_lightning.models.sharded import fill_shards, materialize, plan_sharded_start, reshard
 from amir_lightning.models.sources import ModelSource
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -141,12 +145,26 @@ class Policy:
         """
         trust, attention = self.source.trust_remote_code, self.scoring.attn_implementation
         frozen = frozen_dtype or compute_dtype
-        model = load_policy(self.model_dir, frozen, trainable_dtype, gradient_checkpointing, lora, trust, attention)
+        settings = (self.model_dir, frozen, trainable_dtype, gradient_checkpointing, lora, trust, attention)
+        start = None
+        if mesh is not None:  # each process reads its own rows of the checkpoint (models/sharded.py)
+            model = load_policy(*settings, on_meta=True)
+            start = plan_sharded_start(model, self.model_dir)
+            if start.reason is not None:
+                log.info("model: %s; every process loads the whole policy before sharding it", start.reason)
+                start = None
+        if start is None:
+            model = load_policy(*settings)
         model.train()  # dropout is off in the model itself (load_policy), so train mode computes what eval mode does
-        self.bind(model, compute_dtype, mesh is None)  # its head checks run on the whole model, before sharding
         if mesh is not None:
             shard_fsdp2(model, mesh.device_type, compute_dtype)  # in place: ``self.model`` is the sharded one
             self.sharded = True
+        if start is not None:
+            materialize(model, _mesh_device(mesh.device_type))
+            fill_shards(model, start, frozen if lora is not None else trainable_dtype)
+        self.bind(model, compute_dtype, mesh is None)  # its head check is a forward: a collective under FSDP2
+        if mesh is not None:
+            reshard(model)  # the root keeps what that forward gathered
         if with_reference and not is_peft(model):
             # The copy computes as the policy does at step 0, so it is stored as the policy is. Under autocast a
             # float32 policy keeps its residual stream and norms in float32 while a bf16 copy rounds them (up to
@@ -285,6 +303,13 @@ class Policy:
     def export_adapters(self) -> dict[str, torch.Tensor]:
         """The LoRA factors, ``B`` scaled to serve with scale 1 (``models.loading.adapter_state``)."""
         return adapter_state(self.model)
+
+
+def _mesh_device(device_type: str) -> torch.device:
+    """This process's device of a mesh of ``device_type`` (its current accelerator, or the CPU)."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, torch.accelerator.current_device_index())
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

@@ -214,7 +214,7 @@ def head_matches_logits(model, tokens: int = 8, rtol: float = 1e-4) -> tuple[boo
         return False, float("nan"), float("nan")
     decoder, weight = head
     device = next(model.parameters()).device
-    vocab = weight().shape[0]
+    vocab = _base(model).get_output_embeddings().weight.shape[0]  # the whole head's rows (before the forward)
     ids = (torch.arange(tokens, device=device) * 7919 + 11) % vocab  # a fixed sequence of distinct tokens
     captured = []
     hook = decoder.register_forward_hook(lambda _module, _args, out: captured.append(out[0]))
