@@ -190,3 +190,30 @@ def test_a_server_left_with_non_finite_weights_is_named_when_a_run_reaches_it(ti
         reaching.close()
     finally:
         new_check(policy).push_and_verify(policy, server)  # whole weights again, for the runs that come next
+
+
+def test_a_push_is_written_a_tensor_at_a_time_as_safetensors_and_a_tensor_off_its_plan_leaves_no_file(tmp_path):
+    """The file a server loads is written as the stream passes (its header from the plan): what ``load_file`` reads
+    back is what was sent, in every dtype a push carries; a tensor that is not the planned one stops the push."""
+    from safetensors.torch import load_file
+
+    from amir_lightning.engines.server_setup import write_weights
+
+    sent = {
+        "a.weight": torch.randn(5, 3),
+        "b.weight": torch.randn(4, dtype=torch.float64).to(torch.bfloat16),
+        "c.bias": torch.arange(7, dtype=torch.int64),
+        "d.scale": torch.randn(2, 2, dtype=torch.float16),
+    }
+    plan = [(name, tuple(t.shape), t.dtype) for name, t in sent.items()]
+    path = tmp_path / "push.safetensors"
+    write_weights(path, plan, iter(sent.items()))
+    back = load_file(path)
+    assert list(back) == sorted(sent) and all(torch.equal(back[k], sent[k]) and back[k].dtype == sent[k].dtype
+                                              for k in sent)  # fmt: skip
+    wrong = [("a.weight", sent["a.weight"]), ("b.weight", sent["b.weight"].float())]
+    with pytest.raises(ValueError, match=r"the push sent \('b.weight', \(4,\), torch.float32\) where its plan has"):
+        write_weights(tmp_path / "wrong.safetensors", plan, iter(wrong))
+    with pytest.raises(ValueError, match="ended before its plan"):
+        write_weights(tmp_path / "short.safetensors", plan, iter(list(sent.items())[:2]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["push.safetensors"]

@@ -310,6 +310,7 @@ class PushStream:
 
     def __init__(self, named: Iterable[tuple[str, torch.Tensor]], digests: PushedDigests | None) -> None:
         self._named, self.digests, self.bytes = iter(named), digests, 0
+        self.plan = getattr(named, "plan", None)  # what it will send, where its producer knows it first
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self

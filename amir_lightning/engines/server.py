@@ -59,7 +59,7 @@ from amir_lightning.engines.base import (
 )
 from amir_lightning.engines.digest import ColumnSample, Reading, WeightSlot
 from amir_lightning.engines.passthrough import setting_errors
-from amir_lightning.engines.server_setup import ADAPTER, KEY, ROUTE_S, UNREAD, adapter_name, write_weights
+from amir_lightning.engines.server_setup import ADAPTER, KEY, ROUTE_S, UNREAD, Planned, adapter_name, write_weights
 from amir_lightning.engines.shards import merge_workers
 from amir_lightning.engines.vllm_worker import decode
 from amir_lightning.helpers.distributed import from_rank_zero, global_rank, world_size
@@ -283,8 +283,11 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
             self.pushes += 1
             return
         try:
-            tensors = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in named_tensors}
-            self._push_file(tensors, version)
+            plan = getattr(named_tensors, "plan", None)  # known first: the file is written as the tensors come
+            if plan is None:  # any iterable of (name, tensor): kept whole to learn its header
+                kept = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named_tensors]
+                named_tensors, plan = kept, [(name, tuple(t.shape), t.dtype) for name, t in kept]
+            self._push_file([(p[0], tuple(p[1]), p[2]) for p in plan], named_tensors, version)
         finally:
             _barrier()
 
@@ -312,17 +315,22 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         self._adapter = adapter_name(self.pushes)  # every process counts the pushes
 
     # ------------------------------------------------------------------ the routes a push goes through
-    def _push_file(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Push ``tensors`` into the server: a file in its transfer folder, loaded through vLLM's update routes.
+    def _push_file(
+        self,
+        plan: list[Planned],
+        named: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+    ) -> None:
+        """Push ``named`` into the server: a file in its transfer folder, loaded through vLLM's update routes.
 
-        ``/pause`` (``_paused``), ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update`` with the
-        run's weight ``version`` (the optimisation step), ``/reset_prefix_cache``, ``/resume``.
+        The file is written a tensor at a time (``write_weights``, its header from ``plan``). Then ``/pause``
+        (``_paused``), ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update`` with the run's weight
+        ``version`` (the optimisation step), ``/reset_prefix_cache``, ``/resume``.
         """
-        if not tensors:
+        if not plan:
             raise ValueError("load_weights got no tensors: the engine would keep stale weights")
         path = self._workdir / f"push_{self.pushes + 1}.safetensors"
-        write_weights(path, tensors)
-        del tensors
+        write_weights(path, plan, named)
         try:
             with self._paused():
                 self._post("/start_weight_update")

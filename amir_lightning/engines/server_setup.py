@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -109,17 +110,66 @@ def make_workdir(transfer_dir: str | None) -> Path:
                          "be a writable folder the server also sees)") from None  # fmt: skip
 
 
-def write_weights(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """``tensors`` as a safetensors file at ``path``; a ``ServerError`` naming ``transfer_dir`` when it cannot be."""
-    from safetensors.torch import save_file
+#: safetensors' names of the dtypes a push may carry.
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
 
-    need, free = sum(t.numel() * t.element_size() for t in tensors.values()), None
+
+#: A pushed tensor's name, shape and dtype, known before it comes.
+Planned = tuple[str, tuple[int, ...], torch.dtype]
+
+
+def write_weights(path: Path, plan: list[Planned], named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """The tensors of ``named`` as a safetensors file at ``path``, written as they come.
+
+    ``plan`` (each tensor's name, shape and dtype, in order) gives the header first, so the file is written one
+    tensor at a time and the pusher never holds the whole model; a tensor that is not the planned one is an error.
+    A ``ServerError`` naming ``transfer_dir`` when the file cannot be written (the space is checked first).
+    """
+    need, free = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in plan), None
+    header: dict[str, dict] = {}
+    offset = 0
+    for name, shape, dtype in plan:
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
     try:
         free = shutil.disk_usage(path.parent).free
         if need > free:  # found before writing, not after filling the file system
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        save_file(tensors, str(path))
-    except Exception as err:  # safetensors reports a failed write as its own error, with the OS error in its text
+        with path.open("wb") as f:
+            f.write(len(text).to_bytes(8, "little") + text)
+            planned = iter(plan)
+            for name, tensor in named:
+                want = next(planned, None)
+                got = (name, tuple(tensor.shape), tensor.dtype)
+                if want is None or (want[0], tuple(want[1]), want[2]) != got:
+                    raise ValueError(f"the push sent {got} where its plan has {want}")
+                f.write(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().data)
+            if next(planned, None) is not None:
+                raise ValueError("the push ended before its plan")
+    except ValueError:
+        path.unlink(missing_ok=True)
+        raise
+    except Exception as err:
         path.unlink(missing_ok=True)
         cause = getattr(err, "strerror", None) or str(err)
         for known in ("No space left on device", "File too large", "Permission denied", "No such file or directory",

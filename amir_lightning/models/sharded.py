@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -249,9 +250,11 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- the streamed push
-@dataclass(frozen=True)
-class Planned:
-    """One tensor of a push: the engine's name for it, its shape and dtype, and the state-dict keys it is made of."""
+class Planned(NamedTuple):
+    """One tensor of a push: the engine's name for it, its shape and dtype, and the state-dict keys it is made of.
+
+    Its first three fields are what a consumer that writes a file needs first (``engines.server_setup.Planned``).
+    """
 
     name: str
     shape: tuple[int, ...]
