@@ -2,7 +2,8 @@
 
     python benchmarks/shard_memory.py [--sizes 0.1B 0.5B 1.5B] [--ways whole sharded] [--bucket-mib 256]
 
-Random Qwen2-shaped models (float32 safetensors, written once under ``--models``). Each of 2 processes starts the
+Random Qwen2-shaped models, saved in bf16 as hub checkpoints are (``--checkpoint-dtype``), written once under
+``--models``, trained in float32 as ``tiny.yaml`` and full fine-tuning do. Each of 2 processes starts the
 policy as the run does under ``ModelParallelStrategy`` and pushes it once as the server engine does (every process
 takes part; the first writes the safetensors file the server loads, in ``--out``):
 
@@ -13,8 +14,8 @@ takes part; the first writes the safetensors file the server loads, in ``--out``
   ``WeightStream`` of buckets of ``--bucket-mib``, which the first writes as it comes (``write_weights``).
 
 Memory is ``RssAnon`` of ``/proc/self/status`` (what a process holds; the safetensors files it maps are page cache,
-which the kernel takes back; the set-up peak of ``VmHWM``, which counts the mapped file pages, is shown beside it):
-after the imports (torch, transformers, peft), its peak during set-up, after set-up, and its peak during the push
+which the kernel takes back; the most of them mapped during set-up is shown beside it, as "files mapped"): after the
+imports (torch, transformers, peft), its peak during set-up, after set-up, and its peak during the push
 less what it held before ("push adds"), read every millisecond. Each column is the larger of the two processes'.
 """
 
@@ -73,36 +74,39 @@ def status(field: str) -> float:
 
 
 class Peak:
-    """The largest ``RssAnon`` (memory the process holds, not the page cache of the files it maps) while running,
-    read every millisecond in a thread of its own."""
+    """The largest ``RssAnon`` (memory the process holds) and ``RssFile`` (pages of files it maps: the safetensors
+    files, which the kernel can take back) while running, read every millisecond in a thread of its own."""
 
     def __init__(self) -> None:
-        self.peak, self._running = status("RssAnon"), True
+        self.anon, self.file, self._running = status("RssAnon"), status("RssFile"), True
+        self.file_before = self.file
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
 
     def _watch(self) -> None:
         while self._running:
-            self.peak = max(self.peak, status("RssAnon"))
+            self.anon, self.file = max(self.anon, status("RssAnon")), max(self.file, status("RssFile"))
             time.sleep(0.001)
 
-    def stop(self) -> float:
+    def stop(self) -> tuple[float, float]:
+        """(peak ``RssAnon``, peak ``RssFile`` less what was mapped before)."""
         self._running = False
         self._thread.join()
-        return max(self.peak, status("RssAnon"))
+        return max(self.anon, status("RssAnon")), self.file - self.file_before
 
 
-def model_dir(root: Path, size: str) -> Path:
-    """A random float32 Qwen2 of ``size`` under ``root`` (written once; tied embeddings as the small Qwen2.5s)."""
-    out = root / size
+def model_dir(root: Path, size: str, dtype: str) -> Path:
+    """A random Qwen2 of ``size`` saved in ``dtype`` under ``root`` (written once; tied embeddings as the small
+    Qwen2.5s)."""
+    out = root / f"{size}-{dtype}"
     if (out / "config.json").is_file():
         return out
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(**SHAPES[size], tie_word_embeddings=True, max_position_embeddings=2048)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tmp = root / f".{size}.tmp"
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    tmp = root / f".{out.name}.tmp"
     model.save_pretrained(tmp, max_shard_size="2GB")
     del model
     tmp.rename(out)
@@ -118,7 +122,7 @@ def whole(path: Path, mesh, out: Path, rank: int, _bucket: int) -> tuple[float, 
     setup = Peak()
     model = load_policy(path)
     shard_fsdp2(model, "cpu")
-    after, setup_peak = status("RssAnon"), (setup.stop(), status("VmHWM"))
+    after, setup_peak = status("RssAnon"), setup.stop()
     push = Peak()
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
     if rank == 0:
@@ -127,7 +131,7 @@ def whole(path: Path, mesh, out: Path, rank: int, _bucket: int) -> tuple[float, 
         del tensors
     sent = sum(t.numel() * t.element_size() for t in state.values())
     del state
-    return after, setup_peak, push.stop(), sent
+    return after, setup_peak, push.stop()[0], sent
 
 
 def sharded(path: Path, mesh, out: Path, rank: int, bucket: int) -> tuple[float, float, float, int]:
@@ -140,7 +144,7 @@ def sharded(path: Path, mesh, out: Path, rank: int, bucket: int) -> tuple[float,
     policy.scoring.fused_head = False  # the head check's forward is not what this measures
     setup = Peak()
     model = policy.build(torch.float32, mesh=mesh)
-    after, setup_peak = status("RssAnon"), (setup.stop(), status("VmHWM"))
+    after, setup_peak = status("RssAnon"), setup.stop()
     push = Peak()
     stream = WeightStream(model, bucket_bytes=bucket)
     sent = sum(item.nbytes for item in stream.plan)
@@ -149,7 +153,7 @@ def sharded(path: Path, mesh, out: Path, rank: int, bucket: int) -> tuple[float,
     else:
         for _ in stream:
             pass
-    return after, setup_peak, push.stop(), sent
+    return after, setup_peak, push.stop()[0], sent
 
 
 def process(rank: int, port: int, way: str, path: str, out: str, bucket: int, result: str) -> None:
@@ -177,6 +181,21 @@ def process(rank: int, port: int, way: str, path: str, out: str, bucket: int, re
         dist.destroy_process_group()
 
 
+def parameters(path: Path) -> int:
+    """The weights a checkpoint holds (a tied head once)."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in path.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                n = 1
+                for dim in f.get_slice(key).get_shape():
+                    n *= dim
+                total += n
+    return total
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -188,16 +207,18 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--ways", nargs="+", default=["whole", "sharded"], choices=["whole", "sharded"])
     parser.add_argument("--bucket-mib", type=int, default=256)
+    parser.add_argument("--checkpoint-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "amir-shard-memory-models")
     args = parser.parse_args()
     args.models.mkdir(parents=True, exist_ok=True)
     print(machine())
-    print(f"FSDP2 on 2 CPU processes (gloo), float32, buckets of {args.bucket_mib} MiB; GiB per process (the larger)")
-    print("| model | params | model GiB | way | imports | set-up peak | with mapped files | after set-up | push adds | "
-          "largest tensor |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"FSDP2 on 2 CPU processes (gloo), float32 weights from a {args.checkpoint_dtype} checkpoint, buckets of "
+          f"{args.bucket_mib} MiB; GiB per process (the larger of the two)")  # fmt: skip
+    print("| model | params | float32 GiB | a push sends | way | imports | set-up peak | files mapped | after set-up | "
+          "push adds | largest tensor |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes:
-        path = model_dir(args.models, size)
+        path = model_dir(args.models, size, args.checkpoint_dtype)
         config = json.loads((path / "config.json").read_text())
         embed = config["vocab_size"] * config["hidden_size"] * 4 / GIB
         for way in args.ways:
@@ -207,8 +228,8 @@ def main() -> None:
                                    nprocs=2, start_method="spawn")  # fmt: skip
                 rows = [json.loads(Path(f"{result}.{rank}").read_text()) for rank in (0, 1)]
             worst = {key: max(r[key] for r in rows) for key in rows[0]}
-            params = worst["sent"] / 4 / 1e9
-            cells = [size, f"{params:.2f}B", f"{worst['sent'] / GIB:.2f}", way]
+            params = parameters(path)
+            cells = [size, f"{params / 1e9:.2f}B", f"{params * 4 / GIB:.2f}", f"{worst['sent'] / GIB:.2f}", way]
             cells += [f"{worst[key]:.2f}" for key in ("imports", "setup_peak", "mapped_peak", "after", "push_adds")]
             print("| " + " | ".join([*cells, f"{embed:.2f}"]) + " |", flush=True)
 

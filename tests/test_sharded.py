@@ -94,7 +94,9 @@ def _ranks(rank: int, port: int, model_dir: str, out: str) -> None:
 
 @pytest.mark.slow  # two processes of its own
 def test_a_sharded_start_gives_the_whole_loads_shards_and_the_stream_pushes_what_the_whole_state_dict_did(tmp_path):
-    model_dir = build_tiny_model(tmp_path / "tiny", hidden_size=64, num_heads=2, num_kv_heads=1, num_layers=2)
+    # 23 vocabulary rows: 12 on one process, 11 on the other (the gather pads the short shard)
+    spec = dict(hidden_size=64, num_heads=2, num_kv_heads=1, num_layers=2, vocab_size=23)
+    model_dir = build_tiny_model(tmp_path / "tiny", **spec)
     out = tmp_path / "results.json"
     port = free_port("127.0.0.1")
     mp.start_processes(_ranks, args=(port, str(model_dir), str(out)), nprocs=2, start_method="spawn")
@@ -145,3 +147,29 @@ def test_buckets_hold_at_most_their_bytes_in_order_and_a_larger_tensor_alone(tmp
     for bucket in buckets:
         assert sum(item.nbytes for item in bucket) <= largest // 2 or len(bucket) == 1
     assert len(buckets_of(plan, 10**12)) == 1 and len(buckets_of(plan, 1)) == len(plan)
+
+
+def test_an_engine_checks_a_streams_names_before_it_copies_a_tensor_and_takes_the_rest_as_it_comes(tmp_path):
+    """``HFEngine`` reads a stream's plan first: a name its model lacks stops the push before any weight changes;
+    a good stream is copied a tensor at a time, into exactly the pushed values."""
+    from amir_lightning.engines import HFEngine
+    from amir_lightning.engines.digest import PushStream
+    from amir_lightning.models.sharded import WeightStream
+
+    model_dir = build_tiny_model(tmp_path / "tiny", hidden_size=64, num_heads=2, num_kv_heads=1, num_layers=2)
+    engine = HFEngine(progress=False)
+    engine.start(model_dir, seed=0)
+    policy = load_policy(model_dir)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(1.0)
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    stream = WeightStream(policy, bucket_bytes=4096)
+    stream.plan[-1] = stream.plan[-1]._replace(name="lm_head.weights")  # one name the engine lacks, planned last
+    with pytest.raises(KeyError, match="lm_head.weights"):
+        engine.load_weights(PushStream(stream, None))
+    assert all(torch.equal(before[k], v) for k, v in engine.model.state_dict().items())  # nothing copied
+    engine.load_weights(PushStream(WeightStream(policy, bucket_bytes=4096), None))
+    own = engine.model.state_dict()
+    assert all(torch.equal(own[k], v) for k, v in policy.state_dict().items())
+    engine.close()

@@ -160,15 +160,18 @@ class HFEngine(RolloutEngine):
     @override
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int = 0) -> None:
-        state = {name: tensor.detach() for name, tensor in named_tensors}
-        if not state:
+        plan = getattr(named_tensors, "plan", None)  # the names, known before the first tensor (a WeightStream)
+        if plan is None:  # any iterable: kept whole, so that a wrong name is found before anything is copied
+            named_tensors = [(name, tensor.detach()) for name, tensor in named_tensors]
+        names = [item[0] for item in (plan if plan is not None else named_tensors)]
+        if not names:
             raise ValueError("load_weights got no tensors: the engine would keep stale weights")
         own = self.model.state_dict()
-        unknown = sorted(set(state) - set(own))
+        unknown = sorted(set(names) - set(own))
         if unknown:
             raise KeyError(f"the engine's model has no parameters named {unknown[:5]}")
-        for name, tensor in state.items():
-            own[name].copy_(tensor.to(own[name].device, own[name].dtype))
+        for name, tensor in named_tensors:  # a stream is copied as it comes: never the whole model at once
+            own[name].copy_(tensor.detach().to(own[name].device, own[name].dtype))
 
     @override
     def weight_layout(self) -> WeightLayout:

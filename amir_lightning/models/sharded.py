@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -245,8 +246,33 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """All of ``tensor``: gathered from every process when it is an FSDP2 shard (a DTensor)."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    """All of ``tensor``: gathered from every process when it is an FSDP2 shard (a DTensor).
+
+    A row shard (FSDP2's) is gathered straight into one buffer of the whole tensor's rows rounded up to the shards'
+    (``all_gather_into_tensor``), then cut to its rows without a copy: the gather holds the tensor once, where
+    ``full_tensor`` holds it twice (its pieces, then their concatenation).
+    """
+    if not hasattr(tensor, "full_tensor"):
+        return tensor
+    rows = _rows(tensor) if _is_row_shard(tensor) else None
+    if rows is None:
+        return tensor.full_tensor()
+    import torch.distributed as dist
+
+    mesh, local = tensor.device_mesh, tensor.to_local()
+    per = -(-tensor.shape[0] // mesh.size())
+    if local.shape[0] != per:  # the last shards hold fewer rows (or none): padded to the others'
+        local = torch.cat([local, local.new_zeros(per - local.shape[0], *local.shape[1:])])
+    gathered = local.new_empty(per * mesh.size(), *local.shape[1:])
+    dist.all_gather_into_tensor(gathered, local.contiguous(), group=mesh.get_group())
+    return gathered[: tensor.shape[0]]
+
+
+def _is_row_shard(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import Shard
+
+    placements = tensor.placements
+    return tensor.dim() > 0 and len(placements) == 1 and isinstance(placements[0], Shard) and placements[0].dim == 0
 
 
 # ---------------------------------------------------------------------------------------------- the streamed push
@@ -324,7 +350,7 @@ def weight_buckets(
     """
     state = model.state_dict()
     for bucket in buckets_of(plan if plan is not None else push_plan(model, merge), bucket_bytes):
-        out = []
+        out: list[tuple[str, torch.Tensor]] = []  # the last bucket's list is dropped here, before any gather
         for item in bucket:
             tensor = _full(state[item.key])
             if item.lora is not None:
@@ -344,14 +370,16 @@ class WeightStream:
     def __init__(self, model: torch.nn.Module, merge: bool = True, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.plan = push_plan(model, merge)
         self._buckets = weight_buckets(model, merge, bucket_bytes, self.plan)
-        self._current: Iterator[tuple[str, torch.Tensor]] = iter(())
+        self._current: deque[tuple[str, torch.Tensor]] = deque()
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self
 
     def __next__(self) -> tuple[str, torch.Tensor]:
-        while True:
-            try:
-                return next(self._current)
-            except StopIteration:
-                self._current = iter(next(self._buckets))  # StopIteration at the end of the last bucket
+        # Each tensor leaves the bucket as it is handed on: once the consumer lets it go, it is freed, and the next
+        # bucket is gathered with nothing of this one left here.
+        while not self._current:
+            bucket = next(self._buckets)  # StopIteration at the end of the last bucket
+            self._current = deque(bucket)
+            bucket.clear()  # the generator's own list: its references would outlive the hand-over
+        return self._current.popleft()
