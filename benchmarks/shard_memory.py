@@ -17,6 +17,7 @@ Memory is ``RssAnon`` of ``/proc/self/status`` (what a process holds; the safete
 which the kernel takes back; the most of them mapped during set-up is shown beside it, as "files mapped"): after the
 imports (torch, transformers, peft), its peak during set-up, after set-up, and its peak during the push
 less what it held before ("push adds"), read every millisecond. Each column is the larger of the two processes'.
+Blocks of 1 MiB and more go back to the system when freed (``freed_to_the_system``), in both ways alike.
 """
 
 from __future__ import annotations
@@ -156,7 +157,18 @@ def sharded(path: Path, mesh, out: Path, rank: int, bucket: int) -> tuple[float,
     return after, setup_peak, push.stop()[0], sent
 
 
+def freed_to_the_system() -> None:
+    """glibc maps every block of 1 MiB or more on its own and unmaps it when freed (its threshold otherwise grows
+    with the blocks freed, and freed tensors then stay in the heap): resident memory is then what the code holds."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (fixed: no longer moved by frees)
+    libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD
+
+
 def process(rank: int, port: int, way: str, path: str, out: str, bucket: int, result: str) -> None:
+    freed_to_the_system()
     torch.set_num_threads(1)
     import peft  # noqa: F401  what every process imports before it loads a model
     import transformers  # noqa: F401
