@@ -5,6 +5,7 @@ bit for bit, in buckets of the bytes asked, never holding the whole model."""
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,13 @@ from amir_lightning.models.sharded import (
 from amir_lightning.models.sources import HFModel
 from amir_lightning.models.tiny import build_tiny_model
 
-#: (LoRA, frozen dtype): every weight trains in float32; LoRA on a bfloat16 base (configs/qwen.yaml's layout).
-CASES = {"full": (None, torch.float32), "lora_bf16": (LoraSettings(r=4, alpha=8), torch.bfloat16)}
+#: (LoRA, frozen dtype, checkpoint): every weight trains in float32; LoRA on a bfloat16 base (configs/qwen.yaml's
+#: layout); and the same from a checkpoint without safetensors files, which every process loads whole.
+CASES = {
+    "full": (None, torch.float32, "tiny"),
+    "lora_bf16": (LoraSettings(r=4, alpha=8), torch.bfloat16, "tiny"),
+    "lora_bf16_bin": (LoraSettings(r=4, alpha=8), torch.bfloat16, "tiny_bin"),
+}
 
 
 def _old_merged(model) -> dict[str, torch.Tensor]:
@@ -57,12 +63,13 @@ def _ranks(rank: int, port: int, model_dir: str, out: str) -> None:
     try:
         mesh = init_device_mesh("cpu", (2,))
         results = {}
-        for case, (lora, frozen) in CASES.items():
+        for case, (lora, frozen, folder) in CASES.items():
+            path = Path(model_dir).parent / folder
             torch.manual_seed(7)  # LoRA's factors are random: both starts draw them from the same state
-            whole = load_policy(Path(model_dir), frozen, torch.float32, lora=lora)
+            whole = load_policy(path, frozen, torch.float32, lora=lora)
             shard_fsdp2(whole, "cpu")
             torch.manual_seed(7)
-            policy = Policy(HFModel(model_dir), lora=lora)
+            policy = Policy(HFModel(str(path)), lora=lora)
             sharded = policy.build(torch.float32, frozen, torch.float32, lora=lora, mesh=mesh)
             same = {
                 name: torch.equal(p.to_local(), q.to_local()) and p.dtype == q.dtype
@@ -97,6 +104,9 @@ def test_a_sharded_start_gives_the_whole_loads_shards_and_the_stream_pushes_what
     # 23 vocabulary rows: 12 on one process, 11 on the other (the gather pads the short shard)
     spec = dict(hidden_size=64, num_heads=2, num_kv_heads=1, num_layers=2, vocab_size=23)
     model_dir = build_tiny_model(tmp_path / "tiny", **spec)
+    shutil.copytree(model_dir, tmp_path / "tiny_bin")
+    torch.save(load_file(model_dir / "model.safetensors"), tmp_path / "tiny_bin" / "pytorch_model.bin")
+    (tmp_path / "tiny_bin" / "model.safetensors").unlink()
     out = tmp_path / "results.json"
     port = free_port("127.0.0.1")
     mp.start_processes(_ranks, args=(port, str(model_dir), str(out)), nprocs=2, start_method="spawn")

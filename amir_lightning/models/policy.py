@@ -148,11 +148,13 @@ class Policy:
         settings = (self.model_dir, frozen, trainable_dtype, gradient_checkpointing, lora, trust, attention)
         start = None
         if mesh is not None:  # each process reads its own rows of the checkpoint (models/sharded.py)
+            drawn_from = torch.get_rng_state()
             model = load_policy(*settings, on_meta=True)
             start = plan_sharded_start(model, self.model_dir)
             if start.reason is not None:
                 log.info("model: %s; every process loads the whole policy before sharding it", start.reason)
                 start = None
+                torch.set_rng_state(drawn_from)  # LoRA's factors are drawn again, from where they were
         if start is None:
             model = load_policy(*settings)
         model.train()  # dropout is off in the model itself (load_policy), so train mode computes what eval mode does
