@@ -22,11 +22,11 @@ from __future__ import annotations
 import json
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -259,12 +259,13 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.full_tensor()
     import torch.distributed as dist
 
-    mesh, local = tensor.device_mesh, tensor.to_local()
+    mesh, local = tensor.device_mesh, tensor.to_local().detach()  # values only: a push is no part of a graph
     per = -(-tensor.shape[0] // mesh.size())
-    if local.shape[0] != per:  # the last shards hold fewer rows (or none): padded to the others'
-        local = torch.cat([local, local.new_zeros(per - local.shape[0], *local.shape[1:])])
-    gathered = local.new_empty(per * mesh.size(), *local.shape[1:])
-    dist.all_gather_into_tensor(gathered, local.contiguous(), group=mesh.get_group())
+    with torch.no_grad():
+        if local.shape[0] != per:  # the last shards hold fewer rows (or none): padded to the others'
+            local = torch.cat([local, local.new_zeros(per - local.shape[0], *local.shape[1:])])
+        gathered = local.new_empty(per * mesh.size(), *local.shape[1:])
+        dist.all_gather_into_tensor(gathered, local.contiguous(), group=mesh.get_group())
     return gathered[: tensor.shape[0]]
 
 
@@ -328,16 +329,16 @@ def push_plan(model: torch.nn.Module, merge: bool = True) -> list[Planned]:
     return plan
 
 
-def buckets_of(plan: list[Planned], bucket_bytes: int) -> list[list[Planned]]:
+def buckets_of(plan: list, bucket_bytes: int, nbytes: Callable[[Any], int] = lambda item: item.nbytes) -> list[list]:
     """``plan`` cut in order into buckets of at most ``bucket_bytes`` (a larger tensor is a bucket alone)."""
-    out: list[list[Planned]] = []
+    out: list[list] = []
     size = 0
     for item in plan:
-        if not out or size + item.nbytes > bucket_bytes:
+        if not out or size + nbytes(item) > bucket_bytes:
             out.append([])
             size = 0
         out[-1].append(item)
-        size += item.nbytes
+        size += nbytes(item)
     return out
 
 
