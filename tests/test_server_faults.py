@@ -59,17 +59,17 @@ CASES = [
      ["no server at {url} (connection refused for 3 s); start one with the command VLLMServerEngine.server_command "
       "gives, or drop data.engine.init_args.url to let the run start one"]),
     ("engine url at a proxy's HTML page", "html", (), lambda url: server_engine(url=url), 3,
-     ["the vLLM server at {url} answered /init_weight_transfer_engine with text/html, not JSON ('<html><body>Please "
+     ["the vLLM server at {url} answered /collective_rpc with text/html, not JSON ('<html><body>Please "
       "sign in</body></html>'): " + EXPECT]),
     ("engine url at a server of other JSON", "json", (), lambda url: server_engine(url=url), 3,
-     ["the vLLM server at {url} answered /v1/completions without what it must send (KeyError: 'choices'; it sent "
+     ["the vLLM server at {url} answered /collective_rpc without what it must send (KeyError: 'results'; it sent "
       '{{"status": "ok", "data": []}}): ' + EXPECT]),
     ("engine url at a vLLM without the RL routes", "404", (), lambda url: server_engine(url=url), 3,
-     ["the vLLM server at {url} has no route /init_weight_transfer_engine (404): " + EXPECT]),
+     ["the vLLM server at {url} has no route /collective_rpc (404): " + EXPECT]),
     ("engine url at a server that answers 500", "500", (), lambda url: server_engine(url=url), 3,
-     ["the vLLM server at {url} refused /init_weight_transfer_engine (500): oops"]),
+     ["the vLLM server at {url} refused /collective_rpc (500): oops"]),
     ("engine url at a silent server", "silent", (), lambda url: server_engine(url=url, request_timeout=1), 3,
-     ["the vLLM server at {url} did not answer /init_weight_transfer_engine within 1 s "
+     ["the vLLM server at {url} did not answer /collective_rpc within 1 s "
       "(data.engine.init_args.request_timeout); it was not started by this run and answers /health (busy)"]),
     ("transfer_dir not writable", "json", (), lambda url: server_engine(url=url, transfer_dir="/sys"), 2,
      ["data.engine.init_args.transfer_dir /sys cannot hold the pushed weights: Operation not permitted"]),

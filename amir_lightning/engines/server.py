@@ -10,9 +10,11 @@ The engine starts ``python -m vllm.entrypoints.openai.api_server`` with vLLM's R
 per-token sampling log-probs out) and scores the sync probe (``prompt_logprobs``); a weight push is vLLM's own
 update sequence, ``/pause`` (requests in flight finish, the prefix cache is dropped), ``/start_weight_update``,
 ``/update_weights``, ``/finish_weight_update`` with the push's number as the weight version, ``/resume``. The
-weights travel as a safetensors file (``/dev/shm`` where there is one) that the server's workers load with
-``FileWeightTransfer`` (``engines/vllm_worker.py``); the exact sync check reads them back through
-``AmirWorkerExtension``'s methods on ``/collective_rpc``. The trainer never imports vLLM for this engine.
+weights travel over a gloo group of the trainer's first process and the server's workers (``transfer: gloo``, the
+default: ``engines/transfer.py``, ``GlooWeightTransfer`` in ``engines/vllm_worker.py``), a bucket per
+``/update_weights``, or as a safetensors file the workers load with ``FileWeightTransfer`` (``transfer: file``,
+``/dev/shm`` where there is one); the exact sync check reads them back through ``AmirWorkerExtension``'s methods on
+``/collective_rpc``. The trainer never imports vLLM for this engine.
 
 Every request has a deadline and the server is watched (``helpers/http.py``): a silent or stopped server is named
 in a line within a minute, one whose process is gone stops the run at once, SIGTERM ends a blocked request at once,
@@ -26,19 +28,24 @@ each sync sends only the LoRA factors, as a new adapter in the old one's place, 
 
 A server started for a ``url`` must run with the same settings: ``VLLM_SERVER_DEV_MODE=1 AMIR_VLLM_SERVER=1`` in its
 environment (and ``VLLM_MAX_STOP_STRINGS`` above 4 where a turn ends at more stop strings) and
-``--weight-transfer-config '{"backend": "amir_file"}' --worker-extension-cls
+``--weight-transfer-config '{"backend": "amir_gloo"}' --worker-extension-cls
 amir_lightning.engines.vllm_worker.AmirWorkerExtension --logprobs-mode processed_logprobs`` (``server_command``
-returns the whole command), on a machine that shares ``transfer_dir`` with the trainer.
+returns the whole command), where it reaches the trainer's first process (the group's store listens there); with
+``transfer: file``, ``amir_file`` instead, on a machine that shares ``transfer_dir`` with the trainer.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import json
 import logging
 import shutil
+import socket
 import sys
+import threading
+import urllib.parse
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -61,11 +68,13 @@ from amir_lightning.engines.digest import ColumnSample, Reading, WeightSlot
 from amir_lightning.engines.passthrough import setting_errors
 from amir_lightning.engines.server_setup import ADAPTER, KEY, ROUTE_S, UNREAD, Planned, adapter_name, write_weights
 from amir_lightning.engines.shards import merge_workers
+from amir_lightning.engines.transfer import GlooInit, gloo_group, send, update_info
 from amir_lightning.engines.vllm_worker import decode
 from amir_lightning.helpers.distributed import from_rank_zero, global_rank, world_size
 from amir_lightning.helpers.http import Endpoint, ServerError, reading, request
 from amir_lightning.helpers.serving import REFUSED_S, ServerProcess, free_port, reachable_url, wait_for
 from amir_lightning.helpers.validation import check_number, raise_errors
+from amir_lightning.models import sharded
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +107,11 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         log_file: Where the started server's output goes (default: a file beside the pushed weights).
         push_adapters: With a LoRA policy (``model.lora``), push its adapters at each sync, not the merged
             weights (the base weights once, at the first); on one server worker (``tensor_parallel_size`` 1).
+        transfer: How a push reaches the server: ``gloo``, a broadcast from the trainer's first process to every
+            server worker over a gloo group of their own (``engines/transfer.py``: no file, no folder in common,
+            the server may be on another machine); ``file``, a safetensors file in ``transfer_dir`` that the server
+            must see at the same path. Either way the file is never held whole in host memory, and every push is
+            read back and verified.
         server_args: Any other setting of the started server, as its command-line flags (``engines/passthrough.py``:
             ``{max_num_batched_tokens: 8192}`` is ``--max-num-batched-tokens 8192``, ``true`` a bare flag). The
             settings the run owns and ``quantization`` are refused in one line naming the key; for a server given by
@@ -124,6 +138,7 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         log_file: str | None = None,
         push_adapters: bool = False,
         server_args: dict[str, Any] | None = None,
+        transfer: str = "gloo",
     ) -> None:
         # vLLM's names are the server's to check (its start fails naming the flag): the trainer never imports vLLM
         errors: list[str] = setting_errors(server_args or {}, f"{KEY}.server_args", None, server_setup.owned_flags())
@@ -144,7 +159,12 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
                           "tensor_parallel_size 1, or push_adapters false to push merged weights")  # fmt: skip
         if cpu_cores is not None and shutil.which("taskset") is None:
             errors.append(f"{KEY}.cpu_cores needs the taskset command (util-linux), which this machine lacks")
+        if transfer not in ("gloo", "file"):
+            errors.append(f"{KEY}.transfer must be gloo (the weights over the network) or file, got {transfer!r}")
         raise_errors(errors)
+        self.transfer = transfer
+        self._group = None  # the trainer's end of the gloo transfer (the first process's), joined for each push
+        self._workers: int | None = None  # the server's workers, counted once
         self.url, self.devices, self.cpu_cores, self.threads = url, devices, cpu_cores, threads
         self.host, self.server_args = host, dict(server_args or {})
         self.dtype, self.max_model_len, self.kv_cache_memory_bytes = dtype, max_model_len, kv_cache_memory_bytes
@@ -191,7 +211,12 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         self.endpoint = Endpoint(self.url, "the vLLM server", f"{KEY}.url", server_setup.EXPECT, absent, self.server)
         self._wait_until_ready()
         if global_rank() == 0:
-            self._post("/init_weight_transfer_engine", {"init_info": {}})
+            if self.transfer == "gloo":  # joined here to find a server that cannot take it at the start
+                self._group = self._join_transfer()
+                log.info("weight push: broadcast to the server's %d worker(s) over gloo (%s.transfer)", self._workers,
+                         KEY)  # fmt: skip
+            else:
+                self._post("/init_weight_transfer_engine", {"init_info": {}})
             # the first request is seconds slower; its answer shows the server sends what generate reads
             warm = {"prompt": [0], "max_tokens": 1, "logprobs": 0, "return_token_ids": True}
             try:
@@ -287,7 +312,14 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
             if plan is None:  # any iterable of (name, tensor): kept whole to learn its header
                 kept = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named_tensors]
                 named_tensors, plan = kept, [(name, tuple(t.shape), t.dtype) for name, t in kept]
-            self._push_file([(p[0], tuple(p[1]), p[2]) for p in plan], named_tensors, version)
+            plan = [(p[0], tuple(p[1]), p[2]) for p in plan]
+            # Where the server keeps each tensor, asked in one request before the push: the sync check's digests
+            # ask it as the stream passes, and mid-update the workers' layers are being reloaded.
+            self.slots([item[0] for item in plan])
+            if self.transfer == "gloo":
+                self._push_gloo(plan, named_tensors, version)
+            else:
+                self._push_file(plan, named_tensors, version)
         finally:
             _barrier()
 
@@ -338,6 +370,77 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
                 self._post("/finish_weight_update", {"weight_version": str(version)})
         finally:
             path.unlink(missing_ok=True)
+        self.pushes += 1
+
+    def _join_transfer(self):
+        """The trainer's end of the ``amir_gloo`` transfer: a gloo group with every worker of the server.
+
+        The store listens here; ``/init_weight_transfer_engine`` has each worker join, while this process joins as
+        rank 0 in a thread of its own (the route's error, if it fails, is the one raised).
+        """
+        if self._workers is None:
+            answers = self._post("/collective_rpc", {"method": "amir_worker_rank"})
+            with reading(self.endpoint, "/collective_rpc", answers) as answer:
+                self._workers = len(answer["results"])
+        count = self._workers
+        address = trainer_address(self.url)
+        port = free_port(address)
+        info = GlooInit(address, port, 1, 1 + count, ROUTE_S)
+        joined: dict[str, object] = {}
+
+        def join() -> None:
+            try:
+                joined["group"] = gloo_group(address, port, 0, info.world_size, ROUTE_S)
+            except Exception as err:  # noqa: BLE001  named below, with the route's answer
+                joined["error"] = err
+
+        thread = threading.Thread(target=join, name="amir-transfer-join", daemon=True)
+        thread.start()
+        self._post("/init_weight_transfer_engine", {"init_info": dataclasses.asdict(info)})
+        thread.join(ROUTE_S)
+        if "group" not in joined:
+            raise ServerError(f"{self.endpoint.what} at {self.url} took /init_weight_transfer_engine but its {count} "
+                              f"worker(s) did not join the trainer's gloo group at {address}:{port} "
+                              f"({joined.get('error', 'no answer')}); {KEY}.transfer: file pushes through a "
+                              "folder instead")  # fmt: skip
+        log.debug("weight push: gloo group with the server's %d worker(s) at %s:%d", count, address, port)
+        return joined["group"]
+
+    def _push_gloo(
+        self,
+        plan: list[Planned],
+        named: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+    ) -> None:
+        """Push ``named`` into the server over the gloo group, a bucket at a time, through vLLM's update routes.
+
+        Each bucket is one ``/update_weights`` (its names, dtypes and shapes), while this process broadcasts its
+        tensors' bytes; the route answers once every worker has loaded them. ``/pause``, ``/start_weight_update``
+        and ``/finish_weight_update`` with the weight ``version`` around them, as for a file.
+        """
+        if not plan:
+            raise ValueError("load_weights got no tensors: the engine would keep stale weights")
+        stream = iter(named)
+        # A group of its own for each push: a server keeps the last group a trainer brought (another run that
+        # reached it since, or a restart, would leave an older one broadcasting to nobody).
+        self._group = self._join_transfer()
+        with self._paused():
+            self._post("/start_weight_update")
+            for bucket in sharded.buckets_of(
+                [sharded.Planned(*item[:3], key=item[0]) for item in plan], sharded.BUCKET_BYTES
+            ):
+                tensors = [next(stream) for _ in bucket]
+                sending: dict[str, object] = {}
+                thread = threading.Thread(target=_send, args=(self._group, tensors, sending), daemon=True)
+                thread.start()
+                self._post("/update_weights", {"update_info": update_info(tensors)})
+                thread.join(ROUTE_S)
+                if "error" in sending or thread.is_alive():
+                    ended = sending.get("error", "no end")
+                    raise ServerError(f"{self.endpoint.what} at {self.url} answered /update_weights but the "
+                                      f"broadcast of its bucket did not end ({ended})")  # fmt: skip
+                del tensors
+            self._post("/finish_weight_update", {"weight_version": str(version)})
         self.pushes += 1
 
     def _push_adapter_files(self, adapters: dict[str, torch.Tensor], rank: int, dtype: torch.dtype) -> None:
@@ -481,6 +584,23 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
             return
         if getattr(self, "server", None) is not None:
             self.close()
+
+
+def _send(group, tensors: list[tuple[str, torch.Tensor]], out: dict[str, object]) -> None:
+    try:
+        out["bytes"] = send(group, tensors)
+    except Exception as err:  # noqa: BLE001  raised by the pushing thread, which waits on the route
+        out["error"] = err
+
+
+def trainer_address(url: str) -> str:
+    """This machine's address as the server at ``url`` reaches it (loopback for a server on this machine)."""
+    host = urllib.parse.urlsplit(url).hostname or "127.0.0.1"
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # the interface a route to it leaves by
+        probe.connect((host, 9))
+        return probe.getsockname()[0]
 
 
 def _barrier() -> None:

@@ -21,6 +21,7 @@ import torch
 from amir_lightning.engines.adapters import engine_rank
 from amir_lightning.engines.base import Completion, RolloutEngine
 from amir_lightning.engines.passthrough import server_flags
+from amir_lightning.engines.transfer import GLOO_BACKEND
 from amir_lightning.engines.vllm_worker import FILE_BACKEND
 from amir_lightning.helpers.http import Endpoint, ServerError, reading
 from amir_lightning.helpers.serving import TRAINER_GROUP
@@ -33,7 +34,7 @@ ADAPTER = "policy"  #: the name the server serves the policy's pushed LoRA adapt
 #: What a ``url`` must be, said when its answers are not a vLLM server's.
 EXPECT = (
     "a vLLM server started with VLLM_SERVER_DEV_MODE=1 AMIR_VLLM_SERVER=1 and the flags VLLMServerEngine."
-    "server_command gives (the RL routes, the amir_file weight transfer and its worker extension)"
+    "server_command gives (the RL routes, the amir_gloo or amir_file weight transfer and its worker extension)"
 )
 ABSENT = f"start one with the command VLLMServerEngine.server_command gives, or drop {KEY}.url to let the run start one"
 BASE_S = 120.0  # a generation request's deadline: this, plus PER_TOKEN_S for each token a sequence may write
@@ -52,7 +53,8 @@ def server_command(engine: ServerEngine, model_dir: Path, port: int, seed: int, 
     command += ["--host", engine.host, "--port", str(port), "--seed", str(seed), "--dtype", dtype]
     command += ["--max-model-len", str(engine.max_model_len), "--max-num-seqs", str(engine.max_num_seqs)]
     command += ["--tensor-parallel-size", str(engine.tensor_parallel_size), "--logprobs-mode", "processed_logprobs"]
-    command += ["--weight-transfer-config", json.dumps({"backend": FILE_BACKEND})]
+    backend = GLOO_BACKEND if engine.transfer == "gloo" else FILE_BACKEND
+    command += ["--weight-transfer-config", json.dumps({"backend": backend})]
     command += ["--worker-extension-cls", "amir_lightning.engines.vllm_worker.AmirWorkerExtension"]
     command += ["--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching"]
     command += ["--enable-scale-out"]  # /inference/v1/generate: which weights sampled each token

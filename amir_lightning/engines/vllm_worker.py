@@ -240,6 +240,10 @@ class AmirWorkerExtension:
         layout = VLLMLayout(*layout_of(self))
         return encode({module: layout.adapter_place(module) for module in json.loads(modules)})
 
+    def amir_worker_rank(self) -> int:
+        """This worker's rank among the server's (the trainer counts the workers that answer)."""
+        return int(self.rank)
+
     def amir_held_adapters(self) -> str:
         """``read_adapters`` of this worker for the one adapter it holds (the server serves at most one), encoded."""
         held = [i for i in self.model_runner.lora_manager._adapter_manager.lora_index_to_id if i is not None]
@@ -270,19 +274,24 @@ class FileUpdate:
     path: str
 
 
-def file_transfer_class():
-    """``FileWeightTransfer``, built on vLLM's ``WeightTransferEngine`` (imported only inside a vLLM process)."""
+def transfer_classes() -> dict[str, type]:
+    """Our weight transfers by their registry names, built on vLLM's ``WeightTransferEngine``.
+
+    ``amir_file`` (``FileWeightTransfer``) and ``amir_gloo`` (``GlooWeightTransfer``); vLLM is imported only here,
+    inside a vLLM process.
+    """
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-    class FileWeightTransfer(WeightTransferEngine):
-        """Weights from a safetensors file, loaded layer by layer as vLLM's checkpoint-format backends do."""
+    from amir_lightning.engines.transfer import GLOO_BACKEND, GlooInit, GlooUpdate, gloo_group, receive
 
-        init_info_cls, update_info_cls = FileInit, FileUpdate
+    class LayerwiseTransfer(WeightTransferEngine):
+        """Weights in checkpoint format, loaded layer by layer as vLLM's checkpoint-format backends do.
+
+        ``weights`` says where they come from.
+        """
+
         supports_draft_weight_update = False
-
-        def init_transfer_engine(self, init_info) -> None:
-            del init_info
 
         def start_weight_update(self) -> None:
             initialize_layerwise_reload(self.model)
@@ -293,9 +302,7 @@ def file_transfer_class():
                 torch.cuda.synchronize()
 
         def receive_weights(self, update_info) -> None:
-            from safetensors.torch import load_file
-
-            self.model.load_weights(load_file(update_info.path, device="cpu").items())
+            self.model.load_weights(self.weights(update_info))
 
         def finish_weight_update(self) -> None:
             finalize_layerwise_reload(self.model, self.model_config)
@@ -304,7 +311,45 @@ def file_transfer_class():
         def shutdown(self) -> None:
             pass
 
-    return FileWeightTransfer
+    class FileWeightTransfer(LayerwiseTransfer):
+        """Weights from a safetensors file in a folder the trainer and the server share."""
+
+        init_info_cls, update_info_cls = FileInit, FileUpdate
+
+        def init_transfer_engine(self, init_info) -> None:
+            del init_info
+
+        def weights(self, update_info):
+            from safetensors.torch import load_file
+
+            return load_file(update_info.path, device="cpu").items()
+
+    class GlooWeightTransfer(LayerwiseTransfer):
+        """Weights broadcast by the trainer over a gloo group of their own, loaded as they arrive.
+
+        Nothing is written to a file, and the server shares no folder with the trainer (``engines/transfer.py``).
+        """
+
+        init_info_cls, update_info_cls = GlooInit, GlooUpdate
+        group = None
+
+        def init_transfer_engine(self, init_info) -> None:
+            self.shutdown()  # a run that reaches this server again brings a group of its own
+            config = self.parallel_config  # ranks as vLLM numbers its own NCCL transfer's workers
+            rank = config.data_parallel_index * config.world_size + config.rank + init_info.rank_offset
+            self.group = gloo_group(
+                init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s
+            )
+
+        def weights(self, update_info):
+            if self.group is None:
+                raise RuntimeError("the amir_gloo weight transfer has no group: /init_weight_transfer_engine first")
+            return receive(self.group, update_info)
+
+        def shutdown(self) -> None:
+            self.group = None
+
+    return {FILE_BACKEND: FileWeightTransfer, GLOO_BACKEND: GlooWeightTransfer}
 
 
 def repack_tied_head(model: torch.nn.Module) -> None:
@@ -320,13 +365,17 @@ def repack_tied_head(model: torch.nn.Module) -> None:
                 module.quant_method.process_weights_after_loading(module)
 
 
-def register_file_transfer() -> None:
-    """Add ``FileWeightTransfer`` to vLLM's weight-transfer registry as ``amir_file`` (once per process)."""
+def register_transfers() -> None:
+    """Add ``FileWeightTransfer`` and ``GlooWeightTransfer`` to vLLM's weight-transfer registry, once per process.
+
+    Their names there: ``amir_file`` and ``amir_gloo``.
+    """
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    if FILE_BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(FILE_BACKEND, file_transfer_class())
+    for name, engine in transfer_classes().items():
+        if name not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(name, engine)
 
 
 if "vllm" in sys.modules and os.environ.get("AMIR_VLLM_SERVER"):  # imported into a server's worker
-    register_file_transfer()
+    register_transfers()

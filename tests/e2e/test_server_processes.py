@@ -122,7 +122,7 @@ def test_nothing_of_a_started_server_outlives_the_run(ending, tiny_dir, tmp_path
 def server(tiny_dir):
     from amir_lightning.engines import VLLMServerEngine
 
-    engine = VLLMServerEngine(**SERVER)
+    engine = VLLMServerEngine(**SERVER, transfer="file")  # what these tests fill and break: its folder
     engine.start(tiny_dir, seed=0)
     yield engine
     engine.close()
