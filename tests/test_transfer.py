@@ -6,6 +6,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers.engines import ServerDropsHalf, ServerIgnoresPushesAfter, ServerPartialUpdate, ServerSwapsParts
 from helpers.served import SETTINGS
 
 from amir_lightning.engines import VLLMServerEngine
@@ -100,3 +101,40 @@ def test_a_gloo_push_writes_no_file_and_every_sync_reads_back_the_pushed_weights
 def test_an_unknown_transfer_is_one_line_naming_the_key():
     with pytest.raises(ValueError, match=r"data.engine.init_args.transfer must be gloo .* or file, got 'nccl'"):
         VLLMServerEngine(transfer="nccl")
+
+
+#: The vLLM faults of tests/test_sync.py's table, on a server reached over the gloo transfer: (engine, settings, the
+#: first sync whose pushed weights the server does not hold, what the error names).
+SERVER_FAULTS = [
+    (ServerIgnoresPushesAfter, {}, 4, "model."),
+    (ServerDropsHalf, {}, 1, ""),  # its probe or its read-back, whichever sees the half-rebuilt layers first
+    (ServerPartialUpdate, {}, 2, "model."),
+    (ServerSwapsParts, {"parts": "kv"}, 1, "qkv_proj.weight"),
+    (ServerSwapsParts, {"parts": "gate_up"}, 1, "gate_up_proj.weight"),
+]
+
+
+@pytest.mark.slow  # a vLLM server
+@pytest.mark.parametrize(
+    ("engine_cls", "kwargs", "first_wrong", "names"),
+    SERVER_FAULTS,
+    ids=[f"{c.__name__}-{'-'.join(k.values())}" if k else c.__name__ for c, k, _, _ in SERVER_FAULTS],
+)
+def test_a_server_that_takes_a_gloo_push_wrong_is_stopped_at_its_first_wrong_sync(
+    tiny_dir, served, engine_cls, kwargs, first_wrong, names
+):
+    from test_server_engine import policy_of
+    from test_sync import Trainer, syncs_until_stopped
+
+    engine = engine_cls(url=served.url(tiny_dir), max_model_len=SETTINGS["max_model_len"], **kwargs)
+    engine.start(tiny_dir, seed=0)
+    errors: list[str] = []
+    try:
+        assert engine.transfer == "gloo"
+        assert syncs_until_stopped(engine, Trainer(tiny_dir), syncs=6, errors=errors) == first_wrong
+        assert "holds other weights than the trainer pushed" in errors[0] or engine_cls is ServerDropsHalf, errors
+        assert names in errors[0].partition("the first: ")[2], errors
+    finally:
+        with policy_of(tiny_dir).export_weights() as named:  # whole weights again, for the tests that come next
+            VLLMServerEngine.load_weights(engine, named)
+        engine.close()

@@ -229,3 +229,21 @@ class HFForgetsOne(HFEngine):
 
     def held_weights(self, columns):  # noqa: D102
         return {key: readings for key, readings in super().held_weights(columns).items() if key != self.name}
+
+
+class ServerIgnoresPushesAfter(VLLMServerEngine):
+    """``VLLMServerEngine`` that sends its server the first ``good_pushes`` pushes, then none (its own count: the
+    engine's ``pushes`` is the server's weight version)."""
+
+    def __init__(self, good_pushes: int = 3, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.good_pushes, self.taken = good_pushes, 0
+
+    def load_weights(self, named_tensors, version=0):  # noqa: D102
+        self.taken += 1
+        if self.taken <= self.good_pushes:
+            super().load_weights(named_tensors, version)
+
+
+class ServerPartialUpdate(_PartialUpdate, VLLMServerEngine):
+    """``VLLMServerEngine`` that moves its server's weights 55 % of the way to each push."""
