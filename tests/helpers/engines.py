@@ -42,11 +42,11 @@ class _IgnoresPushesAfter:
 
     def __init__(self, good_pushes: int = 3, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.good_pushes, self.pushes = good_pushes, 0
+        self.good_pushes, self.taken = good_pushes, 0  # not ``pushes``: the server engine counts its own
 
     def load_weights(self, named_tensors, version=0):  # noqa: D102
-        self.pushes += 1
-        if self.pushes <= self.good_pushes:
+        self.taken += 1
+        if self.taken <= self.good_pushes:
             super().load_weights(named_tensors, version)
 
 
@@ -231,18 +231,8 @@ class HFForgetsOne(HFEngine):
         return {key: readings for key, readings in super().held_weights(columns).items() if key != self.name}
 
 
-class ServerIgnoresPushesAfter(VLLMServerEngine):
-    """``VLLMServerEngine`` that sends its server the first ``good_pushes`` pushes, then none (its own count: the
-    engine's ``pushes`` is the server's weight version)."""
-
-    def __init__(self, good_pushes: int = 3, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.good_pushes, self.taken = good_pushes, 0
-
-    def load_weights(self, named_tensors, version=0):  # noqa: D102
-        self.taken += 1
-        if self.taken <= self.good_pushes:
-            super().load_weights(named_tensors, version)
+class ServerIgnoresPushesAfter(_IgnoresPushesAfter, VLLMServerEngine):
+    """``VLLMServerEngine`` that sends its server the first ``good_pushes`` pushes, then none."""
 
 
 class ServerPartialUpdate(_PartialUpdate, VLLMServerEngine):
