@@ -12,6 +12,7 @@ from helpers.served import SETTINGS
 from amir_lightning.engines import VLLMServerEngine
 from amir_lightning.engines import server as server_module
 from amir_lightning.engines.transfer import GlooUpdate, gloo_group, receive, send, update_info
+from amir_lightning.helpers.http import ServerError
 from amir_lightning.models import build_tiny_model
 
 
@@ -94,6 +95,10 @@ def test_a_gloo_push_writes_no_file_and_every_sync_reads_back_the_pushed_weights
         with pytest.raises(AssertionError, match="wrote a file"):
             policy = policy_of(tiny_dir)
             new_check(policy).push_and_verify(policy, filed)
+        reaching = VLLMServerEngine(url=filed.url, max_model_len=SETTINGS["max_model_len"])  # gloo, by default
+        with pytest.raises(ServerError, match=r"needs data.engine.init_args.transfer set to its own \(file for amir"):
+            reaching.start(tiny_dir, seed=0)
+        reaching.close()
     finally:
         filed.close()
 

@@ -108,10 +108,11 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         push_adapters: With a LoRA policy (``model.lora``), push its adapters at each sync, not the merged
             weights (the base weights once, at the first); on one server worker (``tensor_parallel_size`` 1).
         transfer: How a push reaches the server: ``gloo``, a broadcast from the trainer's first process to every
-            server worker over a gloo group of their own (``engines/transfer.py``: no file, no folder in common,
-            the server may be on another machine); ``file``, a safetensors file in ``transfer_dir`` that the server
-            must see at the same path. Either way the file is never held whole in host memory, and every push is
-            read back and verified.
+            server worker over a gloo group of their own (``engines/transfer.py``: no file, no folder in common;
+            the server's workers need only reach the trainer's first process); ``file``, a safetensors file in
+            ``transfer_dir`` that the server must see at the same path. Either way the trainer streams the push
+            (``models/sharded.py``), never holding the whole model for it, and every push is read back and
+            verified.
         server_args: Any other setting of the started server, as its command-line flags (``engines/passthrough.py``:
             ``{max_num_batched_tokens: 8192}`` is ``--max-num-batched-tokens 8192``, ``true`` a bare flag). The
             settings the run owns and ``quantization`` are refused in one line naming the key; for a server given by
@@ -396,7 +397,11 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
 
         thread = threading.Thread(target=join, name="amir-transfer-join", daemon=True)
         thread.start()
-        self._post("/init_weight_transfer_engine", {"init_info": dataclasses.asdict(info)})
+        try:
+            self._post("/init_weight_transfer_engine", {"init_info": dataclasses.asdict(info)})
+        except ServerError as err:  # a server started for the file transfer (amir_file) refuses the gloo one's info
+            hint = f"a server started with another weight transfer than amir_gloo needs {KEY}.transfer set to its own"
+            raise ServerError(f"{err}; {hint} (file for amir_file)", tail=err.tail) from None
         thread.join(ROUTE_S)
         if "group" not in joined:
             raise ServerError(f"{self.endpoint.what} at {self.url} took /init_weight_transfer_engine but its {count} "
