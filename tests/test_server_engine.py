@@ -204,6 +204,7 @@ def test_a_push_is_written_a_tensor_at_a_time_as_safetensors_and_a_tensor_off_it
         "b.weight": torch.randn(4, dtype=torch.float64).to(torch.bfloat16),
         "c.bias": torch.arange(7, dtype=torch.int64),
         "d.scale": torch.randn(2, 2, dtype=torch.float16),
+        "e.step": torch.tensor(3.0, dtype=torch.float64),  # a 0-d tensor
     }
     plan = [(name, tuple(t.shape), t.dtype) for name, t in sent.items()]
     path = tmp_path / "push.safetensors"

@@ -165,7 +165,7 @@ def write_weights(path: Path, plan: list[Planned], named: Iterable[tuple[str, to
                 got = (name, tuple(tensor.shape), tensor.dtype)
                 if want is None or (want[0], tuple(want[1]), want[2]) != got:
                     raise ValueError(f"the push sent {got} where its plan has {want}")
-                f.write(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().data)
+                f.write(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
             if next(planned, None) is not None:
                 raise ValueError("the push ended before its plan")
     except ValueError:
