@@ -6,6 +6,7 @@ bit for bit, in buckets of the bytes asked, never holding the whole model."""
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from amir_lightning.models.sharded import (
     parameters_on_meta,
     plan_sharded_start,
     push_plan,
+    reshard,
     weight_buckets,
 )
 from amir_lightning.models.sources import HFModel
@@ -183,3 +185,58 @@ def test_an_engine_checks_a_streams_names_before_it_copies_a_tensor_and_takes_th
     own = engine.model.state_dict()
     assert all(torch.equal(own[k], v) for k, v in policy.state_dict().items())
     engine.close()
+
+
+def _one_engine_wrong(rank: int, port: int, model_dir: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from helpers.engines import HFDropsHalf
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from amir_lightning.engines import HFEngine
+    from amir_lightning.helpers.distributed import all_reduce
+    from amir_lightning.loop.sync import StaleEngineError, SyncCheck
+
+    try:
+        policy = Policy(HFModel(model_dir))
+        policy.build(torch.float32, mesh=init_device_mesh("cpu", (2,)))
+        engine = (HFDropsHalf if rank == 1 else HFEngine)(progress=False)  # rank 1's engine misses half of a push
+        engine.start(Path(model_dir), seed=0)
+        check = SyncCheck()
+        check.set_probe(policy.tokenizer, policy.tokenizer("3+4=")["input_ids"], "7")
+
+        def reduce_max(values: list[float]) -> list[float]:
+            return all_reduce(torch.tensor(values, dtype=torch.float64), "max").tolist()
+
+        check.push_and_verify(policy, engine, reduce_max)  # the engines' own weights: nothing to miss yet
+        reshard(policy.model)  # the probe's forward left the root gathered
+        with torch.no_grad():  # an optimiser step, on each process's shards
+            for param in policy.model.parameters():
+                param.to_local().add_(0.01)
+        try:
+            check.push_and_verify(policy, engine, reduce_max)
+            Path(f"{out}.{rank}").write_text("not stopped")
+        except StaleEngineError as err:
+            Path(f"{out}.{rank}").write_text(str(err))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes of their own
+def test_one_process_whose_engine_is_wrong_stops_every_process_under_fsdp2_and_none_waits(tmp_path):
+    """Under FSDP2 the probe's forward is a collective: a process whose engine is wrong must not skip it while the
+    others run it. Both processes stop at the sync, each saying whose engine holds other weights."""
+    model_dir = build_tiny_model(tmp_path / "tiny", hidden_size=64, num_heads=2, num_kv_heads=1, num_layers=2)
+    out = tmp_path / "stopped"
+    context = mp.start_processes(
+        _one_engine_wrong, args=(free_port("127.0.0.1"), str(model_dir), str(out)), nprocs=2, join=False,
+        start_method="spawn",
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the processes still wait on each other after 240 s (a collective one of them skipped)")
+    assert "this process's engine holds other weights" in (tmp_path / "stopped.1").read_text()
+    assert "the engine of another process holds other weights" in (tmp_path / "stopped.0").read_text()

@@ -301,6 +301,12 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         Every process has finished its generation of this step (the rollouts sampling ahead go on, on the new
         weights, with ``updates_in_flight``; otherwise they finished before).
         """
+        plan = getattr(named_tensors, "plan", None)  # known first (a WeightStream): see below
+        if plan is not None:
+            # Where the server keeps each tensor, asked by every process before any push begins: the sync check's
+            # digests ask it as the stream passes, and asked mid-update (another process pushing) the answers come
+            # from layers being reloaded.
+            self.slots([item[0] for item in plan])
         _barrier()
         if global_rank() != 0:
             for _ in named_tensors:  # the export is a collective under FSDP2: take part, keep nothing
@@ -309,14 +315,11 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
             self.pushes += 1
             return
         try:
-            plan = getattr(named_tensors, "plan", None)  # known first: the file is written as the tensors come
             if plan is None:  # any iterable of (name, tensor): kept whole to learn its header
                 kept = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named_tensors]
                 named_tensors, plan = kept, [(name, tuple(t.shape), t.dtype) for name, t in kept]
+                self.slots([name for name, _ in kept])
             plan = [(p[0], tuple(p[1]), p[2]) for p in plan]
-            # Where the server keeps each tensor, asked in one request before the push: the sync check's digests
-            # ask it as the stream passes, and mid-update the workers' layers are being reloaded.
-            self.slots([item[0] for item in plan])
             if self.transfer == "gloo":
                 self._push_gloo(plan, named_tensors, version)
             else:

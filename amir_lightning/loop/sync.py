@@ -186,11 +186,13 @@ class SyncCheck:
             adapter_wrong, compared = self._push_adapters(policy, engine)
             wrong, verified = wrong + adapter_wrong, verified + compared
             checked += compared + len(adapter_wrong)
-        gap = float("nan") if wrong else max(abs(a - b) for a, b in zip(*self.scores(policy, engine)))
-        gap, any_wrong = reduce_max([gap, float(bool(wrong))])
+        # Every process learns whether any engine is wrong before any scores the probe: under FSDP2 the policy's
+        # forward is a collective, so one process skipping it (its engine wrong) left the others waiting in it.
+        (any_wrong,) = reduce_max([float(bool(wrong))])
         self.syncs += 1
         if any_wrong:
             self._stop(wrong, checked)
+        (gap,) = reduce_max([max(abs(a - b) for a, b in zip(*self.scores(policy, engine)))])
         float32 = pushed is not None and pushed.dtypes == {torch.float32}
         return SyncReport(gap, self._probe_level(gap, verified > 0, float32), verified, self._bytes)
 
