@@ -42,10 +42,8 @@ import dataclasses
 import json
 import logging
 import shutil
-import socket
 import sys
 import threading
-import urllib.parse
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -68,7 +66,7 @@ from amir_lightning.engines.digest import ColumnSample, Reading, WeightSlot
 from amir_lightning.engines.passthrough import setting_errors
 from amir_lightning.engines.server_setup import ADAPTER, KEY, ROUTE_S, UNREAD, Planned, adapter_name, write_weights
 from amir_lightning.engines.shards import merge_workers
-from amir_lightning.engines.transfer import GlooInit, gloo_group, send, update_info
+from amir_lightning.engines.transfer import GlooInit, gloo_group, send_into, trainer_address, update_info
 from amir_lightning.engines.vllm_worker import decode
 from amir_lightning.helpers.distributed import from_rank_zero, global_rank, world_size
 from amir_lightning.helpers.http import Endpoint, ServerError, reading, request
@@ -434,12 +432,10 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         self._group = self._join_transfer()
         with self._paused():
             self._post("/start_weight_update")
-            for bucket in sharded.buckets_of(
-                [sharded.Planned(*item[:3], key=item[0]) for item in plan], sharded.BUCKET_BYTES
-            ):
+            for bucket in sharded.buckets_of(plan, sharded.BUCKET_BYTES):
                 tensors = [next(stream) for _ in bucket]
                 sending: dict[str, object] = {}
-                thread = threading.Thread(target=_send, args=(self._group, tensors, sending), daemon=True)
+                thread = threading.Thread(target=send_into, args=(self._group, tensors, sending), daemon=True)
                 thread.start()
                 self._post("/update_weights", {"update_info": update_info(tensors)})
                 thread.join(ROUTE_S)
@@ -592,23 +588,6 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
             return
         if getattr(self, "server", None) is not None:
             self.close()
-
-
-def _send(group, tensors: list[tuple[str, torch.Tensor]], out: dict[str, object]) -> None:
-    try:
-        out["bytes"] = send(group, tensors)
-    except Exception as err:  # noqa: BLE001  raised by the pushing thread, which waits on the route
-        out["error"] = err
-
-
-def trainer_address(url: str) -> str:
-    """This machine's address as the server at ``url`` reaches it (loopback for a server on this machine)."""
-    host = urllib.parse.urlsplit(url).hostname or "127.0.0.1"
-    if host in ("127.0.0.1", "localhost", "::1"):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # the interface a route to it leaves by
-        probe.connect((host, 9))
-        return probe.getsockname()[0]
 
 
 def _barrier() -> None:

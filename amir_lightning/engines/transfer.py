@@ -15,6 +15,8 @@ server needs no folder in common with the trainer. Every wait has the group's de
 from __future__ import annotations
 
 import datetime
+import socket
+import urllib.parse
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -93,3 +95,27 @@ def receive(group, update: GlooUpdate) -> Iterator[tuple[str, torch.Tensor]]:
         if tensor.numel():
             group.broadcast(tensor.reshape(-1).view(torch.uint8), 0).wait()
         yield name, tensor
+
+
+def send_into(group, tensors: list[tuple[str, torch.Tensor]], out: dict[str, object]) -> None:
+    """``send`` for a thread of its own: the bytes sent, or the error, in ``out``.
+
+    The pushing thread waits on the update route meanwhile, and raises what it finds here.
+    """
+    try:
+        out["bytes"] = send(group, tensors)
+    except Exception as err:  # noqa: BLE001  raised by the pushing thread
+        out["error"] = err
+
+
+def trainer_address(url: str) -> str:
+    """This machine's address as the server at ``url`` reaches it: where the group's store listens.
+
+    Loopback for a server on this machine.
+    """
+    host = urllib.parse.urlsplit(url).hostname or "127.0.0.1"
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # the interface a route to it leaves by
+        probe.connect((host, 9))
+        return probe.getsockname()[0]

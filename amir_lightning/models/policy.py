@@ -40,7 +40,7 @@ from amir_lightning.models.scoring import (
     sequence_token_logps,
     varlen_attention,
 )
-from amir_lightning.models.sharded import fill_shards, materialize, plan_sharded_start, reshard
+from amir_lightning.models.sharded import _local, fill_shards, materialize, plan_sharded_start, reshard
 from amir_lightning.models.sources import ModelSource
 
 log = logging.getLogger(__name__)
@@ -312,8 +312,3 @@ def _mesh_device(device_type: str) -> torch.device:
     if device_type == "cpu":
         return torch.device("cpu")
     return torch.device(device_type, torch.accelerator.current_device_index())
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    """This process's part of ``param``: its shard under FSDP2 (a DTensor), else all of it."""
-    return param.to_local() if hasattr(param, "to_local") else param.data

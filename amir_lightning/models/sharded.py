@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -292,14 +293,7 @@ class Planned(NamedTuple):
     @property
     def nbytes(self) -> int:
         """Its size once gathered."""
-        return _numel(self.shape) * self.dtype.itemsize
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def push_plan(model: torch.nn.Module, merge: bool = True) -> list[Planned]:
@@ -329,16 +323,20 @@ def push_plan(model: torch.nn.Module, merge: bool = True) -> list[Planned]:
     return plan
 
 
-def buckets_of(plan: list, bucket_bytes: int, nbytes: Callable[[Any], int] = lambda item: item.nbytes) -> list[list]:
-    """``plan`` cut in order into buckets of at most ``bucket_bytes`` (a larger tensor is a bucket alone)."""
+def buckets_of(plan: list, bucket_bytes: int) -> list[list]:
+    """``plan`` cut in order into buckets of at most ``bucket_bytes`` (a larger tensor is a bucket alone).
+
+    An item is ``(name, shape, dtype, ...)``: a ``Planned``, or a plain triple.
+    """
     out: list[list] = []
     size = 0
     for item in plan:
-        if not out or size + nbytes(item) > bucket_bytes:
+        nbytes = math.prod(item[1]) * item[2].itemsize
+        if not out or size + nbytes > bucket_bytes:
             out.append([])
             size = 0
         out[-1].append(item)
-        size += nbytes(item)
+        size += nbytes
     return out
 
 
