@@ -79,7 +79,7 @@ def test_a_gloo_push_writes_no_file_and_every_sync_reads_back_the_pushed_weights
     engine = VLLMServerEngine(url=served.url(tiny_dir), max_model_len=SETTINGS["max_model_len"])
     engine.start(tiny_dir, seed=0)
     try:
-        assert engine.transfer == "gloo" and engine._group is not None
+        assert engine.transfer == "gloo" and engine.replicas[0].group is not None
         policy = policy_of(tiny_dir)
         check = new_check(policy)
         first = check.push_and_verify(policy, engine)

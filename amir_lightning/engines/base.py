@@ -355,6 +355,14 @@ class RolloutEngine(ABC):
         del columns
         return None
 
+    def copies(self) -> list[tuple[str, Any]]:
+        """Each copy of the weights the engine samples from, and its name, for the sync check to read back one by one.
+
+        Each has ``held_weights``, ``held_adapters`` and ``score`` as the engine does. Default: the engine itself,
+        unnamed; an engine of several servers gives each (``engines/replicas.py``), so every one is verified.
+        """
+        return [("", self)]
+
     def take_adapters(self, lora) -> None:  # noqa: B027 (optional hook)
         """Called before ``start`` with the policy's ``LoraSettings`` (``None``: every weight trains).
 

@@ -26,6 +26,12 @@ With ``push_adapters`` (a LoRA policy) the server serves the policy's adapter (`
 each sync sends only the LoRA factors, as a new adapter in the old one's place, and reads them back exactly
 (``engines/adapters.py``); every request names the adapter.
 
+Several servers, one model: ``replicas: N`` starts N servers (``devices`` and ``cpu_cores`` split among them),
+``url: [http://a:8000, http://b:8000]`` reaches servers you started (``engines/replicas.py``). A rollout's groups go
+whole to one replica each, balanced by the tokens they may take; every push reaches every replica, and every
+replica is read back and verified at every sync; one that dies, falls silent or holds other weights stops the run
+with a line naming it (``the vLLM server (replica 2 of 2) at http://...``).
+
 A server started for a ``url`` must run with the same settings: ``VLLM_SERVER_DEV_MODE=1 AMIR_VLLM_SERVER=1`` in its
 environment (and ``VLLM_MAX_STOP_STRINGS`` above 4 where a turn ends at more stop strings) and
 ``--weight-transfer-config '{"backend": "amir_gloo"}' --worker-extension-cls
@@ -41,6 +47,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import shutil
 import sys
 import threading
@@ -64,8 +71,8 @@ from amir_lightning.engines.base import (
 )
 from amir_lightning.engines.digest import ColumnSample, Reading, WeightSlot
 from amir_lightning.engines.passthrough import setting_errors
+from amir_lightning.engines.replicas import Replica, ReplicaView, assign, each, server_name, split_settings
 from amir_lightning.engines.server_setup import ADAPTER, KEY, ROUTE_S, UNREAD, Planned, adapter_name, write_weights
-from amir_lightning.engines.shards import merge_workers
 from amir_lightning.engines.transfer import GlooInit, gloo_group, send_into, trainer_address, update_info
 from amir_lightning.engines.vllm_worker import decode
 from amir_lightning.helpers.distributed import from_rank_zero, global_rank, world_size
@@ -81,10 +88,15 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
     """Generate with a vLLM server in its own process, on its own devices (it can sample while the policy trains).
 
     Args:
-        url: Address of a running server (started as the module docstring says); ``None``: start one here.
+        url: Address of a running server (started as the module docstring says), or a list of them (the replicas of
+            one model); ``None``: start the server(s) here.
+        replicas: How many servers to start here (each with ``tensor_parallel_size`` workers), every one holding the
+            policy's weights; ``None``: one, or as many as ``url`` lists.
         devices: GPUs the started server runs on (``CUDA_VISIBLE_DEVICES``, e.g. ``"6,7"``), away from the
-            trainer's; ``None``: as the environment says.
-        cpu_cores: CPU cores the started server is pinned to (``taskset -c``, e.g. ``"1"``); ``None``: all.
+            trainer's; with replicas, cut into equal runs (``"4,5,6,7"``: ``"4,5"`` and ``"6,7"`` for 2) or a list
+            of each replica's; ``None``: as the environment says.
+        cpu_cores: CPU cores the started server is pinned to (``taskset -c``, e.g. ``"1"``); with replicas, a list
+            of each replica's (one string: all of them share those cores); ``None``: all.
         host: The address the started server listens on: ``127.0.0.1`` (this machine only) or ``0.0.0.0`` when
             training processes on other nodes share it. Its RL routes take weight updates from anyone who reaches
             it: keep it on a trusted network.
@@ -119,9 +131,9 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
 
     def __init__(
         self,
-        url: str | None = None,
-        devices: str | None = None,
-        cpu_cores: str | None = None,
+        url: str | list[str] | None = None,
+        devices: str | list[str] | None = None,
+        cpu_cores: str | list[str] | None = None,
         host: str = "127.0.0.1",
         threads: int | None = None,
         dtype: str = "auto",
@@ -138,6 +150,7 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         push_adapters: bool = False,
         server_args: dict[str, Any] | None = None,
         transfer: str = "gloo",
+        replicas: int | None = None,
     ) -> None:
         # vLLM's names are the server's to check (its start fails naming the flag): the trainer never imports vLLM
         errors: list[str] = setting_errors(server_args or {}, f"{KEY}.server_args", None, server_setup.owned_flags())
@@ -156,25 +169,34 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         if push_adapters and tensor_parallel_size > 1:
             errors.append(f"{KEY}.push_adapters reads the served adapter back from one server worker: set "
                           "tensor_parallel_size 1, or push_adapters false to push merged weights")  # fmt: skip
+        urls = [url] if isinstance(url, str) else list(url) if url is not None else None
+        check_number(errors, f"{KEY}.replicas", replicas, ge=1, optional=True)
+        count = replicas if replicas is not None else len(urls) if urls else 1
+        if urls is not None and (not urls or len(set(urls)) != len(urls) or len(urls) != count):
+            errors.append(f"{KEY}.url lists {len(urls)} server(s) ({len(set(urls))} distinct) for {count} replica(s): "
+                          "list each replica's address once (replicas: N is for servers started here)")  # fmt: skip
+        if not isinstance(count, int) or count < 1:
+            count = 1
+        self.device_sets = split_settings(devices, count, f"{KEY}.devices", errors, split=True)
+        self.core_sets = split_settings(cpu_cores, count, f"{KEY}.cpu_cores", errors, split=False)
         if cpu_cores is not None and shutil.which("taskset") is None:
             errors.append(f"{KEY}.cpu_cores needs the taskset command (util-linux), which this machine lacks")
         if transfer not in ("gloo", "file"):
             errors.append(f"{KEY}.transfer must be gloo (the weights over the network) or file, got {transfer!r}")
         raise_errors(errors)
-        self.transfer = transfer
-        self._group = None  # the trainer's end of the gloo transfer (the first process's), joined for each push
-        self._workers: int | None = None  # the server's workers, counted once
-        self.url, self.devices, self.cpu_cores, self.threads = url, devices, cpu_cores, threads
+        self.transfer, self.count = transfer, count
+        self.replicas: list[Replica] = []  # known at the start
+        self.devices, self.cpu_cores, self.threads = devices, cpu_cores, threads
         self.host, self.server_args = host, dict(server_args or {})
         self.dtype, self.max_model_len, self.kv_cache_memory_bytes = dtype, max_model_len, kv_cache_memory_bytes
         self.gpu_memory_utilization, self.tensor_parallel_size = gpu_memory_utilization, tensor_parallel_size
         self.max_num_seqs, self.enable_prefix_caching = max_num_seqs, enable_prefix_caching
         self.transfer_dir, self.startup_timeout, self.request_timeout = transfer_dir, startup_timeout, request_timeout
-        self.log_file, self.given_url = log_file, url
+        self.log_file, self.given_url = log_file, urls
         self.push_adapters = push_adapters
         self._adapter: str | None = None  # the served adapter that requests name, once pushed
         self._places: dict[str, tuple[str, int] | None] = {}
-        self.server: ServerProcess | None = None  # the server this process started
+        self._launched: list[ServerProcess] = []  # the servers this process started
         self._sequences = 1  # sequences this process has in flight (a generation request's deadline counts them)
         self.pushes = 0  # the weight version the server holds (0: the files it started from)
         self.updates_in_flight = False  # pushes keep requests in flight (``start``'s, from partial_rollouts)
@@ -185,74 +207,118 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
     takes_updates_in_flight = True
 
     # ------------------------------------------------------------------ the server
-    def server_command(self, model_dir: Path, port: int, seed: int, on_gpu: bool) -> list[str]:
+    def server_command(self, model_dir: Path, port: int, seed: int, on_gpu: bool, replica: int = 0) -> list[str]:
         """The command line of a server for ``model_dir`` on ``port`` (the environment is ``server_env``'s)."""
-        return server_setup.server_command(self, model_dir, port, seed, on_gpu)
+        return server_setup.server_command(self, model_dir, port, seed, on_gpu, replica)
 
-    def server_env(self) -> dict[str, str]:
+    def server_env(self, replica: int = 0) -> dict[str, str]:
         """The started server's environment: the RL routes on, the transfer backend registered in its workers."""
-        return server_setup.server_env(self)
+        return server_setup.server_env(self, replica)
+
+    @property
+    def url(self) -> str | None:
+        """The first server's address (``None`` before the start, unless given)."""
+        if self.replicas:
+            return self.replicas[0].url
+        return self.given_url[0] if self.given_url else None
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """The first server's endpoint."""
+        return self.replicas[0].endpoint
+
+    @property
+    def server(self) -> ServerProcess | None:
+        """The first server's process, when this process started it."""
+        return self.replicas[0].server if self.replicas else None
+
+    @property
+    def urls(self) -> list[str]:
+        """Every replica's address."""
+        return [replica.url for replica in self.replicas]
 
     def start(
         self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0, in_flight=False
     ) -> None:
-        """Start the server (or reach the one at ``url``); with several training processes, the first starts it.
+        """Start the server(s) (or reach those at ``url``); with several training processes, the first starts them.
 
-        Every process then sends its own prompts to that one server, which batches them; the first pushes the
-        weights, and every process reads them back for its sync check.
+        Every process then sends its own prompts to the replicas, which batch them; the first pushes the weights, and
+        every process reads them back from every replica for its sync check.
         """
         del device, local_rank  # the server has devices of its own
         self.updates_in_flight = in_flight
         self._workdir = server_setup.make_workdir(self.transfer_dir)
-        # where the first process started it (or the url given)
-        self.url = from_rank_zero(lambda: self.url or self._launch(model_dir, seed))
+        # where the first process started them (or the urls given)
+        urls = from_rank_zero(lambda: self.given_url or self._launch(model_dir, seed))
+        started = self._launched or [None] * len(urls)
         absent = server_setup.ABSENT if self.given_url else "the server the first training process started is gone"
-        self.endpoint = Endpoint(self.url, "the vLLM server", f"{KEY}.url", server_setup.EXPECT, absent, self.server)
-        self._wait_until_ready()
+        self.replicas = [
+            Replica(
+                index,
+                len(urls),
+                Endpoint(url, server_name(index, len(urls)), f"{KEY}.url", server_setup.EXPECT, absent, started[index]),
+                started[index],
+            )  # fmt: skip
+            for index, url in enumerate(urls)
+        ]
+        for replica in self.replicas:  # they start side by side
+            self._wait_until_ready(replica)
         if global_rank() == 0:
             if self.transfer == "gloo":  # joined here to find a server that cannot take it at the start
-                self._group = self._join_transfer()
-                log.info("weight push: broadcast to the server's %d worker(s) over gloo (%s.transfer)", self._workers,
-                         KEY)  # fmt: skip
+                each(self.replicas, self._join_transfer)
+                log.info("weight push: broadcast to %s over gloo (%s.transfer)",
+                         ", ".join(f"{r.workers} worker(s) at {r.url}" for r in self.replicas), KEY)  # fmt: skip
             else:
-                self._post("/init_weight_transfer_engine", {"init_info": {}})
-            # the first request is seconds slower; its answer shows the server sends what generate reads
-            warm = {"prompt": [0], "max_tokens": 1, "logprobs": 0, "return_token_ids": True}
-            try:
-                server_setup.completions(self.endpoint, self._post("/v1/completions", warm), 1)
-            except ServerError as err:
-                if "Out of range float" not in str(err):
-                    raise
-                # a log-prob it cannot write as JSON: NaN or infinite weights, before this run pushed any
-                raise ServerError(f"{err}: the server's weights give non-finite log-probs (a push an earlier run "
-                                  "left half done?); restart the server", err.tail) from None  # fmt: skip
+                each(self.replicas, lambda r: self._post("/init_weight_transfer_engine", {"init_info": {}}, replica=r))
+            each(self.replicas, self._warm)
         _barrier()
         self._started = True
 
-    def _launch(self, model_dir: Path, seed: int) -> str:
-        port = free_port(self.host)
-        command = self.server_command(model_dir, port, seed, torch.cuda.is_available())
-        log_path = Path(self.log_file) if self.log_file else self._workdir / "server.log"
-        url = reachable_url(self.host, port)
-        self.server = ServerProcess(command, self.server_env(), url, log_path, "the vLLM server")
-        atexit.register(self.close)  # the pushed weights go with it
-        return url
+    def _warm(self, replica: Replica) -> None:
+        """The first request, seconds slower; its answer shows the server sends what generate reads."""
+        warm = {"prompt": [0], "max_tokens": 1, "logprobs": 0, "return_token_ids": True}
+        try:
+            server_setup.completions(replica.endpoint, self._post("/v1/completions", warm, replica=replica), 1)
+        except ServerError as err:
+            if "Out of range float" not in str(err):
+                raise
+            # a log-prob it cannot write as JSON: NaN or infinite weights, before this run pushed any
+            raise ServerError(f"{err}: the server's weights give non-finite log-probs (a push an earlier run "
+                              "left half done?); restart the server", err.tail) from None  # fmt: skip
 
-    def _wait_until_ready(self) -> None:
+    def _launch(self, model_dir: Path, seed: int) -> list[str]:
+        """Start every replica's server (side by side); their addresses."""
+        urls, self._launched = [], []
+        for index in range(self.count):
+            port = free_port(self.host)
+            command = self.server_command(model_dir, port, seed, torch.cuda.is_available(), index)
+            log_path = Path(self.log_file) if self.log_file else self._workdir / "server.log"
+            if self.count > 1:
+                log_path = log_path.with_name(f"{log_path.stem}.replica{index + 1}{log_path.suffix}")
+            url = reachable_url(self.host, port)
+            process = ServerProcess(command, self.server_env(index), url, log_path, server_name(index, self.count))
+            urls.append(url)
+            self._launched.append(process)
+        atexit.register(self.close)  # the pushed weights go with them
+        return urls
+
+    def _wait_until_ready(self, replica: Replica) -> None:
         key = f"{KEY}.startup_timeout"
-        if self.server is not None:
-            return self.server.wait_until_ready(self.startup_timeout, key)
-        wait_for(self.endpoint, self.startup_timeout, key, refused_s=REFUSED_S if self.given_url else None)
+        if replica.server is not None:
+            return replica.server.wait_until_ready(self.startup_timeout, key)
+        wait_for(replica.endpoint, self.startup_timeout, key, refused_s=REFUSED_S if self.given_url else None)
 
     @property
     def process(self):
-        """The process of the server this process started (``None``: it started none)."""
+        """The process of the (first) server this process started (``None``: it started none)."""
         return self.server.process if self.server is not None else None
 
-    def _post(self, route: str, body: dict | None = None, plain: bool = False) -> dict:
+    def _post(self, route: str, body: dict | None = None, plain: bool = False, replica: Replica | None = None) -> dict:
+        """``body`` to ``route`` of ``replica`` (the first by default), within the route's deadline."""
         deadline = server_setup.deadline(self, route, body, self._sequences)
         key = f"{KEY}.request_timeout"
-        return request(self.endpoint, route, body, deadline_s=deadline, deadline_key=key, plain=plain)
+        endpoint = (replica or self.replicas[0]).endpoint
+        return request(endpoint, route, body, deadline_s=deadline, deadline_key=key, plain=plain)
 
     # ------------------------------------------------------------------ the engine
     def generate(
@@ -267,18 +333,22 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         """
         base = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
         body = {"n": n, **sampling.vllm_params(), "logprobs": 0, "return_token_ids": True} | self._model()
+        # each prompt's group to one replica, balanced by the tokens it may take
+        costs = [len(prompt) + n * int(body.get("max_tokens") or 16) for prompt in prompts]
+        chosen = [self.replicas[index] for index in assign(costs, len(self.replicas), global_rank())]
 
         def one(index: int) -> list[Completion]:
-            prompt, seeded = list(prompts[index]), request_seed(base, index)
+            prompt, seeded, replica = list(prompts[index]), request_seed(base, index), chosen[index]
             if self.updates_in_flight:  # the route that says which weights sampled each token
                 params = {k: v for k, v in body.items() if k not in ("return_token_ids", "model")} | {"seed": seeded}
                 request = {"token_ids": prompt, "sampling_params": params, "output_mode": "text"} | self._model()
-                return server_setup.generated(self.endpoint, self._post("/inference/v1/generate", request), n)
-            answer = self._post("/v1/completions", body | {"prompt": prompt, "seed": seeded})
-            return server_setup.completions(self.endpoint, answer, n)
+                answer = self._post("/inference/v1/generate", request, replica=replica)
+                return server_setup.generated(replica.endpoint, answer, n)
+            answer = self._post("/v1/completions", body | {"prompt": prompt, "seed": seeded}, replica=replica)
+            return server_setup.completions(replica.endpoint, answer, n)
 
-        # Every prompt in flight at once: the server batches them as it would one request.
-        self._sequences = len(prompts) * n * world_size()
+        # Every prompt in flight at once: each server batches its share as it would one request.
+        self._sequences = math.ceil(len(prompts) / len(self.replicas)) * n * world_size()
         try:
             with ThreadPoolExecutor(max_workers=min(len(prompts), 256) or 1) as pool:
                 return list(pool.map(one, range(len(prompts))))
@@ -349,43 +419,55 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         self._adapter = adapter_name(self.pushes)  # every process counts the pushes
 
     # ------------------------------------------------------------------ the routes a push goes through
+    def _targets(self) -> list[Replica]:
+        """The replicas a push goes to: every one."""
+        return self.replicas
+
     def _push_file(
         self,
         plan: list[Planned],
         named: Iterable[tuple[str, torch.Tensor]],
         version: int,
     ) -> None:
-        """Push ``named`` into the server: a file in its transfer folder, loaded through vLLM's update routes.
+        """Push ``named`` into every replica: a file in the transfer folder, loaded through vLLM's update routes.
 
-        The file is written a tensor at a time (``write_weights``, its header from ``plan``). Then ``/pause``
-        (``_paused``), ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update`` with the run's weight
-        ``version`` (the optimisation step), ``/reset_prefix_cache``, ``/resume``.
+        The file is written once, a tensor at a time (``write_weights``, its header from ``plan``). Then on every
+        replica at once: ``/pause`` (``_paused``), ``/start_weight_update``, ``/update_weights``,
+        ``/finish_weight_update`` with the run's weight ``version`` (the optimisation step), ``/reset_prefix_cache``,
+        ``/resume``.
         """
         if not plan:
             raise ValueError("load_weights got no tensors: the engine would keep stale weights")
         path = self._workdir / f"push_{self.pushes + 1}.safetensors"
         write_weights(path, plan, named)
+        targets = self._targets()
+
+        def load(replica: Replica) -> None:
+            self._post("/start_weight_update", replica=replica)
+            self._load(path, replica)
+            self._post("/finish_weight_update", {"weight_version": str(version)}, replica=replica)
+
         try:
-            with self._paused():
-                self._post("/start_weight_update")
-                self._load(path)
-                self._post("/finish_weight_update", {"weight_version": str(version)})
+            with self._paused(targets):
+                each(targets, load)
         finally:
             path.unlink(missing_ok=True)
         self.pushes += 1
 
-    def _join_transfer(self):
-        """The trainer's end of the ``amir_gloo`` transfer: a gloo group with every worker of the server.
+    def _join_transfer(self, replica: Replica) -> None:
+        """The trainer's end of ``replica``'s ``amir_gloo`` transfer: a gloo group with every worker of that server.
 
         The store listens here; ``/init_weight_transfer_engine`` has each worker join, while this process joins as
-        rank 0 in a thread of its own (the route's error, if it fails, is the one raised).
+        rank 0 in a thread of its own (the route's error, if it fails, is the one raised). Each replica has a group
+        of its own: one that fails or falls silent stops its own broadcast, named, not the others'.
         """
-        if self._workers is None:
-            answers = self._post("/collective_rpc", {"method": "amir_worker_rank"})
-            with reading(self.endpoint, "/collective_rpc", answers) as answer:
-                self._workers = len(answer["results"])
-        count = self._workers
-        address = trainer_address(self.url)
+        endpoint = replica.endpoint
+        if replica.workers is None:
+            answers = self._post("/collective_rpc", {"method": "amir_worker_rank"}, replica=replica)
+            with reading(endpoint, "/collective_rpc", answers) as answer:
+                replica.workers = len(answer["results"])
+        count = replica.workers
+        address = trainer_address(replica.url)
         port = free_port(address)
         info = GlooInit(address, port, 1, 1 + count, ROUTE_S)
         joined: dict[str, object] = {}
@@ -399,18 +481,18 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         thread = threading.Thread(target=join, name="amir-transfer-join", daemon=True)
         thread.start()
         try:
-            self._post("/init_weight_transfer_engine", {"init_info": dataclasses.asdict(info)})
+            self._post("/init_weight_transfer_engine", {"init_info": dataclasses.asdict(info)}, replica=replica)
         except ServerError as err:  # a server started for the file transfer (amir_file) refuses the gloo one's info
             hint = f"a server started with another weight transfer than amir_gloo needs {KEY}.transfer set to its own"
             raise ServerError(f"{err}; {hint} (file for amir_file)", tail=err.tail) from None
         thread.join(ROUTE_S)
         if "group" not in joined:
-            raise ServerError(f"{self.endpoint.what} at {self.url} took /init_weight_transfer_engine but its {count} "
+            raise ServerError(f"{endpoint.what} at {replica.url} took /init_weight_transfer_engine but its {count} "
                               f"worker(s) did not join the trainer's gloo group at {address}:{port} "
                               f"({joined.get('error', 'no answer')}); {KEY}.transfer: file pushes through a "
                               "folder instead")  # fmt: skip
-        log.debug("weight push: gloo group with the server's %d worker(s) at %s:%d", count, address, port)
-        return joined["group"]
+        log.debug("weight push: gloo group with the %d worker(s) of %s at %s:%d", count, replica.url, address, port)
+        replica.group = joined["group"]
 
     def _push_gloo(
         self,
@@ -418,45 +500,54 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         named: Iterable[tuple[str, torch.Tensor]],
         version: int,
     ) -> None:
-        """Push ``named`` into the server over the gloo group, a bucket at a time, through vLLM's update routes.
+        """Push ``named`` into every replica over its gloo group, a bucket at a time, through vLLM's update routes.
 
-        Each bucket is one ``/update_weights`` (its names, dtypes and shapes), while this process broadcasts its
-        tensors' bytes; the route answers once every worker has loaded them. ``/pause``, ``/start_weight_update``
-        and ``/finish_weight_update`` with the weight ``version`` around them, as for a file.
+        Each bucket is one ``/update_weights`` (its names, dtypes and shapes) on every replica at once, while this
+        process broadcasts its tensors' bytes into each replica's group; the route answers once every worker of that
+        replica has loaded them. The stream is read once: one bucket is held, whatever the replicas.
+        ``/pause``, ``/start_weight_update`` and ``/finish_weight_update`` with the weight ``version`` around them,
+        as for a file.
         """
         if not plan:
             raise ValueError("load_weights got no tensors: the engine would keep stale weights")
         stream = iter(named)
+        targets = self._targets()
         # A group of its own for each push: a server keeps the last group a trainer brought (another run that
         # reached it since, or a restart, would leave an older one broadcasting to nobody).
-        self._group = self._join_transfer()
-        with self._paused():
-            self._post("/start_weight_update")
+        each(targets, self._join_transfer)
+        with self._paused(targets):
+            each(targets, lambda replica: self._post("/start_weight_update", replica=replica))
             for bucket in sharded.buckets_of(plan, sharded.BUCKET_BYTES):
                 tensors = [next(stream) for _ in bucket]
-                sending: dict[str, object] = {}
-                thread = threading.Thread(target=send_into, args=(self._group, tensors, sending), daemon=True)
-                thread.start()
-                self._post("/update_weights", {"update_info": update_info(tensors)})
-                thread.join(ROUTE_S)
-                if "error" in sending or thread.is_alive():
-                    ended = sending.get("error", "no end")
-                    raise ServerError(f"{self.endpoint.what} at {self.url} answered /update_weights but the "
-                                      f"broadcast of its bucket did not end ({ended})")  # fmt: skip
+                each(targets, lambda replica, tensors=tensors: self._update_over_gloo(replica, tensors))
                 del tensors
-            self._post("/finish_weight_update", {"weight_version": str(version)})
+            body = {"weight_version": str(version)}
+            each(targets, lambda replica: self._post("/finish_weight_update", body, replica=replica))
         self.pushes += 1
 
+    def _update_over_gloo(self, replica: Replica, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """One bucket into ``replica``: its ``/update_weights`` while a thread broadcasts the bytes to its workers."""
+        sending: dict[str, object] = {}
+        thread = threading.Thread(target=send_into, args=(replica.group, tensors, sending), daemon=True)
+        thread.start()
+        self._post("/update_weights", {"update_info": update_info(tensors)}, replica=replica)
+        thread.join(ROUTE_S)
+        if "error" in sending or thread.is_alive():
+            ended = sending.get("error", "no end")
+            raise ServerError(f"{replica.endpoint.what} at {replica.url} answered /update_weights but the "
+                              f"broadcast of its bucket did not end ({ended})")  # fmt: skip
+
     def _push_adapter_files(self, adapters: dict[str, torch.Tensor], rank: int, dtype: torch.dtype) -> None:
-        """Serve ``adapters`` from the server as a new LoRA adapter (``adapter_name``), and drop the last one.
+        """Serve ``adapters`` from every replica as a new LoRA adapter (``adapter_name``), and drop the last one.
 
         vLLM's ``/v1/load_lora_adapter``, generation paused as for a weight push (``paused``). Each push is an adapter
         of its own (``policy-<push>``): one loaded ``load_inplace`` would be read from its folder again at every
-        scheduling step, as vLLM 0.32 re-applies such a request's adapter. The server holds one adapter (``--max-loras
-        1``), so the new one takes the old one's place.
+        scheduling step, as vLLM 0.32 re-applies such a request's adapter. A server holds one adapter (``--max-loras
+        1``), so the new one takes the old one's place. The folder is written once, for every replica to read.
         """
         name = adapter_name(self.pushes + 1)
         folder = self._workdir / name
+        targets = self._targets()
         try:
             write_adapter(folder, adapters, rank, dtype)
         except OSError as err:
@@ -465,53 +556,69 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
                               f"{err.strerror or err}") from None  # fmt: skip
         try:
             if self._adapter is None:  # this run's first: an earlier run on a server given by url left its adapter
-                for left in self._served_adapters():
-                    with contextlib.suppress(ServerError):
-                        self._post("/v1/unload_lora_adapter", {"lora_name": left}, plain=True)
-            with self._paused():
-                self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)}, plain=True)
+                each(targets, self._unload_left)
+            body = {"lora_name": name, "lora_path": str(folder)}
+            with self._paused(targets):
+                each(targets, lambda replica: self._post("/v1/load_lora_adapter", body, plain=True, replica=replica))
         finally:
-            shutil.rmtree(folder, ignore_errors=True)  # read into the server's memory by now
+            shutil.rmtree(folder, ignore_errors=True)  # read into the servers' memory by now
         if self._adapter is not None:  # the last adapter, no longer served
-            with contextlib.suppress(ServerError):
-                self._post("/v1/unload_lora_adapter", {"lora_name": self._adapter}, plain=True)
+            last = {"lora_name": self._adapter}
+            for replica in targets:
+                with contextlib.suppress(ServerError):
+                    self._post("/v1/unload_lora_adapter", last, plain=True, replica=replica)
         self.pushes += 1
 
-    def _served_adapters(self) -> list[str]:
-        """The policy adapters the server holds now (``/v1/models`` lists each with its base as ``parent``)."""
-        answer = request(self.endpoint, "/v1/models", None, deadline_s=ROUTE_S, deadline_key=f"{KEY}.request_timeout",
-                         method="GET")  # fmt: skip
-        with reading(self.endpoint, "/v1/models", answer):
+    def _unload_left(self, replica: Replica) -> None:
+        """Drop the policy adapters ``replica`` holds from an earlier run.
+
+        ``/v1/models`` lists each with its base as ``parent``.
+        """
+        answer = request(replica.endpoint, "/v1/models", None, deadline_s=ROUTE_S,
+                         deadline_key=f"{KEY}.request_timeout", method="GET")  # fmt: skip
+        with reading(replica.endpoint, "/v1/models", answer):
             names = [model["id"] for model in answer["data"] if model.get("parent")]
-        return [name for name in names if name.startswith(f"{ADAPTER}-")]
+        for left in [name for name in names if name.startswith(f"{ADAPTER}-")]:
+            with contextlib.suppress(ServerError):
+                self._post("/v1/unload_lora_adapter", {"lora_name": left}, plain=True, replica=replica)
 
     @contextlib.contextmanager
-    def _paused(self):
-        """The server with generation paused, for a push; its prefix cache dropped before it resumes.
+    def _paused(self, targets: list[Replica]):
+        """The replicas ``targets`` with generation paused, for a push; their prefix caches dropped before they resume.
 
         ``/pause`` waits for the requests in flight to finish on the old weights; with updates in flight
         (``self.updates_in_flight``) it keeps them (``mode=keep``) and the cache reset sends them back to the queue
         (``reset_running_requests``): their tokens so far are read again under the new weights, which sample the rest.
         """
         keep = self.updates_in_flight
-        self._post("/pause?mode=keep" if keep else "/pause?mode=wait")
-        try:
-            yield
-            reset = self._post("/reset_prefix_cache?reset_running_requests=true" if keep else "/reset_prefix_cache")
-            if keep and not (isinstance(reset, dict) and reset.get("success")):
-                raise ServerError(
-                    f"{self.endpoint.what} at {self.url} could not drop its cache of the old weights after a push "
-                    f"with requests in flight (/reset_prefix_cache answered {reset!r:.200})"
-                )
-        except BaseException:
-            with contextlib.suppress(ServerError):  # the first failure is the one to name
-                self._post("/resume")
-            raise
-        self._post("/resume")
 
-    def _load(self, path: Path) -> None:
+        def reset(replica: Replica) -> None:
+            route = "/reset_prefix_cache?reset_running_requests=true" if keep else "/reset_prefix_cache"
+            answer = self._post(route, replica=replica)
+            if keep and not (isinstance(answer, dict) and answer.get("success")):
+                raise ServerError(
+                    f"{replica.endpoint.what} at {replica.url} could not drop its cache of the old weights after a "
+                    f"push with requests in flight (/reset_prefix_cache answered {answer!r:.200})"
+                )
+
+        def resume_all() -> None:
+            for replica in targets:
+                with contextlib.suppress(ServerError):  # the first failure is the one to name
+                    self._post("/resume", replica=replica)
+
         try:
-            self._post("/update_weights", {"update_info": {"path": str(path)}})
+            pause = "/pause?mode=keep" if keep else "/pause?mode=wait"
+            each(targets, lambda replica: self._post(pause, replica=replica))
+            yield
+            each(targets, reset)
+        except BaseException:
+            resume_all()
+            raise
+        each(targets, lambda replica: self._post("/resume", replica=replica))
+
+    def _load(self, path: Path, replica: Replica) -> None:
+        try:
+            self._post("/update_weights", {"update_info": {"path": str(path)}}, replica=replica)
         except ServerError as err:
             if any(sign in str(err) for sign in UNREAD):  # the server does not see the trainer's folder
                 raise ServerError(f"{err}; it could not read the pushed weights {path}: the server must see "
@@ -520,13 +627,19 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
             raise
 
     @override
+    def copies(self) -> list[tuple[str, ReplicaView]]:
+        """Every replica, named (``replica 2 of 2 at http://...``) where there are several."""
+        return [(replica.label, ReplicaView(self, replica)) for replica in self.replicas]
+
+    @override
     def held_adapters(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
-        results = self._post("/collective_rpc", {"method": "amir_held_adapters"})
-        with reading(self.endpoint, "/collective_rpc", results) as answer:
-            return decode(answer["results"][0])
+        return ReplicaView(self, self.replicas[0]).held_adapters()
 
     def adapter_places(self, modules: list[str]) -> dict[str, tuple[str, int] | None]:
-        """The server's LoRA layer and slice for each of the trainer's adapted layers (asked once per layer)."""
+        """The server's LoRA layer and slice for each of the trainer's adapted layers (asked once per layer).
+
+        The first replica answers for all: they serve one model with one configuration.
+        """
         missing = [m for m in modules if m not in self._places]
         if missing:
             body = {"method": "amir_adapter_places", "args": [json.dumps(missing)]}
@@ -545,7 +658,11 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         return _ServerLayout(self)
 
     def slots(self, names: list[str]) -> dict[str, WeightSlot | None]:
-        """Where the server keeps each of ``names`` (asked once per name: the layout does not change)."""
+        """Where the server keeps each of ``names`` (asked once per name: the layout does not change).
+
+        The first replica answers for all: each is read back against it, so one that keeps a tensor elsewhere is
+        found wrong.
+        """
         missing = [n for n in names if n not in self._slots]
         if missing:
             results = self._post("/collective_rpc", {"method": "amir_weight_slots", "args": [json.dumps(missing)]})
@@ -555,38 +672,37 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
 
     @override
     def held_weights(self, columns: ColumnSample) -> dict[str, list[Reading]]:
-        results = self._post(
-            "/collective_rpc", {"method": "amir_held_weights", "args": [json.dumps([columns.seed, columns.count])]}
-        )
-        with reading(self.endpoint, "/collective_rpc", results) as answer:
-            return merge_workers([decode(result) for result in answer["results"]])
+        """What the first replica holds (the sync check reads every replica: ``copies``)."""
+        return ReplicaView(self, self.replicas[0]).held_weights(columns)
 
     @override
-    def score(self, prompt: list[int], completion: list[int]) -> list[float]:
+    def score(self, prompt: list[int], completion: list[int], replica: Replica | None = None) -> list[float]:
+        """The log-probs of ``completion`` after ``prompt`` under ``replica``'s weights (the first by default)."""
+        replica = replica or self.replicas[0]
         ids = list(prompt) + list(completion)
         body = {"prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0} | self._model()
         try:
-            answer = self._post("/v1/completions", body)
+            answer = self._post("/v1/completions", body, replica=replica)
         except ServerError as err:
             if "Out of range float" not in str(err):
                 raise
             return [float("nan")] * len(completion)  # the server cannot write an infinite log-prob: not finite
-        with reading(self.endpoint, "/v1/completions", answer):
+        with reading(replica.endpoint, "/v1/completions", answer):
             entries = answer["choices"][0]["prompt_logprobs"][len(prompt) :]
             return [float(entry[str(token)]["logprob"]) for token, entry in zip(completion, entries, strict=True)]
 
     def close(self) -> None:
-        """Stop the server this process started (a server at a given ``url`` keeps running)."""
-        if self.server is not None:
-            self.server.close()
+        """Stop the servers this process started (a server at a given ``url`` keeps running)."""
+        for server in self._launched:
+            server.close()
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
 
     def __del__(self) -> None:
-        if sys.is_finalizing():  # the interpreter's own names are gone; the server's watcher stops it as we exit
+        if sys.is_finalizing():  # the interpreter's own names are gone; the servers' watchers stop them as we exit
             return
-        if getattr(self, "server", None) is not None:
+        if getattr(self, "_launched", None):
             self.close()
 
 

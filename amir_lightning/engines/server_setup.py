@@ -46,8 +46,10 @@ ROUTE_S = 600.0  # the other routes: a weight file loaded, the weights read back
 UNREAD = ("No such file", "Permission denied", "deserializ", "Header", "safetensors")
 
 
-def server_command(engine: ServerEngine, model_dir: Path, port: int, seed: int, on_gpu: bool) -> list[str]:
-    """The command line of ``engine``'s server for ``model_dir`` on ``port``."""
+def server_command(
+    engine: ServerEngine, model_dir: Path, port: int, seed: int, on_gpu: bool, replica: int = 0
+) -> list[str]:
+    """The command line of ``engine``'s server (its replica number ``replica``) for ``model_dir`` on ``port``."""
     dtype = served_dtype(engine, on_gpu)
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
     command += ["--host", engine.host, "--port", str(port), "--seed", str(seed), "--dtype", dtype]
@@ -69,8 +71,9 @@ def server_command(engine: ServerEngine, model_dir: Path, port: int, seed: int, 
         command += ["--enforce-eager", "--kv-cache-memory-bytes", str(kv_bytes or 256 * 1024**2)]
         command += ["--no-enable-chunked-prefill"]
     command += server_flags(engine.server_args)
-    if engine.cpu_cores is not None:
-        command = ["taskset", "-c", engine.cpu_cores, *command]
+    cores = engine.core_sets[replica]
+    if cores is not None:
+        command = ["taskset", "-c", cores, *command]
     return command
 
 
@@ -86,15 +89,18 @@ def served_dtype(engine: ServerEngine, on_gpu: bool) -> str:
     return engine.dtype if engine.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
 
 
-def server_env(engine: ServerEngine) -> dict[str, str]:
-    """The started server's environment: the RL routes on, the transfer backend registered in its workers."""
+def server_env(engine: ServerEngine, replica: int = 0) -> dict[str, str]:
+    """The environment of ``engine``'s started server (replica ``replica``).
+
+    The RL routes on, the transfer backend registered in its workers, the replica's devices.
+    """
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", AMIR_VLLM_SERVER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     # vLLM's OpenAI routes take 4 stop strings by default; an environment's turn may end at more (a digit, a tag)
     env.setdefault("VLLM_MAX_STOP_STRINGS", str(MAX_STOP_STRINGS))
     for key in TRAINER_GROUP:  # the server's workers form a group of their own, not the trainer's
         env.pop(key, None)
-    if engine.devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = engine.devices
+    if engine.device_sets[replica] is not None:
+        env["CUDA_VISIBLE_DEVICES"] = engine.device_sets[replica]
     if engine.threads is not None:
         env["OMP_NUM_THREADS"] = str(engine.threads)
     if engine.takes_adapters:

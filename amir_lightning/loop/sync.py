@@ -170,29 +170,35 @@ class SyncCheck:
         pushed = self._push(policy, engine, version, merged=not adapters) if whole else None
         wrong: list[str] = []
         verified = checked = 0  # tensors compared with the push; and every engine tensor the check looked at
-        if pushed is not None:
-            held = engine.held_weights(pushed.columns)
+        copies = engine.copies() if hasattr(engine, "copies") else [("", engine)]  # a duck-typed engine: itself
+        for name, copy in copies if pushed is not None else []:  # each replica of the weights, read back
+            held = copy.held_weights(pushed.columns)
             if held is None:
                 pushed = None
-            else:
-                wrong, verified = pushed.mismatches(held), pushed.compared(held)
-                wrong += self._changed_unchecked(pushed, held)
-                checked = len(set(pushed.parts) | set(held))
-                self._say_unread(pushed.unread(held))
+                break
+            found = pushed.mismatches(held) + self._changed_unchecked(pushed, held)
+            wrong += [f"{name}: {w}" if name else w for w in found]
+            verified, checked = verified + pushed.compared(held), checked + len(set(pushed.parts) | set(held))
+            self._say_unread(pushed.unread(held))
         if pushed is None and whole:
             self._say_unverified(engine)
         if adapters:
             self._base_pushed = True
-            adapter_wrong, compared = self._push_adapters(policy, engine)
-            wrong, verified = wrong + adapter_wrong, verified + compared
-            checked += compared + len(adapter_wrong)
+            adapters_pushed = self._push_adapters(policy, engine)
+            for name, copy in copies if adapters_pushed is not None else []:
+                adapter_wrong, compared = adapter_mismatches(adapters_pushed, copy.held_adapters(), self._layout)
+                wrong += [f"{name}: {w}" if name else w for w in adapter_wrong]
+                verified, checked = verified + compared, checked + compared + len(adapter_wrong)
         # Every process learns whether any engine is wrong before any scores the probe: under FSDP2 the policy's
         # forward is a collective, so one process skipping it (its engine wrong) left the others waiting in it.
         (any_wrong,) = reduce_max([float(bool(wrong))])
         self.syncs += 1
         if any_wrong:
             self._stop(wrong, checked)
-        (gap,) = reduce_max([max(abs(a - b) for a, b in zip(*self.scores(policy, engine)))])
+        prompt, completion = self.probe
+        trainer = policy.score_tokens(prompt, completion)  # a collective under FSDP2: once, on every process
+        gaps = [max(abs(a - b) for a, b in zip(copy.score(prompt, completion), trainer)) for _, copy in copies]
+        (gap,) = reduce_max([max(gaps)])
         float32 = pushed is not None and pushed.dtypes == {torch.float32}
         return SyncReport(gap, self._probe_level(gap, verified > 0, float32), verified, self._bytes)
 
@@ -234,14 +240,14 @@ class SyncCheck:
             if name in pushed.fingerprints and pushed.fingerprints[name] != first
         ]
 
-    def _push_adapters(self, policy: Policy, engine: RolloutEngine) -> tuple[list[str], int]:
-        """Push the policy's LoRA factors; the adapted layers the engine holds otherwise, and the slices compared."""
+    def _push_adapters(self, policy: Policy, engine: RolloutEngine) -> dict[str, torch.Tensor] | None:
+        """Push the policy's LoRA factors; what was pushed, to compare with each copy's (``None``: not compared)."""
         adapters = policy.export_adapters()
         engine.load_adapters(adapters, policy.lora.r)
         self._bytes += sum(t.numel() * t.element_size() for t in adapters.values())
         if not self.settings.verify_weights or self._layout is None:
-            return [], 0
-        return adapter_mismatches(adapters, engine.held_adapters(), self._layout)
+            return None
+        return adapters
 
     def _stop(self, wrong: list[str], checked: int) -> None:
         where = "this process's engine" if wrong else "the engine of another process"

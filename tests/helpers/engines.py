@@ -237,3 +237,19 @@ class ServerIgnoresPushesAfter(_IgnoresPushesAfter, VLLMServerEngine):
 
 class ServerPartialUpdate(_PartialUpdate, VLLMServerEngine):
     """``VLLMServerEngine`` that moves its server's weights 55 % of the way to each push."""
+
+
+class ServerReplicaIgnoresPushesAfter(VLLMServerEngine):
+    """``VLLMServerEngine`` whose last replica takes the first ``good_pushes`` pushes, then none (the others take
+    every one): a replica that stopped listening."""
+
+    def __init__(self, good_pushes: int = 2, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.good_pushes, self.taken = good_pushes, 0
+
+    def load_weights(self, named_tensors, version=0):  # noqa: D102
+        self.taken += 1
+        super().load_weights(named_tensors, version)
+
+    def _targets(self):
+        return self.replicas if self.taken <= self.good_pushes else self.replicas[:-1]
