@@ -52,9 +52,12 @@ ENGINES = {
     "server": lambda: VLLMServerEngine(
         max_model_len=64, kv_cache_memory_bytes=32 * 1024**2, threads=1, push_adapters=True
     ),  # fmt: skip
+    "server replicas": lambda: VLLMServerEngine(
+        max_model_len=64, kv_cache_memory_bytes=32 * 1024**2, threads=1, push_adapters=True, replicas=2
+    ),  # fmt: skip
 }
 #: Where each engine's adapter folder is written from (a fault below rewrites what it writes).
-WRITERS = {"in-process": vllm_engine_module, "server": server_engine_module}  # where each writes an adapter
+WRITERS = {"in-process": vllm_engine_module, "server": server_engine_module, "server replicas": server_engine_module}
 
 
 @pytest.fixture(scope="module", params=list(ENGINES))
@@ -87,7 +90,8 @@ def test_the_base_goes_once_then_the_factors_alone_and_the_engine_computes_the_p
     for sync in range(1, 4):
         step(policy, seed=sync)
         report = check.push_and_verify(policy, engine)
-        assert report.pushed_bytes == adapter_bytes and report.verified == slices
+        assert report.pushed_bytes == adapter_bytes and report.verified == slices * report.copies
+        assert report.copies == (2 if engine.kind == "server replicas" else 1)
         assert report.gap < 1e-4, report  # float32: the engine's LoRA layers compute the policy's forward
     # What the engine samples is scored by the policy as the engine scored it.
     prompt = policy.tokenizer("12+5=")["input_ids"]
@@ -247,3 +251,20 @@ def test_a_run_on_a_server_pushes_adapters_and_samples_with_them(tmp_path, monke
     assert verified[1:] == [14.0, 14.0] and verified[0] > 14
     assert max(scalars["rollout/sync_logp_diff"]) < 1e-4
     assert max(scalars["rollout/engine_trainer_kl"]) < 1e-6  # the sampled tokens, scored by both
+
+
+@pytest.mark.slow
+def test_a_replica_that_misses_an_adapter_push_is_named_at_that_sync(tiny_dir, engine, monkeypatch):
+    """Two servers serving the policy's adapter: the second push reaches the first replica alone, and the sync stops
+    naming the second."""
+    if engine.kind != "server replicas":
+        pytest.skip("an engine of one copy")
+    policy = lora_policy(tiny_dir)
+    check = new_check(policy)
+    check.push_and_verify(policy, engine)
+    step(policy, seed=11)
+    monkeypatch.setattr(engine, "_targets", lambda: engine.replicas[:1])
+    with pytest.raises(StaleEngineError, match=rf"the first: replica 2 of 2 at {engine.urls[1]}: .*proj"):
+        check.push_and_verify(policy, engine)
+    monkeypatch.undo()
+    check.push_and_verify(policy, engine)  # both serve the policy's adapter again

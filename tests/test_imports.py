@@ -54,7 +54,7 @@ TIERS = [
     {"evaluation"},
     {"checkpoints"},
     {"systems"},
-    {"cli", "__main__"},
+    {"cli", "__main__", "vllm_serve"},
 ]
 FREE_OF_LIGHTNING = {
     "helpers",

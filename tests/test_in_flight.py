@@ -57,28 +57,32 @@ def test_an_engine_that_cannot_take_a_push_in_flight_is_refused():
 
 
 @pytest.mark.slow
-def test_a_push_reaches_the_requests_in_flight_and_the_tokens_say_which_weights_sampled_them(tmp_path):
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_push_reaches_the_requests_in_flight_and_the_tokens_say_which_weights_sampled_them(tmp_path, replicas):
     """A long generation on the server, a push while it runs: the completions' first tokens carry the version the
-    server had, the rest the pushed one (which its workers hold, exactly); every token has its engine log-prob."""
+    server had, the rest the pushed one (which its workers hold, exactly); every token has its engine log-prob. With
+    two replicas, a group on each: the push reaches both in flight, and both score as the pushed weights."""
     # 2000 tokens take ~4 s on 2 cores: the push lands inside them (240 once finished before it on a faster machine)
     model_dir = build_tiny_model(tmp_path / "model", seed=5, max_position_embeddings=LONG + 8)
-    engine = VLLMServerEngine(**SERVER | {"max_model_len": LONG + 8})
+    engine = VLLMServerEngine(**SERVER | {"max_model_len": LONG + 8, "replicas": replicas})
     engine.start(model_dir, seed=0, in_flight=True)
     try:
         tensors = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
         engine.load_weights(tensors.items(), version=3)  # the run's weights
         sampling = SamplingConfig(max_new_tokens=LONG, temperature=1.0, generation_kwargs={"ignore_eos": True})
         out = {}
-        thread = threading.Thread(target=lambda: out.update(groups=engine.generate([[5, 6, 7]], 2, sampling, 11)))
+        prompts = [[5, 6, 7]] * replicas  # a group on each replica
+        thread = threading.Thread(target=lambda: out.update(groups=engine.generate(prompts, 2, sampling, 11)))
         thread.start()
         deadline = time.monotonic() + 120
-        while running_requests(engine.url) < 1 and time.monotonic() < deadline:
+        while min(running_requests(url) for url in engine.urls) < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.3)  # some tokens on version 3
         moved = {name: value + 0.01 for name, value in tensors.items()}
         engine.load_weights(moved.items(), version=4)
         thread.join(timeout=300)
-        for completion in out["groups"][0]:
+        assert len(out["groups"]) == replicas
+        for completion in (completion for group in out["groups"] for completion in group):
             versions = completion.versions
             assert len(versions) == len(completion.token_ids) == len(completion.sampling_logps) == LONG
             first_new = versions.index(4)
@@ -89,6 +93,8 @@ def test_a_push_reaches_the_requests_in_flight_and_the_tokens_say_which_weights_
         ids = torch.tensor([[5, 6, 7, 8, 9]])
         with torch.no_grad():
             expected = torch.log_softmax(model(ids).logits[0, 2:4].float(), -1)[[0, 1], [8, 9]]
-        torch.testing.assert_close(torch.tensor(engine.score([5, 6, 7], [8, 9])), expected, atol=1e-4, rtol=0)
+        for replica in engine.replicas:
+            scored = torch.tensor(replica.score([5, 6, 7], [8, 9]))
+            torch.testing.assert_close(scored, expected, atol=1e-4, rtol=0)
     finally:
         engine.close()

@@ -21,6 +21,11 @@ KEY = "data.engine.init_args"
         ({"logprobs-mode": "raw_logprobs"}, r"\.logprobs-mode: set by the run: processed_logprobs"),
         ({"worker_extension_cls": "x.Y"}, r"\.worker_extension_cls: set by the run's exact read-back"),
         ({"quantization": "fp8"}, r"\.quantization: a quantized engine holds other weights than the trainer pushes"),
+        (
+            {"data-parallel-size": 2},
+            r"\.data-parallel-size: vLLM's data-parallel serving answers /collective_rpc with "
+            r"its first rank's workers alone .* set data.engine.init_args.replicas",
+        ),
     ],
 )
 def test_a_setting_the_run_owns_or_cannot_verify_is_refused_naming_the_key(engine, setting, message):

@@ -87,14 +87,14 @@ def test_every_push_reaches_every_replica_and_each_is_read_back(tiny_dir, two, m
 
     assert len(set(two.urls)) == 2 and all(r.server is not None for r in two.replicas)
     sent: list[str] = []
-    post = two._post
+    for replica in two.replicas:
 
-    def recording(route, body=None, plain=False, replica=None):
-        if route == "/v1/completions" and body and body.get("n") == 2:
-            sent.append(replica.url)
-        return post(route, body, plain, replica)
+        def recording(route, body=None, deadline_s=None, plain=False, replica=replica, post=replica.post):
+            if route == "/v1/completions" and body and body.get("n") == 2:
+                sent.append(replica.url)
+            return post(route, body, deadline_s, plain)
 
-    monkeypatch.setattr(two, "_post", recording)
+        monkeypatch.setattr(replica, "post", recording)
     groups = two.generate([[1, 2, 3]] * 6, n=2, sampling=SamplingConfig(max_new_tokens=4), seed=3)
     assert [len(g) for g in groups] == [2] * 6 and sorted(sent.count(u) for u in two.urls) == [3, 3]
     monkeypatch.undo()

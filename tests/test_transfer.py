@@ -6,7 +6,13 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers.engines import ServerDropsHalf, ServerIgnoresPushesAfter, ServerPartialUpdate, ServerSwapsParts
+from helpers.engines import (
+    ServerDropsHalf,
+    ServerIgnoresPushesAfter,
+    ServerLayoutFault,
+    ServerPartialUpdate,
+    ServerSwapsParts,
+)
 from helpers.served import SETTINGS
 
 from amir_lightning.engines import VLLMServerEngine
@@ -116,6 +122,10 @@ SERVER_FAULTS = [
     (ServerPartialUpdate, {}, 2, "model."),
     (ServerSwapsParts, {"parts": "kv"}, 1, "qkv_proj.weight"),
     (ServerSwapsParts, {"parts": "gate_up"}, 1, "gate_up_proj.weight"),
+    (ServerLayoutFault, {"fault": "transposed_q"}, 1, "qkv_proj.weight"),
+    (ServerLayoutFault, {"fault": "reversed_heads"}, 1, "qkv_proj.weight"),
+    (ServerLayoutFault, {"fault": "rotary_interleaved"}, 1, "qkv_proj.weight"),
+    (ServerLayoutFault, {"fault": "negated_down"}, 1, "down_proj.weight"),
 ]
 
 

@@ -49,6 +49,10 @@ OWNED = {
 UNVERIFIABLE = {
     "quantization": "a quantized engine holds other weights than the trainer pushes, and every push is verified "
     "exactly (the sync check): quantized engines are not supported",
+    "data_parallel_size": "vLLM's data-parallel serving answers /collective_rpc with its first rank's workers alone "
+    "(vllm/v1/engine/core_client.py, DPLBAsyncMPClient.call_utility_async), so the other ranks' weights could not be "
+    "read back: set data.engine.init_args.replicas, whose servers are each pushed to and verified",
+    "api_server_count": "the run reaches one API server per replica (data.engine.init_args.replicas)",
 }
 
 

@@ -1,54 +1,69 @@
 """The vLLM servers one ``VLLMServerEngine`` generates from: each a ``Replica``, every one holding the same weights.
 
-A rollout's groups are spread over the replicas, whole (a prompt's samples share its prefix cache on one server),
-balanced by the tokens they may take (``assign``); every push reaches every replica, and the sync check reads each
-one back (``ReplicaView``: one replica seen as an engine of its own, ``RolloutEngine.copies``). Each replica is a
-server of its own for the fault machinery (``helpers/http.py``): one that dies, falls silent or holds other weights
-stops the run with a line naming it (``the vLLM server (replica 2 of 2) at http://...``).
+A replica is one server and the routes the engine sends it: generation, the weight push (over its own gloo group or
+from a file), the adapter push, and the read-back the sync check compares. ``VLLMServerEngine`` keeps a list of them:
+a rollout's groups are spread over them, whole (a prompt's samples share its prefix cache on one server), balanced by
+the tokens they may take (``assign``); every push reaches every one (``each`` runs a route on all of them at once);
+and the sync check reads each one back (``RolloutEngine.copies``). Each is a server of its own for the fault machinery
+(``helpers/http.py``): one that dies, falls silent or holds other weights stops the run with a line naming it
+(``the vLLM server (replica 2 of 2) at http://...``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import heapq
 import json
-from collections.abc import Callable, Sequence
+import logging
+import threading
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from amir_lightning.engines.digest import ColumnSample, Reading
+from amir_lightning.engines import server_setup
+from amir_lightning.engines.digest import ColumnSample, Reading, WeightSlot
+from amir_lightning.engines.server_setup import ADAPTER, KEY, ROUTE_S, UNREAD
 from amir_lightning.engines.shards import merge_workers
+from amir_lightning.engines.transfer import GlooInit, gloo_group, send_into, trainer_address, update_info
 from amir_lightning.engines.vllm_worker import decode
-from amir_lightning.helpers.http import Endpoint, reading
+from amir_lightning.helpers.http import Endpoint, ServerError, reading, request
+from amir_lightning.helpers.serving import ServerProcess, free_port, wait_for
 
-if TYPE_CHECKING:
-    from amir_lightning.engines.server import VLLMServerEngine
-    from amir_lightning.helpers.serving import ServerProcess
+log = logging.getLogger(__name__)
 
-T = TypeVar("T")
+
+def server_name(index: int, count: int) -> str:
+    """A replica's name in messages: ``the vLLM server``, or ``the vLLM server (replica 2 of 3)``."""
+    return "the vLLM server" if count == 1 else f"the vLLM server (replica {index + 1} of {count})"
 
 
 @dataclasses.dataclass
 class Replica:
-    """One vLLM server of the engine.
+    """One vLLM server of the engine, and the routes the engine sends it.
 
     Attributes:
         index: Its place among the engine's replicas (0 first).
         count: How many replicas the engine has.
         endpoint: Where its requests go and how its faults are named.
+        route_s: The deadline of a route other than generation (``request_timeout``, else ``ROUTE_S``).
         server: Its process, when this run started it.
-        workers: Its workers (``tensor_parallel_size`` of them), counted at the first gloo push.
+        workers: Its workers (``tensor_parallel_size`` of them), counted at its first gloo push.
         group: The trainer's end of its gloo transfer, joined for each push.
+        adapter: The name of the adapter its requests name (a pushed LoRA adapter), else ``None``.
     """
 
     index: int
     count: int
     endpoint: Endpoint
+    route_s: float = ROUTE_S
     server: ServerProcess | None = None
     workers: int | None = None
     group: Any = None
+    adapter: str | None = None
 
     @property
     def url(self) -> str:
@@ -60,10 +75,223 @@ class Replica:
         """How the sync check names it (empty for an engine of one server)."""
         return f"replica {self.index + 1} of {self.count} at {self.url}" if self.count > 1 else ""
 
+    def post(self, route: str, body: dict | None = None, deadline_s: float | None = None, plain: bool = False) -> dict:
+        """``body`` to ``route``, within ``deadline_s`` (by default ``route_s``)."""
+        return request(self.endpoint, route, body, deadline_s=deadline_s or self.route_s,
+                       deadline_key=f"{KEY}.request_timeout", plain=plain)  # fmt: skip
 
-def server_name(index: int, count: int) -> str:
-    """A replica's name in messages: ``the vLLM server``, or ``the vLLM server (replica 2 of 3)``."""
-    return "the vLLM server" if count == 1 else f"the vLLM server (replica {index + 1} of {count})"
+    def wait_until_ready(self, timeout: float, refused_s: float | None) -> None:
+        """Return once it answers ``/health`` (its process watched, when this run started it)."""
+        key = f"{KEY}.startup_timeout"
+        if self.server is not None:
+            return self.server.wait_until_ready(timeout, key)
+        wait_for(self.endpoint, timeout, key, refused_s=refused_s)
+
+    # ------------------------------------------------------------------ the start
+    def warm(self) -> None:
+        """The first request, seconds slower; its answer shows the server sends what generate reads."""
+        warm = {"prompt": [0], "max_tokens": 1, "logprobs": 0, "return_token_ids": True}
+        try:
+            server_setup.completions(self.endpoint, self.post("/v1/completions", warm), 1)
+        except ServerError as err:
+            if "Out of range float" not in str(err):
+                raise
+            # a log-prob it cannot write as JSON: NaN or infinite weights, before this run pushed any
+            raise ServerError(f"{err}: the server's weights give non-finite log-probs (a push an earlier run "
+                              "left half done?); restart the server", err.tail) from None  # fmt: skip
+
+    def init_file_transfer(self) -> None:
+        """Ready the ``amir_file`` transfer in its workers."""
+        self.post("/init_weight_transfer_engine", {"init_info": {}})
+
+    def join_transfer(self) -> None:
+        """The trainer's end of its ``amir_gloo`` transfer: a gloo group with every worker of this server.
+
+        The store listens here; ``/init_weight_transfer_engine`` has each worker join, while this process joins as
+        rank 0 in a thread of its own (the route's error, if it fails, is the one raised). Each replica has a group
+        of its own: one that fails or falls silent stops its own broadcast, named, not the others'.
+        """
+        if self.workers is None:
+            answers = self.post("/collective_rpc", {"method": "amir_worker_rank"})
+            with reading(self.endpoint, "/collective_rpc", answers) as answer:
+                self.workers = len(answer["results"])
+        address = trainer_address(self.url)
+        port = free_port(address)
+        info = GlooInit(address, port, 1, 1 + self.workers, ROUTE_S)
+        joined: dict[str, object] = {}
+        thread = threading.Thread(target=_join, args=(info, joined), name="amir-transfer-join", daemon=True)
+        thread.start()
+        try:
+            self.post("/init_weight_transfer_engine", {"init_info": dataclasses.asdict(info)})
+        except ServerError as err:  # a server started for the file transfer (amir_file) refuses the gloo one's info
+            hint = f"a server started with another weight transfer than amir_gloo needs {KEY}.transfer set to its own"
+            raise ServerError(f"{err}; {hint} (file for amir_file)", tail=err.tail) from None
+        thread.join(ROUTE_S)
+        if "group" not in joined:
+            raise ServerError(f"{self.endpoint.what} at {self.url} took /init_weight_transfer_engine but its "
+                              f"{self.workers} worker(s) did not join the trainer's gloo group at {address}:{port} "
+                              f"({joined.get('error', 'no answer')}); {KEY}.transfer: file pushes through a "
+                              "folder instead")  # fmt: skip
+        log.debug("weight push: gloo group with the %d worker(s) of %s at %s:%d", self.workers, self.url, address, port)
+        self.group = joined["group"]
+
+    # ------------------------------------------------------------------ a push
+    def pause(self, keep: bool) -> None:
+        """``/pause``: the requests in flight finish first (``wait``), or are kept to go on (``keep``)."""
+        self.post("/pause?mode=keep" if keep else "/pause?mode=wait")
+
+    def reset(self, keep: bool) -> None:
+        """Drop the prefix cache of the old weights (with ``keep``, the requests in flight go back to the queue)."""
+        answer = self.post("/reset_prefix_cache?reset_running_requests=true" if keep else "/reset_prefix_cache")
+        if keep and not (isinstance(answer, dict) and answer.get("success")):
+            raise ServerError(
+                f"{self.endpoint.what} at {self.url} could not drop its cache of the old weights after a push "
+                f"with requests in flight (/reset_prefix_cache answered {answer!r:.200})"
+            )
+
+    def resume(self) -> None:
+        """``/resume``."""
+        self.post("/resume")
+
+    def start_update(self) -> None:
+        """``/start_weight_update``."""
+        self.post("/start_weight_update")
+
+    def finish_update(self, version: int) -> None:
+        """``/finish_weight_update``, labelling what it holds with the weight ``version``."""
+        self.post("/finish_weight_update", {"weight_version": str(version)})
+
+    def load_file(self, path: Path) -> None:
+        """One ``/update_weights`` that has its workers load the safetensors file at ``path``."""
+        try:
+            self.post("/update_weights", {"update_info": {"path": str(path)}})
+        except ServerError as err:
+            if any(sign in str(err) for sign in UNREAD):  # the server does not see the trainer's folder
+                raise ServerError(f"{err}; it could not read the pushed weights {path}: the server must see "
+                                  f"{KEY}.transfer_dir at the same path (the same machine, or a shared file system)",
+                                  tail=err.tail) from None  # fmt: skip
+            raise
+
+    def update_over_gloo(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """One bucket: its ``/update_weights`` while a thread broadcasts the bytes to this server's workers."""
+        sending: dict[str, object] = {}
+        thread = threading.Thread(target=send_into, args=(self.group, tensors, sending), daemon=True)
+        thread.start()
+        self.post("/update_weights", {"update_info": update_info(tensors)})
+        thread.join(ROUTE_S)
+        if "error" in sending or thread.is_alive():
+            ended = sending.get("error", "no end")
+            raise ServerError(f"{self.endpoint.what} at {self.url} answered /update_weights but the broadcast of "
+                              f"its bucket did not end ({ended})")  # fmt: skip
+
+    # ------------------------------------------------------------------ adapters
+    def unload_left(self) -> None:
+        """Drop the policy adapters it holds from an earlier run.
+
+        ``/v1/models`` lists each with its base as ``parent``.
+        """
+        answer = request(self.endpoint, "/v1/models", None, deadline_s=self.route_s,
+                         deadline_key=f"{KEY}.request_timeout", method="GET")  # fmt: skip
+        with reading(self.endpoint, "/v1/models", answer):
+            names = [model["id"] for model in answer["data"] if model.get("parent")]
+        for left in [name for name in names if name.startswith(f"{ADAPTER}-")]:
+            self.unload(left)
+
+    def load_adapter(self, name: str, folder: Path) -> None:
+        """Serve the adapter in ``folder`` as ``name`` (``/v1/load_lora_adapter``)."""
+        self.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)}, plain=True)
+
+    def unload(self, name: str) -> None:
+        """Stop serving the adapter ``name``; a failure is not the run's (the next push takes its place)."""
+        with contextlib.suppress(ServerError):
+            self.post("/v1/unload_lora_adapter", {"lora_name": name}, plain=True)
+
+    def serve(self, adapter: str | None) -> None:
+        """Name ``adapter`` in its requests from now on (every process, after each adapter push)."""
+        self.adapter = adapter
+
+    # ------------------------------------------------------------------ the read-back
+    def slots(self, names: list[str]) -> dict[str, WeightSlot | None]:
+        """Where its workers keep each of ``names``."""
+        answer = self.post("/collective_rpc", {"method": "amir_weight_slots", "args": [json.dumps(names)]})
+        with reading(self.endpoint, "/collective_rpc", answer):
+            return decode(answer["results"][0])
+
+    def adapter_places(self, modules: list[str]) -> dict[str, tuple[str, int] | None]:
+        """Its LoRA layer and slice for each of the trainer's adapted layers ``modules``."""
+        answer = self.post("/collective_rpc", {"method": "amir_adapter_places", "args": [json.dumps(modules)]})
+        with reading(self.endpoint, "/collective_rpc", answer):
+            return decode(answer["results"][0])
+
+    def held_weights(self, columns: ColumnSample) -> dict[str, list[Reading]]:
+        """What its workers hold of the sampled columns."""
+        body = {"method": "amir_held_weights", "args": [json.dumps([columns.seed, columns.count])]}
+        answer = self.post("/collective_rpc", body)
+        with reading(self.endpoint, "/collective_rpc", answer):
+            return merge_workers([decode(result) for result in answer["results"]])
+
+    def held_adapters(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The LoRA factors it serves."""
+        answer = self.post("/collective_rpc", {"method": "amir_held_adapters"})
+        with reading(self.endpoint, "/collective_rpc", answer):
+            return decode(answer["results"][0])
+
+    def score(self, prompt: list[int], completion: list[int]) -> list[float]:
+        """The log-probs of ``completion`` after ``prompt`` under its weights (and its adapter)."""
+        ids = list(prompt) + list(completion)
+        body = {"prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+        if self.adapter is not None:
+            body["model"] = self.adapter
+        try:
+            answer = self.post("/v1/completions", body)
+        except ServerError as err:
+            if "Out of range float" not in str(err):
+                raise
+            return [float("nan")] * len(completion)  # the server cannot write an infinite log-prob: not finite
+        with reading(self.endpoint, "/v1/completions", answer):
+            entries = answer["choices"][0]["prompt_logprobs"][len(prompt) :]
+            return [float(entry[str(token)]["logprob"]) for token, entry in zip(completion, entries, strict=True)]
+
+
+def _join(info: GlooInit, joined: dict[str, object]) -> None:
+    """The trainer joins a replica's gloo group as rank 0 (in a thread, while the route has the workers join)."""
+    try:
+        joined["group"] = gloo_group(info.master_address, info.master_port, 0, info.world_size, ROUTE_S)
+    except Exception as err:  # noqa: BLE001  named by join_transfer, with the route's answer
+        joined["error"] = err
+
+
+def each(replicas: Sequence[Replica], method: str, *args) -> list:
+    """``Replica.<method>(*args)`` on every one of ``replicas`` at once.
+
+    A route blocks until that server's workers answer; the first error, in the replicas' order, is raised once every
+    call has ended.
+    """
+    if len(replicas) == 1:
+        return [getattr(replicas[0], method)(*args)]
+    with ThreadPoolExecutor(max_workers=len(replicas), thread_name_prefix="amir-replica") as pool:
+        futures = [pool.submit(getattr(replica, method), *args) for replica in replicas]
+    return [future.result() for future in futures]
+
+
+@contextlib.contextmanager
+def paused(replicas: Sequence[Replica], keep: bool) -> Iterator[None]:
+    """``replicas`` with generation paused, for a push; their prefix caches dropped before they resume.
+
+    ``/pause`` waits for the requests in flight to finish on the old weights; with ``keep`` (updates in flight) it
+    keeps them and the cache reset sends them back to the queue: their tokens so far are read again under the new
+    weights, which sample the rest.
+    """
+    try:
+        each(replicas, "pause", keep)
+        yield
+        each(replicas, "reset", keep)
+    except BaseException:
+        for replica in replicas:
+            with contextlib.suppress(ServerError):  # the first failure is the one to name
+                replica.resume()
+        raise
+    each(replicas, "resume")
 
 
 def assign(costs: Sequence[int], replicas: int, rank: int = 0) -> list[int]:
@@ -83,18 +311,6 @@ def assign(costs: Sequence[int], replicas: int, rank: int = 0) -> list[int]:
         chosen[group] = index
         heapq.heappush(loads, (load + costs[group], order, index))
     return chosen
-
-
-def each(replicas: Sequence[Replica], fn: Callable[[Replica], T]) -> list[T]:
-    """``fn`` on every replica at once (their routes block until their own workers answer).
-
-    The first error, in the replicas' order, is raised once every call has ended.
-    """
-    if len(replicas) == 1:
-        return [fn(replicas[0])]
-    with ThreadPoolExecutor(max_workers=len(replicas), thread_name_prefix="amir-replica") as pool:
-        futures = [pool.submit(fn, replica) for replica in replicas]
-    return [future.result() for future in futures]
 
 
 def split_settings(value: str | list[str] | None, count: int, key: str, errors: list[str], split: bool) -> list:
@@ -117,27 +333,3 @@ def split_settings(value: str | list[str] | None, count: int, key: str, errors: 
         return [None] * count
     size = len(items) // count
     return [",".join(items[i * size : (i + 1) * size]) for i in range(count)]
-
-
-class ReplicaView:
-    """One replica of a ``VLLMServerEngine`` as the sync check reads it: its weights, adapters and probe scores."""
-
-    def __init__(self, engine: VLLMServerEngine, replica: Replica) -> None:
-        self.engine, self.replica = engine, replica
-
-    def held_weights(self, columns: ColumnSample) -> dict[str, list[Reading]]:
-        """What the replica's workers hold of the sampled columns."""
-        body = {"method": "amir_held_weights", "args": [json.dumps([columns.seed, columns.count])]}
-        answer = self.engine._post("/collective_rpc", body, replica=self.replica)
-        with reading(self.replica.endpoint, "/collective_rpc", answer):
-            return merge_workers([decode(result) for result in answer["results"]])
-
-    def held_adapters(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """The LoRA factors the replica serves."""
-        answer = self.engine._post("/collective_rpc", {"method": "amir_held_adapters"}, replica=self.replica)
-        with reading(self.replica.endpoint, "/collective_rpc", answer):
-            return decode(answer["results"][0])
-
-    def score(self, prompt: list[int], completion: list[int]) -> list[float]:
-        """The probe's log-probs under the replica's weights."""
-        return self.engine.score(prompt, completion, replica=self.replica)

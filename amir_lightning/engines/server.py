@@ -5,7 +5,7 @@
         class_path: amir_lightning.engines.VLLMServerEngine
         init_args: {devices: "6,7", max_model_len: 2048}     # or url: http://host:8000 for a server you started
 
-The engine starts ``python -m vllm.entrypoints.openai.api_server`` with vLLM's RL routes on
+The engine starts ``vllm serve`` (``python -m amir_lightning.vllm_serve serve``) with vLLM's RL routes on
 (``VLLM_SERVER_DEV_MODE=1``) and talks to it over HTTP: ``/v1/completions`` samples (token ids in, token ids and
 per-token sampling log-probs out) and scores the sync probe (``prompt_logprobs``); a weight push is vLLM's own
 update sequence, ``/pause`` (requests in flight finish, the prefix cache is dropped), ``/start_weight_update``,
@@ -43,14 +43,10 @@ returns the whole command), where it reaches the trainer's first process (the gr
 from __future__ import annotations
 
 import atexit
-import contextlib
-import dataclasses
-import json
 import logging
 import math
 import shutil
 import sys
-import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -71,13 +67,11 @@ from amir_lightning.engines.base import (
 )
 from amir_lightning.engines.digest import ColumnSample, Reading, WeightSlot
 from amir_lightning.engines.passthrough import setting_errors
-from amir_lightning.engines.replicas import Replica, ReplicaView, assign, each, server_name, split_settings
-from amir_lightning.engines.server_setup import ADAPTER, KEY, ROUTE_S, UNREAD, Planned, adapter_name, write_weights
-from amir_lightning.engines.transfer import GlooInit, gloo_group, send_into, trainer_address, update_info
-from amir_lightning.engines.vllm_worker import decode
+from amir_lightning.engines.replicas import Replica, assign, each, paused, server_name, split_settings
+from amir_lightning.engines.server_setup import KEY, ROUTE_S, Planned, adapter_name, write_weights
 from amir_lightning.helpers.distributed import from_rank_zero, global_rank, world_size
-from amir_lightning.helpers.http import Endpoint, ServerError, reading, request
-from amir_lightning.helpers.serving import REFUSED_S, ServerProcess, free_port, reachable_url, wait_for
+from amir_lightning.helpers.http import Endpoint, ServerError
+from amir_lightning.helpers.serving import REFUSED_S, ServerProcess, free_port, reachable_url
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.models import sharded
 
@@ -197,7 +191,6 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         self._adapter: str | None = None  # the served adapter that requests name, once pushed
         self._places: dict[str, tuple[str, int] | None] = {}
         self._launched: list[ServerProcess] = []  # the servers this process started
-        self._sequences = 1  # sequences this process has in flight (a generation request's deadline counts them)
         self.pushes = 0  # the weight version the server holds (0: the files it started from)
         self.updates_in_flight = False  # pushes keep requests in flight (``start``'s, from partial_rollouts)
         self._slots: dict[str, WeightSlot | None] = {}
@@ -223,6 +216,11 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         return self.given_url[0] if self.given_url else None
 
     @property
+    def urls(self) -> list[str]:
+        """Every replica's address."""
+        return [replica.url for replica in self.replicas]
+
+    @property
     def endpoint(self) -> Endpoint:
         """The first server's endpoint."""
         return self.replicas[0].endpoint
@@ -233,9 +231,9 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         return self.replicas[0].server if self.replicas else None
 
     @property
-    def urls(self) -> list[str]:
-        """Every replica's address."""
-        return [replica.url for replica in self.replicas]
+    def process(self):
+        """The process of the (first) server this process started (``None``: it started none)."""
+        return self.server.process if self.server is not None else None
 
     def start(
         self, model_dir: Path, seed: int, device: torch.device | None = None, local_rank: int = 0, in_flight=False
@@ -252,43 +250,33 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         urls = from_rank_zero(lambda: self.given_url or self._launch(model_dir, seed))
         started = self._launched or [None] * len(urls)
         absent = server_setup.ABSENT if self.given_url else "the server the first training process started is gone"
+        route_s = self.request_timeout or ROUTE_S
         self.replicas = [
             Replica(
                 index,
                 len(urls),
                 Endpoint(url, server_name(index, len(urls)), f"{KEY}.url", server_setup.EXPECT, absent, started[index]),
+                route_s,
                 started[index],
             )  # fmt: skip
             for index, url in enumerate(urls)
         ]
         for replica in self.replicas:  # they start side by side
-            self._wait_until_ready(replica)
+            replica.wait_until_ready(self.startup_timeout, REFUSED_S if self.given_url else None)
         if global_rank() == 0:
             if self.transfer == "gloo":  # joined here to find a server that cannot take it at the start
-                each(self.replicas, self._join_transfer)
+                each(self.replicas, "join_transfer")
                 log.info("weight push: broadcast to %s over gloo (%s.transfer)",
                          ", ".join(f"{r.workers} worker(s) at {r.url}" for r in self.replicas), KEY)  # fmt: skip
             else:
-                each(self.replicas, lambda r: self._post("/init_weight_transfer_engine", {"init_info": {}}, replica=r))
-            each(self.replicas, self._warm)
+                each(self.replicas, "init_file_transfer")
+            each(self.replicas, "warm")
         _barrier()
         self._started = True
 
-    def _warm(self, replica: Replica) -> None:
-        """The first request, seconds slower; its answer shows the server sends what generate reads."""
-        warm = {"prompt": [0], "max_tokens": 1, "logprobs": 0, "return_token_ids": True}
-        try:
-            server_setup.completions(replica.endpoint, self._post("/v1/completions", warm, replica=replica), 1)
-        except ServerError as err:
-            if "Out of range float" not in str(err):
-                raise
-            # a log-prob it cannot write as JSON: NaN or infinite weights, before this run pushed any
-            raise ServerError(f"{err}: the server's weights give non-finite log-probs (a push an earlier run "
-                              "left half done?); restart the server", err.tail) from None  # fmt: skip
-
     def _launch(self, model_dir: Path, seed: int) -> list[str]:
-        """Start every replica's server (side by side); their addresses."""
-        urls, self._launched = [], []
+        """Start every replica's server (they start side by side); their addresses."""
+        urls = []
         for index in range(self.count):
             port = free_port(self.host)
             command = self.server_command(model_dir, port, seed, torch.cuda.is_available(), index)
@@ -296,29 +284,11 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
             if self.count > 1:
                 log_path = log_path.with_name(f"{log_path.stem}.replica{index + 1}{log_path.suffix}")
             url = reachable_url(self.host, port)
-            process = ServerProcess(command, self.server_env(index), url, log_path, server_name(index, self.count))
+            self._launched.append(ServerProcess(command, self.server_env(index), url, log_path,
+                                                server_name(index, self.count)))  # fmt: skip
             urls.append(url)
-            self._launched.append(process)
         atexit.register(self.close)  # the pushed weights go with them
         return urls
-
-    def _wait_until_ready(self, replica: Replica) -> None:
-        key = f"{KEY}.startup_timeout"
-        if replica.server is not None:
-            return replica.server.wait_until_ready(self.startup_timeout, key)
-        wait_for(replica.endpoint, self.startup_timeout, key, refused_s=REFUSED_S if self.given_url else None)
-
-    @property
-    def process(self):
-        """The process of the (first) server this process started (``None``: it started none)."""
-        return self.server.process if self.server is not None else None
-
-    def _post(self, route: str, body: dict | None = None, plain: bool = False, replica: Replica | None = None) -> dict:
-        """``body`` to ``route`` of ``replica`` (the first by default), within the route's deadline."""
-        deadline = server_setup.deadline(self, route, body, self._sequences)
-        key = f"{KEY}.request_timeout"
-        endpoint = (replica or self.replicas[0]).endpoint
-        return request(endpoint, route, body, deadline_s=deadline, deadline_key=key, plain=plain)
 
     # ------------------------------------------------------------------ the engine
     def generate(
@@ -329,31 +299,29 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         A rollout is then a function of the run's seed and its place in the run (the data module forks and seeds
         torch's RNG around every generation, or passes the seed when it generates in the background). vLLM seeds a
         request's n samples with seed, seed + 1, ...: each prompt's range starts at a hash of the generation's seed and
-        its place (``request_seed``), so no two prompts, ranks or rounds share a stream but by chance.
+        its place (``request_seed``), so no two prompts, ranks or rounds share a stream but by chance. Each prompt's
+        group goes to one replica (``replicas.assign``).
         """
         base = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
         body = {"n": n, **sampling.vllm_params(), "logprobs": 0, "return_token_ids": True} | self._model()
-        # each prompt's group to one replica, balanced by the tokens it may take
         costs = [len(prompt) + n * int(body.get("max_tokens") or 16) for prompt in prompts]
         chosen = [self.replicas[index] for index in assign(costs, len(self.replicas), global_rank())]
+        # Every prompt in flight at once: each server batches its share as it would one request.
+        sequences = math.ceil(len(prompts) / len(self.replicas)) * n * world_size()
+        deadline = server_setup.deadline(self, "/v1/completions", body, sequences)
 
         def one(index: int) -> list[Completion]:
             prompt, seeded, replica = list(prompts[index]), request_seed(base, index), chosen[index]
             if self.updates_in_flight:  # the route that says which weights sampled each token
                 params = {k: v for k, v in body.items() if k not in ("return_token_ids", "model")} | {"seed": seeded}
                 request = {"token_ids": prompt, "sampling_params": params, "output_mode": "text"} | self._model()
-                answer = self._post("/inference/v1/generate", request, replica=replica)
+                answer = replica.post("/inference/v1/generate", request, deadline)
                 return server_setup.generated(replica.endpoint, answer, n)
-            answer = self._post("/v1/completions", body | {"prompt": prompt, "seed": seeded}, replica=replica)
+            answer = replica.post("/v1/completions", body | {"prompt": prompt, "seed": seeded}, deadline)
             return server_setup.completions(replica.endpoint, answer, n)
 
-        # Every prompt in flight at once: each server batches its share as it would one request.
-        self._sequences = math.ceil(len(prompts) / len(self.replicas)) * n * world_size()
-        try:
-            with ThreadPoolExecutor(max_workers=min(len(prompts), 256) or 1) as pool:
-                return list(pool.map(one, range(len(prompts))))
-        finally:
-            self._sequences = 1
+        with ThreadPoolExecutor(max_workers=min(len(prompts), 256) or 1) as pool:
+            return list(pool.map(one, range(len(prompts))))
 
     @override
     def check_sampling(self, sampling: SamplingConfig) -> None:
@@ -364,11 +332,12 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         check_passed_through(sampling, set(CompletionRequest.model_fields), "the vLLM server's completion request")
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int = 0) -> None:
-        """Push the weights through vLLM's update routes, generation paused; the first process pushes for all.
+        """Push the weights through vLLM's update routes into every replica, generation paused; the first process
+        pushes for all.
 
         Every process has finished its generation of this step (the rollouts sampling ahead go on, on the new
         weights, with ``updates_in_flight``; otherwise they finished before).
-        """
+        """  # noqa: D205
         plan = getattr(named_tensors, "plan", None)  # known first (a WeightStream): see below
         if plan is not None:
             # Where the server keeps each tensor, asked by every process before any push begins: the sync check's
@@ -388,6 +357,8 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
                 named_tensors, plan = kept, [(name, tuple(t.shape), t.dtype) for name, t in kept]
                 self.slots([name for name, _ in kept])
             plan = [(p[0], tuple(p[1]), p[2]) for p in plan]
+            if not plan:
+                raise ValueError("load_weights got no tensors: the engine would keep stale weights")
             if self.transfer == "gloo":
                 self._push_gloo(plan, named_tensors, version)
             else:
@@ -401,7 +372,7 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
 
     @override
     def load_adapters(self, adapters: dict[str, torch.Tensor], rank: int) -> None:
-        """Serve ``adapters`` as the server's adapter from now on; the first process pushes for all."""
+        """Serve ``adapters`` as every replica's adapter from now on; the first process pushes for all."""
         _barrier()
         try:
             if global_rank() == 0:
@@ -417,89 +388,34 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         finally:
             _barrier()
         self._adapter = adapter_name(self.pushes)  # every process counts the pushes
+        for replica in self.replicas:
+            replica.serve(self._adapter)
 
     # ------------------------------------------------------------------ the routes a push goes through
     def _targets(self) -> list[Replica]:
         """The replicas a push goes to: every one."""
         return self.replicas
 
-    def _push_file(
-        self,
-        plan: list[Planned],
-        named: Iterable[tuple[str, torch.Tensor]],
-        version: int,
-    ) -> None:
+    def _push_file(self, plan: list[Planned], named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Push ``named`` into every replica: a file in the transfer folder, loaded through vLLM's update routes.
 
         The file is written once, a tensor at a time (``write_weights``, its header from ``plan``). Then on every
-        replica at once: ``/pause`` (``_paused``), ``/start_weight_update``, ``/update_weights``,
-        ``/finish_weight_update`` with the run's weight ``version`` (the optimisation step), ``/reset_prefix_cache``,
-        ``/resume``.
+        replica at once: ``/pause``, ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update`` with the
+        run's weight ``version`` (the optimisation step), ``/reset_prefix_cache``, ``/resume`` (``replicas.paused``).
         """
-        if not plan:
-            raise ValueError("load_weights got no tensors: the engine would keep stale weights")
         path = self._workdir / f"push_{self.pushes + 1}.safetensors"
         write_weights(path, plan, named)
         targets = self._targets()
-
-        def load(replica: Replica) -> None:
-            self._post("/start_weight_update", replica=replica)
-            self._load(path, replica)
-            self._post("/finish_weight_update", {"weight_version": str(version)}, replica=replica)
-
         try:
-            with self._paused(targets):
-                each(targets, load)
+            with paused(targets, self.updates_in_flight):
+                each(targets, "start_update")
+                each(targets, "load_file", path)
+                each(targets, "finish_update", version)
         finally:
             path.unlink(missing_ok=True)
         self.pushes += 1
 
-    def _join_transfer(self, replica: Replica) -> None:
-        """The trainer's end of ``replica``'s ``amir_gloo`` transfer: a gloo group with every worker of that server.
-
-        The store listens here; ``/init_weight_transfer_engine`` has each worker join, while this process joins as
-        rank 0 in a thread of its own (the route's error, if it fails, is the one raised). Each replica has a group
-        of its own: one that fails or falls silent stops its own broadcast, named, not the others'.
-        """
-        endpoint = replica.endpoint
-        if replica.workers is None:
-            answers = self._post("/collective_rpc", {"method": "amir_worker_rank"}, replica=replica)
-            with reading(endpoint, "/collective_rpc", answers) as answer:
-                replica.workers = len(answer["results"])
-        count = replica.workers
-        address = trainer_address(replica.url)
-        port = free_port(address)
-        info = GlooInit(address, port, 1, 1 + count, ROUTE_S)
-        joined: dict[str, object] = {}
-
-        def join() -> None:
-            try:
-                joined["group"] = gloo_group(address, port, 0, info.world_size, ROUTE_S)
-            except Exception as err:  # noqa: BLE001  named below, with the route's answer
-                joined["error"] = err
-
-        thread = threading.Thread(target=join, name="amir-transfer-join", daemon=True)
-        thread.start()
-        try:
-            self._post("/init_weight_transfer_engine", {"init_info": dataclasses.asdict(info)}, replica=replica)
-        except ServerError as err:  # a server started for the file transfer (amir_file) refuses the gloo one's info
-            hint = f"a server started with another weight transfer than amir_gloo needs {KEY}.transfer set to its own"
-            raise ServerError(f"{err}; {hint} (file for amir_file)", tail=err.tail) from None
-        thread.join(ROUTE_S)
-        if "group" not in joined:
-            raise ServerError(f"{endpoint.what} at {replica.url} took /init_weight_transfer_engine but its {count} "
-                              f"worker(s) did not join the trainer's gloo group at {address}:{port} "
-                              f"({joined.get('error', 'no answer')}); {KEY}.transfer: file pushes through a "
-                              "folder instead")  # fmt: skip
-        log.debug("weight push: gloo group with the %d worker(s) of %s at %s:%d", count, replica.url, address, port)
-        replica.group = joined["group"]
-
-    def _push_gloo(
-        self,
-        plan: list[Planned],
-        named: Iterable[tuple[str, torch.Tensor]],
-        version: int,
-    ) -> None:
+    def _push_gloo(self, plan: list[Planned], named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Push ``named`` into every replica over its gloo group, a bucket at a time, through vLLM's update routes.
 
         Each bucket is one ``/update_weights`` (its names, dtypes and shapes) on every replica at once, while this
@@ -508,42 +424,27 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         ``/pause``, ``/start_weight_update`` and ``/finish_weight_update`` with the weight ``version`` around them,
         as for a file.
         """
-        if not plan:
-            raise ValueError("load_weights got no tensors: the engine would keep stale weights")
         stream = iter(named)
         targets = self._targets()
         # A group of its own for each push: a server keeps the last group a trainer brought (another run that
         # reached it since, or a restart, would leave an older one broadcasting to nobody).
-        each(targets, self._join_transfer)
-        with self._paused(targets):
-            each(targets, lambda replica: self._post("/start_weight_update", replica=replica))
+        each(targets, "join_transfer")
+        with paused(targets, self.updates_in_flight):
+            each(targets, "start_update")
             for bucket in sharded.buckets_of(plan, sharded.BUCKET_BYTES):
                 tensors = [next(stream) for _ in bucket]
-                each(targets, lambda replica, tensors=tensors: self._update_over_gloo(replica, tensors))
+                each(targets, "update_over_gloo", tensors)
                 del tensors
-            body = {"weight_version": str(version)}
-            each(targets, lambda replica: self._post("/finish_weight_update", body, replica=replica))
+            each(targets, "finish_update", version)
         self.pushes += 1
-
-    def _update_over_gloo(self, replica: Replica, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """One bucket into ``replica``: its ``/update_weights`` while a thread broadcasts the bytes to its workers."""
-        sending: dict[str, object] = {}
-        thread = threading.Thread(target=send_into, args=(replica.group, tensors, sending), daemon=True)
-        thread.start()
-        self._post("/update_weights", {"update_info": update_info(tensors)}, replica=replica)
-        thread.join(ROUTE_S)
-        if "error" in sending or thread.is_alive():
-            ended = sending.get("error", "no end")
-            raise ServerError(f"{replica.endpoint.what} at {replica.url} answered /update_weights but the "
-                              f"broadcast of its bucket did not end ({ended})")  # fmt: skip
 
     def _push_adapter_files(self, adapters: dict[str, torch.Tensor], rank: int, dtype: torch.dtype) -> None:
         """Serve ``adapters`` from every replica as a new LoRA adapter (``adapter_name``), and drop the last one.
 
-        vLLM's ``/v1/load_lora_adapter``, generation paused as for a weight push (``paused``). Each push is an adapter
-        of its own (``policy-<push>``): one loaded ``load_inplace`` would be read from its folder again at every
-        scheduling step, as vLLM 0.32 re-applies such a request's adapter. A server holds one adapter (``--max-loras
-        1``), so the new one takes the old one's place. The folder is written once, for every replica to read.
+        vLLM's ``/v1/load_lora_adapter``, generation paused as for a weight push. Each push is an adapter of its own
+        (``policy-<push>``): one loaded ``load_inplace`` would be read from its folder again at every scheduling step,
+        as vLLM 0.32 re-applies such a request's adapter. A server holds one adapter (``--max-loras 1``), so the new one
+        takes the old one's place. The folder is written once, for every replica to read.
         """
         name = adapter_name(self.pushes + 1)
         folder = self._workdir / name
@@ -556,84 +457,25 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
                               f"{err.strerror or err}") from None  # fmt: skip
         try:
             if self._adapter is None:  # this run's first: an earlier run on a server given by url left its adapter
-                each(targets, self._unload_left)
-            body = {"lora_name": name, "lora_path": str(folder)}
-            with self._paused(targets):
-                each(targets, lambda replica: self._post("/v1/load_lora_adapter", body, plain=True, replica=replica))
+                each(targets, "unload_left")
+            with paused(targets, self.updates_in_flight):
+                each(targets, "load_adapter", name, folder)
         finally:
             shutil.rmtree(folder, ignore_errors=True)  # read into the servers' memory by now
         if self._adapter is not None:  # the last adapter, no longer served
-            last = {"lora_name": self._adapter}
-            for replica in targets:
-                with contextlib.suppress(ServerError):
-                    self._post("/v1/unload_lora_adapter", last, plain=True, replica=replica)
+            each(targets, "unload", self._adapter)
         self.pushes += 1
 
-    def _unload_left(self, replica: Replica) -> None:
-        """Drop the policy adapters ``replica`` holds from an earlier run.
-
-        ``/v1/models`` lists each with its base as ``parent``.
-        """
-        answer = request(replica.endpoint, "/v1/models", None, deadline_s=ROUTE_S,
-                         deadline_key=f"{KEY}.request_timeout", method="GET")  # fmt: skip
-        with reading(replica.endpoint, "/v1/models", answer):
-            names = [model["id"] for model in answer["data"] if model.get("parent")]
-        for left in [name for name in names if name.startswith(f"{ADAPTER}-")]:
-            with contextlib.suppress(ServerError):
-                self._post("/v1/unload_lora_adapter", {"lora_name": left}, plain=True, replica=replica)
-
-    @contextlib.contextmanager
-    def _paused(self, targets: list[Replica]):
-        """The replicas ``targets`` with generation paused, for a push; their prefix caches dropped before they resume.
-
-        ``/pause`` waits for the requests in flight to finish on the old weights; with updates in flight
-        (``self.updates_in_flight``) it keeps them (``mode=keep``) and the cache reset sends them back to the queue
-        (``reset_running_requests``): their tokens so far are read again under the new weights, which sample the rest.
-        """
-        keep = self.updates_in_flight
-
-        def reset(replica: Replica) -> None:
-            route = "/reset_prefix_cache?reset_running_requests=true" if keep else "/reset_prefix_cache"
-            answer = self._post(route, replica=replica)
-            if keep and not (isinstance(answer, dict) and answer.get("success")):
-                raise ServerError(
-                    f"{replica.endpoint.what} at {replica.url} could not drop its cache of the old weights after a "
-                    f"push with requests in flight (/reset_prefix_cache answered {answer!r:.200})"
-                )
-
-        def resume_all() -> None:
-            for replica in targets:
-                with contextlib.suppress(ServerError):  # the first failure is the one to name
-                    self._post("/resume", replica=replica)
-
-        try:
-            pause = "/pause?mode=keep" if keep else "/pause?mode=wait"
-            each(targets, lambda replica: self._post(pause, replica=replica))
-            yield
-            each(targets, reset)
-        except BaseException:
-            resume_all()
-            raise
-        each(targets, lambda replica: self._post("/resume", replica=replica))
-
-    def _load(self, path: Path, replica: Replica) -> None:
-        try:
-            self._post("/update_weights", {"update_info": {"path": str(path)}}, replica=replica)
-        except ServerError as err:
-            if any(sign in str(err) for sign in UNREAD):  # the server does not see the trainer's folder
-                raise ServerError(f"{err}; it could not read the pushed weights {path}: the server must see "
-                                  f"{KEY}.transfer_dir at the same path (the same machine, or a shared file system)",
-                                  tail=err.tail) from None  # fmt: skip
-            raise
-
+    # ------------------------------------------------------------------ the read-back
     @override
-    def copies(self) -> list[tuple[str, ReplicaView]]:
+    def copies(self) -> list[tuple[str, Replica]]:
         """Every replica, named (``replica 2 of 2 at http://...``) where there are several."""
-        return [(replica.label, ReplicaView(self, replica)) for replica in self.replicas]
+        return [(replica.label, replica) for replica in self.replicas]
 
     @override
     def held_adapters(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
-        return ReplicaView(self, self.replicas[0]).held_adapters()
+        """The LoRA factors the first replica serves (the sync check reads every replica: ``copies``)."""
+        return self.replicas[0].held_adapters()
 
     def adapter_places(self, modules: list[str]) -> dict[str, tuple[str, int] | None]:
         """The server's LoRA layer and slice for each of the trainer's adapted layers (asked once per layer).
@@ -642,10 +484,7 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         """
         missing = [m for m in modules if m not in self._places]
         if missing:
-            body = {"method": "amir_adapter_places", "args": [json.dumps(missing)]}
-            results = self._post("/collective_rpc", body)
-            with reading(self.endpoint, "/collective_rpc", results) as answer:
-                self._places.update(decode(answer["results"][0]))
+            self._places.update(self.replicas[0].adapter_places(missing))
         return {m: self._places[m] for m in modules}
 
     def _served_dtype(self) -> torch.dtype:
@@ -665,31 +504,18 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         """
         missing = [n for n in names if n not in self._slots]
         if missing:
-            results = self._post("/collective_rpc", {"method": "amir_weight_slots", "args": [json.dumps(missing)]})
-            with reading(self.endpoint, "/collective_rpc", results) as answer:
-                self._slots.update(decode(answer["results"][0]))
+            self._slots.update(self.replicas[0].slots(missing))
         return {n: self._slots[n] for n in names}
 
     @override
     def held_weights(self, columns: ColumnSample) -> dict[str, list[Reading]]:
         """What the first replica holds (the sync check reads every replica: ``copies``)."""
-        return ReplicaView(self, self.replicas[0]).held_weights(columns)
+        return self.replicas[0].held_weights(columns)
 
     @override
-    def score(self, prompt: list[int], completion: list[int], replica: Replica | None = None) -> list[float]:
-        """The log-probs of ``completion`` after ``prompt`` under ``replica``'s weights (the first by default)."""
-        replica = replica or self.replicas[0]
-        ids = list(prompt) + list(completion)
-        body = {"prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0} | self._model()
-        try:
-            answer = self._post("/v1/completions", body, replica=replica)
-        except ServerError as err:
-            if "Out of range float" not in str(err):
-                raise
-            return [float("nan")] * len(completion)  # the server cannot write an infinite log-prob: not finite
-        with reading(replica.endpoint, "/v1/completions", answer):
-            entries = answer["choices"][0]["prompt_logprobs"][len(prompt) :]
-            return [float(entry[str(token)]["logprob"]) for token, entry in zip(completion, entries, strict=True)]
+    def score(self, prompt: list[int], completion: list[int]) -> list[float]:
+        """The log-probs of ``completion`` after ``prompt`` under the first replica's weights."""
+        return self.replicas[0].score(prompt, completion)
 
     def close(self) -> None:
         """Stop the servers this process started (a server at a given ``url`` keeps running)."""

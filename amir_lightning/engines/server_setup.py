@@ -51,7 +51,7 @@ def server_command(
 ) -> list[str]:
     """The command line of ``engine``'s server (its replica number ``replica``) for ``model_dir`` on ``port``."""
     dtype = served_dtype(engine, on_gpu)
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+    command = [sys.executable, "-m", "amir_lightning.vllm_serve", "serve", str(model_dir)]  # vllm serve
     command += ["--host", engine.host, "--port", str(port), "--seed", str(seed), "--dtype", dtype]
     command += ["--max-model-len", str(engine.max_model_len), "--max-num-seqs", str(engine.max_num_seqs)]
     command += ["--tensor-parallel-size", str(engine.tensor_parallel_size), "--logprobs-mode", "processed_logprobs"]

@@ -132,7 +132,7 @@ class ServerProcess:
     """A server started here: its process (the leader of its own process group), its address and its output file.
 
     Args:
-        command: The command line (``python -m vllm.entrypoints.openai.api_server ...``).
+        command: The command line (``vllm serve ...``).
         env: Its environment.
         url: The address it will answer at.
         log_path: Where its output goes.

@@ -94,20 +94,23 @@ class SyncReport:
         tolerance: The warning level of ``gap``.
         verified: Engine tensors (and adapter slices) compared with the push (0 when the engine cannot read back).
         pushed_bytes: What this process pushed, in the dtypes it sent.
+        copies: The engine's copies of the weights read back and scored (its replicas: ``RolloutEngine.copies``).
     """
 
     gap: float
     tolerance: float
     verified: int
     pushed_bytes: int = 0
+    copies: int = 1
 
     def metrics(self) -> dict[str, float]:
-        """As logged: ``rollout/sync_logp_diff``, ``_tolerance``, ``_verified_tensors``, ``_mib``."""
+        """As logged: ``rollout/sync_logp_diff``, ``_tolerance``, ``_verified_tensors``, ``_mib``, ``_copies``."""
         return {
             "rollout/sync_logp_diff": self.gap,
             "rollout/sync_tolerance": self.tolerance,
             "rollout/sync_verified_tensors": float(self.verified),
             "rollout/sync_mib": self.pushed_bytes / 2**20,
+            "rollout/sync_copies": float(self.copies),
         }
 
 
@@ -200,7 +203,8 @@ class SyncCheck:
         gaps = [max(abs(a - b) for a, b in zip(copy.score(prompt, completion), trainer)) for _, copy in copies]
         (gap,) = reduce_max([max(gaps)])
         float32 = pushed is not None and pushed.dtypes == {torch.float32}
-        return SyncReport(gap, self._probe_level(gap, verified > 0, float32), verified, self._bytes)
+        level = self._probe_level(gap, verified > 0, float32)
+        return SyncReport(gap, level, verified, self._bytes, len(copies))
 
     def _push(self, policy: Policy, engine: RolloutEngine, version: int, merged: bool = True) -> PushedDigests | None:
         """Stream the policy's weights into the engine, digesting them on the way (unless the check is off).

@@ -58,7 +58,7 @@ class JudgeServer:
 
         source = HFModel(self.model) if isinstance(self.model, str) else self.model
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(source.resolve())]
+        command = [sys.executable, "-m", "amir_lightning.vllm_serve", "serve", str(source.resolve())]
         command += ["--served-model-name", "judge", "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype]
         command += [
             "--max-model-len",

@@ -181,14 +181,14 @@ def test_a_weight_file_the_server_cannot_read_is_one_line_naming_transfer_dir(se
     transfer_dir. Last of the module: the failed load leaves the server's engine broken."""
     from amir_lightning.helpers.http import ServerError
 
-    post = server._post
+    post = server.replicas[0].post
 
-    def elsewhere(route, body=None):
+    def elsewhere(route, body=None, deadline_s=None, plain=False):
         if route == "/update_weights":
             Path(body["update_info"]["path"]).unlink()
-        return post(route, body)
+        return post(route, body, deadline_s, plain)
 
-    monkeypatch.setattr(server, "_post", elsewhere)
+    monkeypatch.setattr(server.replicas[0], "post", elsewhere)
     with pytest.raises(ServerError) as caught:
         server.load_weights(pushed(tiny_dir))
     message = str(caught.value)

@@ -253,3 +253,16 @@ class ServerReplicaIgnoresPushesAfter(VLLMServerEngine):
 
     def _targets(self):
         return self.replicas if self.taken <= self.good_pushes else self.replicas[:-1]
+
+
+class ServerLayoutFault(_HFLayoutFault, VLLMServerEngine):
+    """``VLLMServerEngine`` that sends its server one kind of tensor in the wrong layout: ``transposed_q``,
+    ``reversed_heads``, ``rotary_interleaved`` or ``negated_down`` (the model's configuration read at the start)."""
+
+    def start(self, model_dir, seed, *args, **kwargs):  # noqa: D102
+        from types import SimpleNamespace
+
+        from transformers import AutoConfig
+
+        self.model = SimpleNamespace(config=AutoConfig.from_pretrained(model_dir))
+        super().start(model_dir, seed, *args, **kwargs)
