@@ -1,7 +1,7 @@
 """The exact weight-sync check against engines that take pushes wrong, a correct bf16 engine over a long run, and
 what the check costs.
 
-    python benchmarks/sync_faults.py [--syncs 12] [--long 1000] [--smollm2]
+    python benchmarks/sync_faults.py [--syncs 12] [--long 1000] [--smollm2] [--server]
 
 Engines are the real ``VLLMEngine`` and ``HFEngine`` (tests/helpers/engines.py breaks their ``load_weights``); the
 "trainer" is a float32 copy of a tiny random Qwen2 moved by a random step (0.01 per weight) before every sync.
@@ -13,7 +13,11 @@ Engines are the real ``VLLMEngine`` and ``HFEngine`` (tests/helpers/engines.py b
    to k and v exchanged inside ``qkv_proj``: the first).
 2. Correct bf16 engines over ``--long`` syncs at a 0.003 step: stops (none expected) and the probe gap at the first
    and last sync, which grows with the drift (what the statistical check of earlier versions stopped on).
-3. ``--smollm2``: seconds per sync of the bundled SmolLM2-135M into a float32 vLLM engine, without the weight check
+3. ``--server``: the same 12 faults, each dtype, on ``VLLMServerEngine`` pushing over the gloo transfer (the faults
+   of tests/helpers/engines.py's ``Server*`` engines, the layout ones included), to one of two servers of the dtype;
+   and both servers as replicas of one engine, the second of which stops taking pushes after the second (the
+   third sync is the first it misses).
+4. ``--smollm2``: seconds per sync of the bundled SmolLM2-135M into a float32 vLLM engine, without the weight check
    (``data.sync.verify_weights``), with it (the CPU kernels read on 64 columns a sync), and reading every column;
    and into a float32 HFEngine, which reads every tensor back whole.
 """
@@ -32,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 
 import torch  # noqa: E402
 from test_sync import FAULTS, Trainer, make_engine, syncs_until_stopped  # noqa: E402
+from test_transfer import SERVER_FAULTS  # noqa: E402
 
 from amir_lightning.engines import HFEngine, VLLMEngine  # noqa: E402
 from amir_lightning.loop.sync import SyncCheck, SyncSettings  # noqa: E402
@@ -51,6 +56,40 @@ def faults(model_dir: Path, syncs: int) -> None:
             fault = engine_cls.__name__.removeprefix(base.removesuffix("Engine"))
             fault += f" {' '.join(map(str, kwargs.values()))}" if kwargs else ""
             print(f"| {base} | {fault} | {dtype} | {first_wrong} | {stopped or f'not in {syncs}'} |")
+
+
+def server_faults(model_dir: Path, syncs: int) -> None:
+    """The faults on a server reached over the gloo transfer, and a replica that stops taking pushes."""
+    from helpers.engines import ServerReplicaIgnoresPushesAfter
+
+    from amir_lightning.engines import VLLMServerEngine
+
+    settings = {"max_model_len": 64, "kv_cache_memory_bytes": 32 * 1024**2}
+    print("\n| engine (gloo transfer) | fault | dtype | first wrong sync | stopped at sync | the error names |")
+    print("|---|---|---|---|---|---|")
+    for dtype in ("float32", "bfloat16"):
+        servers = VLLMServerEngine(**settings, dtype=dtype, threads=1, replicas=2)
+        servers.start(model_dir, seed=0)
+        try:
+            cases = [(cls, kwargs, first, [servers.urls[0]]) for cls, kwargs, first, _ in SERVER_FAULTS]
+            cases.append((ServerReplicaIgnoresPushesAfter, {"good_pushes": 2}, 3, servers.urls))
+            for engine_cls, kwargs, first_wrong, urls in cases:
+                engine = engine_cls(url=urls, dtype=dtype, **settings, **kwargs)
+                engine.start(model_dir, seed=0)
+                errors: list[str] = []
+                stopped = syncs_until_stopped(engine, Trainer(model_dir), syncs, errors=errors)
+                trainer = Trainer(model_dir)  # whole weights again, for the next engine
+                with trainer.export_weights() as named:
+                    VLLMServerEngine.load_weights(servers, named)
+                engine.close()
+                fault = engine_cls.__name__.removeprefix("Server")
+                fault += f" {' '.join(map(str, kwargs.values()))}" if kwargs else ""
+                named = errors[0].partition("the first: ")[2].split(" (")[0].rstrip(".") if errors else ""
+                where = f"{len(urls)} replica(s)"
+                print(f"| VLLMServerEngine, {where} | {fault} | {dtype} | {first_wrong} | "
+                      f"{stopped or f'not in {syncs}'} | `{named[:90]}` |", flush=True)  # fmt: skip
+        finally:
+            servers.close()
 
 
 def long_run(model_dir: Path, syncs: int) -> None:
@@ -117,11 +156,15 @@ def main() -> None:
     parser.add_argument("--syncs", type=int, default=12, help="syncs per faulty engine")
     parser.add_argument("--long", type=int, default=1000, help="syncs of the correct bf16 engines")
     parser.add_argument("--smollm2", action="store_true", help="also time a sync of the bundled SmolLM2")
+    parser.add_argument("--server", action="store_true", help="the faults through a server's gloo transfer alone")
     args = parser.parse_args()
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "model", seed=2)
+        if args.server:
+            server_faults(model_dir, args.syncs)
+            return
         faults(model_dir, args.syncs)
         long_run(model_dir, args.long)
     if args.smollm2:
