@@ -25,8 +25,8 @@ def measure(layout: str, cores: list[str], rollouts: int, prompts: int, group: i
     from amir_lightning.engines import SamplingConfig, VLLMServerEngine
     from amir_lightning.loop.sync import SyncCheck
     from amir_lightning.models import HFModel
-    from amir_lightning.models.policy import Policy
     from amir_lightning.models.bundled import materialize_smollm2
+    from amir_lightning.models.policy import Policy
 
     path = materialize_smollm2()
     settings = {"max_model_len": 256, "kv_cache_memory_bytes": 128 * 2**20, "max_num_seqs": prompts * group}
