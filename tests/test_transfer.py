@@ -110,8 +110,8 @@ def test_a_gloo_push_writes_no_file_and_every_sync_reads_back_the_pushed_weights
 
 
 def test_an_unknown_transfer_is_one_line_naming_the_key():
-    with pytest.raises(ValueError, match=r"data.engine.init_args.transfer must be gloo .* or file, got 'nccl'"):
-        VLLMServerEngine(transfer="nccl")
+    with pytest.raises(ValueError, match=r"data.engine.init_args.transfer must be gloo .*, nccl .* or file, got 'ipc'"):
+        VLLMServerEngine(transfer="ipc")
 
 
 #: The vLLM faults of tests/test_sync.py's table, on a server reached over the gloo transfer: (engine, settings, the

@@ -50,7 +50,7 @@ def serve_parser():
 
 
 @pytest.mark.parametrize("on_gpu", [False, True], ids=["cpu", "gpu"])
-@pytest.mark.parametrize("transfer", ["gloo", "file"])
+@pytest.mark.parametrize("transfer", ["gloo", "nccl", "file"])
 def test_the_servers_command_line_is_what_vllm_serve_parses(on_gpu, transfer):
     engine = VLLMServerEngine(max_model_len=64, transfer=transfer, push_adapters=True, kv_cache_memory_bytes=2**28)
     engine.take_adapters(LoraSettings(r=8))
@@ -58,7 +58,7 @@ def test_the_servers_command_line_is_what_vllm_serve_parses(on_gpu, transfer):
     assert command[1:4] == ["-m", "amir_lightning.vllm_serve", "serve"]
     args = serve_parser().parse_args(command[command.index("serve") :])
     assert args.model_tag == "/models/policy" and args.port == 8123 and args.seed == 7
-    assert args.weight_transfer_config.backend == f"amir_{transfer}"
+    assert args.weight_transfer_config.backend == ("nccl" if transfer == "nccl" else f"amir_{transfer}")
     assert args.worker_extension_cls == "amir_lightning.engines.vllm_worker.AmirWorkerExtension"
     assert args.logprobs_mode == "processed_logprobs" and args.enable_scale_out and args.enable_lora
     assert args.max_lora_rank == 8 and args.max_loras == 1 and args.kv_cache_memory_bytes == 2**28

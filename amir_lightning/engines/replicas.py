@@ -104,6 +104,14 @@ class Replica:
         """Ready the ``amir_file`` transfer in its workers."""
         self.post("/init_weight_transfer_engine", {"init_info": {}})
 
+    def count_workers(self) -> int:
+        """Its workers (asked once: one answer of ``/collective_rpc`` per worker)."""
+        if self.workers is None:
+            answers = self.post("/collective_rpc", {"method": "amir_worker_rank"})
+            with reading(self.endpoint, "/collective_rpc", answers) as answer:
+                self.workers = len(answer["results"])
+        return self.workers
+
     def join_transfer(self) -> None:
         """The trainer's end of its ``amir_gloo`` transfer: a gloo group with every worker of this server.
 
@@ -111,10 +119,7 @@ class Replica:
         rank 0 in a thread of its own (the route's error, if it fails, is the one raised). Each replica has a group
         of its own: one that fails or falls silent stops its own broadcast, named, not the others'.
         """
-        if self.workers is None:
-            answers = self.post("/collective_rpc", {"method": "amir_worker_rank"})
-            with reading(self.endpoint, "/collective_rpc", answers) as answer:
-                self.workers = len(answer["results"])
+        self.count_workers()
         address = trainer_address(self.url)
         port = free_port(address)
         info = GlooInit(address, port, 1, 1 + self.workers, ROUTE_S)

@@ -69,6 +69,7 @@ from amir_lightning.engines.digest import ColumnSample, Reading, WeightSlot
 from amir_lightning.engines.passthrough import setting_errors
 from amir_lightning.engines.replicas import Replica, assign, each, paused, server_name, split_settings
 from amir_lightning.engines.server_setup import KEY, ROUTE_S, Planned, adapter_name, write_weights
+from amir_lightning.engines.transfer import trainer_address
 from amir_lightning.helpers.distributed import from_rank_zero, global_rank, world_size
 from amir_lightning.helpers.http import Endpoint, ServerError
 from amir_lightning.helpers.serving import REFUSED_S, ServerProcess, free_port, reachable_url
@@ -113,8 +114,10 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
             weights (the base weights once, at the first); on one server worker (``tensor_parallel_size`` 1).
         transfer: How a push reaches the server: ``gloo``, a broadcast from the trainer's first process to every
             server worker over a gloo group of their own (``engines/transfer.py``: no file, no folder in common;
-            the server's workers need only reach the trainer's first process); ``file``, a safetensors file in
-            ``transfer_dir`` that the server must see at the same path. Either way the trainer streams the push
+            the server's workers need only reach the trainer's first process); ``nccl`` (GPUs), vLLM's own NCCL
+            engines, one broadcast from the trainer's GPU to every replica's workers (``engines/nccl.py``: vLLM and
+            CUDA in the trainer's first process); ``file``, a safetensors file in ``transfer_dir`` that the server
+            must see at the same path. Whichever, the trainer streams the push
             (``models/sharded.py``), never holding the whole model for it, and every push is read back and
             verified.
         server_args: Any other setting of the started server, as its command-line flags (``engines/passthrough.py``:
@@ -175,8 +178,9 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         self.core_sets = split_settings(cpu_cores, count, f"{KEY}.cpu_cores", errors, split=False)
         if cpu_cores is not None and shutil.which("taskset") is None:
             errors.append(f"{KEY}.cpu_cores needs the taskset command (util-linux), which this machine lacks")
-        if transfer not in ("gloo", "file"):
-            errors.append(f"{KEY}.transfer must be gloo (the weights over the network) or file, got {transfer!r}")
+        if transfer not in ("gloo", "nccl", "file"):
+            errors.append(f"{KEY}.transfer must be gloo (the weights over the network), nccl (GPU to GPU) or file, "
+                          f"got {transfer!r}")  # fmt: skip
         raise_errors(errors)
         self.transfer, self.count = transfer, count
         self.replicas: list[Replica] = []  # known at the start
@@ -244,6 +248,8 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         every process reads them back from every replica for its sync check.
         """
         del device, local_rank  # the server has devices of its own
+        if self.transfer == "nccl" and global_rank() == 0:
+            nccl_missing()
         self.updates_in_flight = in_flight
         self._workdir = server_setup.make_workdir(self.transfer_dir)
         # where the first process started them (or the urls given)
@@ -268,6 +274,8 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
                 each(self.replicas, "join_transfer")
                 log.info("weight push: broadcast to %s over gloo (%s.transfer)",
                          ", ".join(f"{r.workers} worker(s) at {r.url}" for r in self.replicas), KEY)  # fmt: skip
+            elif self.transfer == "nccl":  # a group is joined at each push: count each replica's workers now
+                each(self.replicas, "count_workers")
             else:
                 each(self.replicas, "init_file_transfer")
             each(self.replicas, "warm")
@@ -361,6 +369,8 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
                 raise ValueError("load_weights got no tensors: the engine would keep stale weights")
             if self.transfer == "gloo":
                 self._push_gloo(plan, named_tensors, version)
+            elif self.transfer == "nccl":
+                self._push_nccl(plan, named_tensors, version)
             else:
                 self._push_file(plan, named_tensors, version)
         finally:
@@ -436,6 +446,25 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
                 each(targets, "update_over_gloo", tensors)
                 del tensors
             each(targets, "finish_update", version)
+        self.pushes += 1
+
+    def _push_nccl(self, plan: list[Planned], named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Push ``named`` into every replica through vLLM's NCCL engines (``engines/nccl.py``), generation paused.
+
+        vLLM's trainer engine drives the routes (``/init_weight_transfer_engine`` for a group of this process's GPU
+        and every replica's workers, ``/start_weight_update``, ``/update_weights`` while it broadcasts,
+        ``/finish_weight_update`` with the weight ``version``) through a client that sends each to every replica.
+        """
+        from amir_lightning.engines import nccl
+
+        targets = self._targets()
+        each(targets, "count_workers")
+        address = trainer_address(targets[0].url)
+        client = nccl.ReplicasClient([r.endpoint for r in targets], [r.workers for r in targets], targets[0].route_s,
+                                     version)  # fmt: skip
+        device = torch.device("cuda", torch.cuda.current_device())
+        with paused(targets, self.updates_in_flight):
+            nccl.push(plan, named, client, address, free_port(address), device)
         self.pushes += 1
 
     def _push_adapter_files(self, adapters: dict[str, torch.Tensor], rank: int, dtype: torch.dtype) -> None:
@@ -530,6 +559,18 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
             return
         if getattr(self, "_launched", None):
             self.close()
+
+
+def nccl_missing() -> None:
+    """Stop with one line where ``transfer: nccl`` cannot run: no CUDA, or no vLLM in the trainer's first process."""
+    if not torch.cuda.is_available():
+        raise ValueError(f"{KEY}.transfer nccl sends from the trainer's GPU, and this process has no CUDA device: set "
+                         "transfer gloo (the same stream over the network)")  # fmt: skip
+    try:
+        import vllm.distributed.weight_transfer.nccl_engine  # noqa: F401
+    except ImportError as err:
+        raise ValueError(f"{KEY}.transfer nccl runs vLLM's trainer-side NCCL engine, which this process cannot import "
+                         f"({err}): install the gpu extra, or set transfer gloo") from None  # fmt: skip
 
 
 def _barrier() -> None:

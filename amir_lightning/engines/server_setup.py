@@ -55,7 +55,7 @@ def server_command(
     command += ["--host", engine.host, "--port", str(port), "--seed", str(seed), "--dtype", dtype]
     command += ["--max-model-len", str(engine.max_model_len), "--max-num-seqs", str(engine.max_num_seqs)]
     command += ["--tensor-parallel-size", str(engine.tensor_parallel_size), "--logprobs-mode", "processed_logprobs"]
-    backend = GLOO_BACKEND if engine.transfer == "gloo" else FILE_BACKEND
+    backend = {"gloo": GLOO_BACKEND, "file": FILE_BACKEND, "nccl": "nccl"}[engine.transfer]
     command += ["--weight-transfer-config", json.dumps({"backend": backend})]
     command += ["--worker-extension-cls", "amir_lightning.engines.vllm_worker.AmirWorkerExtension"]
     command += ["--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching"]
