@@ -12,6 +12,7 @@ import torch
 
 from amir_lightning.data import ArithmeticPrompts
 from amir_lightning.engines import SamplingConfig, VLLMEngine, VLLMServerEngine
+from amir_lightning.engines import replicas as replicas_module
 from amir_lightning.engines import server as server_engine_module
 from amir_lightning.engines import vllm as vllm_engine_module
 from amir_lightning.engines.adapters import adapter_mismatches, engine_rank, modules_of
@@ -49,15 +50,17 @@ ENGINES = {
     "in-process": lambda: VLLMEngine(
         max_model_len=64, kv_cache_memory_bytes=32 * 1024**2, progress=False, push_adapters=True
     ),  # fmt: skip
+    # the adapter through a folder the trainer writes (transfer: file) ...
     "server": lambda: VLLMServerEngine(
-        max_model_len=64, kv_cache_memory_bytes=32 * 1024**2, threads=1, push_adapters=True
+        max_model_len=64, kv_cache_memory_bytes=32 * 1024**2, threads=1, push_adapters=True, transfer="file"
     ),  # fmt: skip
+    # ... and over each replica's gloo group, written by its worker on its own machine (the default transfer)
     "server replicas": lambda: VLLMServerEngine(
         max_model_len=64, kv_cache_memory_bytes=32 * 1024**2, threads=1, push_adapters=True, replicas=2
     ),  # fmt: skip
 }
 #: Where each engine's adapter folder is written from (a fault below rewrites what it writes).
-WRITERS = {"in-process": vllm_engine_module, "server": server_engine_module, "server replicas": server_engine_module}
+WRITERS = {"in-process": vllm_engine_module, "server": server_engine_module}
 
 
 @pytest.fixture(scope="module", params=list(ENGINES))
@@ -136,6 +139,12 @@ def test_an_engine_that_takes_an_adapter_push_wrong_is_stopped_at_that_sync(tiny
     if kind == "load":
         load = engine.load_adapters
         monkeypatch.setattr(engine, "load_adapters", lambda a, r: None if change is None else load(change(a), r))
+    elif engine.kind == "server replicas":  # the worker writes the folder: it is told another alpha
+
+        def doubled(name, tensors, rank, spec=replicas_module.adapter_spec):
+            return spec(name, tensors, rank) | {"alpha": 2 * rank}
+
+        monkeypatch.setattr(replicas_module, "adapter_spec", doubled)
     else:
         write = WRITERS[engine.kind].write_adapter
 

@@ -78,8 +78,13 @@ def factors(adapters: dict[str, torch.Tensor], module: str) -> tuple[torch.Tenso
     return adapters[f"{key}.lora_A.weight"], adapters[f"{key}.lora_B.weight"]
 
 
-def write_adapter(folder: Path, adapters: dict[str, torch.Tensor], rank: int, dtype: torch.dtype) -> None:
-    """``adapters`` as a Peft adapter folder in ``dtype``, with ``lora_alpha`` = ``rank``: scaled by 1 when served."""
+def write_adapter(
+    folder: Path, adapters: dict[str, torch.Tensor], rank: int, dtype: torch.dtype, alpha: int | None = None
+) -> None:
+    """``adapters`` as a Peft adapter folder in ``dtype``, with ``lora_alpha`` = ``rank``: scaled by 1 when served.
+
+    ``alpha``: another ``lora_alpha`` (only to show a wrong one is found: the factors are pushed pre-scaled).
+    """
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -87,7 +92,7 @@ def write_adapter(folder: Path, adapters: dict[str, torch.Tensor], rank: int, dt
     config = {
         "peft_type": "LORA",
         "r": rank,
-        "lora_alpha": rank,
+        "lora_alpha": rank if alpha is None else alpha,
         "target_modules": targets,
         "bias": "none",
         "use_rslora": False,

@@ -54,6 +54,7 @@ class Replica:
         workers: Its workers (``tensor_parallel_size`` of them), counted at its first gloo push.
         group: The trainer's end of its gloo transfer, joined for each push.
         adapter: The name of the adapter its requests name (a pushed LoRA adapter), else ``None``.
+        received: The folder on the server's machine its worker wrote the adapter pushed last into, until loaded.
     """
 
     index: int
@@ -64,6 +65,7 @@ class Replica:
     workers: int | None = None
     group: Any = None
     adapter: str | None = None
+    received: str | None = None
 
     @property
     def url(self) -> str:
@@ -179,15 +181,20 @@ class Replica:
 
     def update_over_gloo(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """One bucket: its ``/update_weights`` while a thread broadcasts the bytes to this server's workers."""
+        self._broadcast_during(tensors, "/update_weights", {"update_info": update_info(tensors)})
+
+    def _broadcast_during(self, tensors: list[tuple[str, torch.Tensor]], route: str, body: dict) -> dict:
+        """``body`` to ``route`` while a thread broadcasts ``tensors`` into its gloo group; the route's answer."""
         sending: dict[str, object] = {}
         thread = threading.Thread(target=send_into, args=(self.group, tensors, sending), daemon=True)
         thread.start()
-        self.post("/update_weights", {"update_info": update_info(tensors)})
+        answer = self.post(route, body)
         thread.join(ROUTE_S)
         if "error" in sending or thread.is_alive():
             ended = sending.get("error", "no end")
-            raise ServerError(f"{self.endpoint.what} at {self.url} answered /update_weights but the broadcast of "
-                              f"its bucket did not end ({ended})")  # fmt: skip
+            raise ServerError(f"{self.endpoint.what} at {self.url} answered {route} but the broadcast of its "
+                              f"tensors did not end ({ended})")  # fmt: skip
+        return answer
 
     # ------------------------------------------------------------------ adapters
     def unload_left(self) -> None:
@@ -201,6 +208,26 @@ class Replica:
             names = [model["id"] for model in answer["data"] if model.get("parent")]
         for left in [name for name in names if name.startswith(f"{ADAPTER}-")]:
             self.unload(left)
+
+    def send_adapter(self, name: str, adapters: dict[str, torch.Tensor], rank: int) -> None:
+        """Broadcast an adapter's factors to its worker, which writes them as a folder on its own machine.
+
+        ``AmirWorkerExtension.amir_receive_adapter`` writes it: no folder in common with the trainer.
+        """
+        tensors = list(adapters.items())
+        body = {"method": "amir_receive_adapter", "args": [json.dumps(adapter_spec(name, tensors, rank))]}
+        answer = self._broadcast_during(tensors, "/collective_rpc", body)
+        with reading(self.endpoint, "/collective_rpc", answer):
+            self.received = str(answer["results"][0])
+
+    def load_received(self, name: str) -> None:
+        """Serve the adapter ``send_adapter`` sent as ``name``, then delete its folder on the server."""
+        folder, self.received = self.received, None
+        try:
+            self.load_adapter(name, Path(folder))
+        finally:
+            with contextlib.suppress(ServerError):  # a folder left in the server's temporary folder is not the run's
+                self.post("/collective_rpc", {"method": "amir_remove_adapter", "args": [folder]})
 
     def load_adapter(self, name: str, folder: Path) -> None:
         """Serve the adapter in ``folder`` as ``name`` (``/v1/load_lora_adapter``)."""
@@ -256,6 +283,14 @@ class Replica:
         with reading(self.endpoint, "/v1/completions", answer):
             entries = answer["choices"][0]["prompt_logprobs"][len(prompt) :]
             return [float(entry[str(token)]["logprob"]) for token, entry in zip(completion, entries, strict=True)]
+
+
+def adapter_spec(name: str, tensors: list[tuple[str, torch.Tensor]], rank: int) -> dict:
+    """What a worker is told of an adapter broadcast to it.
+
+    Its name, rank, ``lora_alpha`` (the rank: the factors are pre-scaled) and each factor's name, dtype and shape.
+    """
+    return {"name": name, "rank": rank, "alpha": rank, "update": update_info(tensors)}
 
 
 def _join(info: GlooInit, joined: dict[str, object]) -> None:

@@ -24,7 +24,9 @@ process group ends with the run (``helpers/serving.py``).
 With ``push_adapters`` (a LoRA policy) the server serves the policy's adapter (``--enable-lora``, vLLM's
 ``/v1/load_lora_adapter`` with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``): the base weights are pushed once, then
 each sync sends only the LoRA factors, as a new adapter in the old one's place, and reads them back exactly
-(``engines/adapters.py``); every request names the adapter.
+(``engines/adapters.py``); every request names the adapter. vLLM loads an adapter from a folder: with ``transfer:
+gloo`` the server's worker receives the factors over its group and writes that folder on its own machine, so no
+folder is shared; with ``file`` or ``nccl`` the trainer writes it in ``transfer_dir``, which the server must see.
 
 Several servers, one model: ``replicas: N`` starts N servers (``devices`` and ``cpu_cores`` split among them),
 ``url: [http://a:8000, http://b:8000]`` reaches servers you started (``engines/replicas.py``). A rollout's groups go
@@ -387,7 +389,7 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         try:
             if global_rank() == 0:
                 try:
-                    self._push_adapter_files(adapters, rank, self._served_dtype())
+                    self._push_adapter(adapters, rank, self._served_dtype())
                 except ServerError as err:
                     if "/v1/load_lora_adapter" not in str(err) or "404" in str(err):
                         raise
@@ -467,30 +469,38 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
             nccl.push(plan, named, client, address, free_port(address), device)
         self.pushes += 1
 
-    def _push_adapter_files(self, adapters: dict[str, torch.Tensor], rank: int, dtype: torch.dtype) -> None:
+    def _push_adapter(self, adapters: dict[str, torch.Tensor], rank: int, dtype: torch.dtype) -> None:
         """Serve ``adapters`` from every replica as a new LoRA adapter (``adapter_name``), and drop the last one.
 
         vLLM's ``/v1/load_lora_adapter``, generation paused as for a weight push. Each push is an adapter of its own
         (``policy-<push>``): one loaded ``load_inplace`` would be read from its folder again at every scheduling step,
         as vLLM 0.32 re-applies such a request's adapter. A server holds one adapter (``--max-loras 1``), so the new one
-        takes the old one's place. The folder is written once, for every replica to read.
+        takes the old one's place. The route reads a folder: with ``transfer: gloo`` each replica's worker receives
+        the factors over its group and writes that folder on its own machine (``Replica.send_adapter``); otherwise
+        the folder is written here once, in ``transfer_dir``, for every replica to read.
         """
         name = adapter_name(self.pushes + 1)
-        folder = self._workdir / name
         targets = self._targets()
-        try:
-            write_adapter(folder, adapters, rank, dtype)
-        except OSError as err:
-            shutil.rmtree(folder, ignore_errors=True)
-            raise ServerError(f"could not write the pushed adapters to {folder} ({KEY}.transfer_dir): "
-                              f"{err.strerror or err}") from None  # fmt: skip
-        try:
-            if self._adapter is None:  # this run's first: an earlier run on a server given by url left its adapter
-                each(targets, "unload_left")
+        if self._adapter is None:  # this run's first: an earlier run on a server given by url left its adapter
+            each(targets, "unload_left")
+        if self.transfer == "gloo":
+            each(targets, "join_transfer")
             with paused(targets, self.updates_in_flight):
-                each(targets, "load_adapter", name, folder)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)  # read into the servers' memory by now
+                each(targets, "send_adapter", name, adapters, rank)
+                each(targets, "load_received", name)
+        else:
+            folder = self._workdir / name
+            try:
+                write_adapter(folder, adapters, rank, dtype)
+            except OSError as err:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise ServerError(f"could not write the pushed adapters to {folder} ({KEY}.transfer_dir): "
+                                  f"{err.strerror or err}") from None  # fmt: skip
+            try:
+                with paused(targets, self.updates_in_flight):
+                    each(targets, "load_adapter", name, folder)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)  # read into the servers' memory by now
         if self._adapter is not None:  # the last adapter, no longer served
             each(targets, "unload", self._adapter)
         self.pushes += 1

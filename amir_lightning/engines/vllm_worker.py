@@ -249,6 +249,42 @@ class AmirWorkerExtension:
         held = [i for i in self.model_runner.lora_manager._adapter_manager.lora_index_to_id if i is not None]
         return encode(read_adapters(self, held[0]) if len(held) == 1 else {})
 
+    def amir_receive_adapter(self, spec: str) -> str:
+        """Receive a pushed adapter over this server's ``amir_gloo`` group and write it as a Peft folder here.
+
+        ``spec`` (JSON): ``name``, ``rank``, ``alpha`` and ``update`` (``GlooUpdate``'s fields) of the factors the
+        trainer broadcasts meanwhile. The folder is on the server's own machine (its temporary folder), so an adapter
+        push needs no folder in common with the trainer; vLLM's ``/v1/load_lora_adapter`` then loads it, and
+        ``amir_remove_adapter`` deletes it. Its path is the answer.
+        """
+        import tempfile
+        from pathlib import Path
+
+        from amir_lightning.engines.adapters import write_adapter
+        from amir_lightning.engines.transfer import GlooUpdate, receive
+
+        given = json.loads(spec)
+        group = getattr(getattr(self, "weight_transfer_engine", None), "group", None)
+        if group is None:
+            raise RuntimeError("the server has no amir_gloo group for an adapter: /init_weight_transfer_engine first")
+        factors = dict(receive(group, GlooUpdate(**given["update"])))
+        folder = Path(tempfile.mkdtemp(prefix=ADAPTER_PREFIX)) / str(given["name"])
+        dtype = self.model_runner.model_config.dtype
+        write_adapter(folder, factors, int(given["rank"]), dtype, int(given["alpha"]))
+        return str(folder)
+
+    def amir_remove_adapter(self, folder: str) -> bool:
+        """Delete an adapter folder ``amir_receive_adapter`` wrote (vLLM holds the adapter in memory by now)."""
+        import shutil
+        import tempfile
+        from pathlib import Path
+
+        parent = Path(folder).parent
+        if parent.parent != Path(tempfile.gettempdir()) or not parent.name.startswith(ADAPTER_PREFIX):
+            raise ValueError(f"{folder} is not a folder amir_receive_adapter wrote")
+        shutil.rmtree(parent, ignore_errors=True)
+        return True
+
     def amir_held_weights(self, columns: str) -> str:
         """``read_back`` of this worker on ``columns`` (JSON ``[seed, count]``), encoded.
 
@@ -256,6 +292,10 @@ class AmirWorkerExtension:
         """
         seed, count = json.loads(columns)
         return encode(read_back(self, ColumnSample(int(seed), None if count is None else int(count))))
+
+
+#: The start of the name of each temporary folder a server's worker writes a received adapter into.
+ADAPTER_PREFIX = "amir_adapter_"
 
 
 @dataclass
