@@ -240,3 +240,53 @@ def test_one_process_whose_engine_is_wrong_stops_every_process_under_fsdp2_and_n
             pytest.fail("the processes still wait on each other after 240 s (a collective one of them skipped)")
     assert "this process's engine holds other weights" in (tmp_path / "stopped.1").read_text()
     assert "the engine of another process holds other weights" in (tmp_path / "stopped.0").read_text()
+
+
+def _reference_ranks(rank: int, port: int, model_dir: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from amir_lightning.models.loading import is_sharded, load_reference
+
+    try:
+        policy = Policy(HFModel(model_dir))
+        policy.build(torch.float32, mesh=init_device_mesh("cpu", (2,)), with_reference=True)
+        copy = policy.reference_copy
+        whole = load_reference(Path(model_dir), torch.float32)
+        expected = {name: p.detach().clone() for name, p in whole.named_parameters()}
+        ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+        with torch.no_grad():
+            want = whole(ids).logits
+            with policy.reference() as reference:
+                got = reference(ids).logits
+        shard_fsdp2(whole, "cpu")  # the shards a whole load gives
+        results = {
+            "sharded": is_sharded(copy) and not any(p.requires_grad for p in copy.parameters()),
+            "shards_equal": all(
+                torch.equal(p.to_local(), q.to_local())
+                for (_, p), (_, q) in zip(whole.named_parameters(), copy.named_parameters(), strict=True)
+            ),
+            "local_fraction": sum(p.to_local().numel() for p in copy.parameters())
+            / sum(t.numel() for t in expected.values()),
+            "logits_equal": torch.equal(want, got),
+            "resharded": all(type(p).__name__ == "DTensor" for p in copy.parameters()),
+        }
+        Path(f"{out}.{rank}").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes of its own
+def test_the_reference_copy_starts_sharded_and_scores_as_the_whole_copy(tmp_path):
+    """With a KL term and no LoRA the frozen copy of the initial policy is loaded as the policy is under FSDP2: each
+    process reads its own rows (about half of the weights each), the shards are those of a whole load, and its logits
+    equal the whole copy's, bit for bit; after a forward it holds its shard alone again."""
+    model_dir = build_tiny_model(tmp_path / "tiny", hidden_size=64, num_heads=2, num_kv_heads=1, num_layers=2)
+    out = tmp_path / "reference"
+    port = free_port("127.0.0.1")
+    mp.start_processes(_reference_ranks, args=(port, str(model_dir), str(out)), nprocs=2, start_method="spawn")
+    for rank in (0, 1):
+        found = json.loads(Path(f"{out}.{rank}").read_text())
+        assert found["sharded"] and found["shards_equal"] and found["logits_equal"] and found["resharded"], found
+        assert 0.4 < found["local_fraction"] < 0.6, found

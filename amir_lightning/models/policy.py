@@ -28,6 +28,7 @@ from amir_lightning.models.loading import (
     LoraSettings,
     adapter_state,
     is_peft,
+    is_sharded,
     load_policy,
     load_reference,
     merged_state,
@@ -174,14 +175,37 @@ class Policy:
             # at step 0; tests/test_precision.py). FSDP2 casts the policy's parameters to the compute dtype, so
             # there the copy is stored in it. ``model.dtype`` set by name wins (half the memory, with that floor).
             dtype = frozen_dtype or (compute_dtype if mesh is not None else trainable_dtype)
-            self.reference_copy = load_reference(self.model_dir, dtype, trust, attention)
+            copy = None if mesh is None else self._sharded_reference(dtype, compute_dtype, mesh.device_type)
+            self.reference_copy = copy if copy is not None else load_reference(self.model_dir, dtype, trust, attention)
         return model
+
+    def _sharded_reference(
+        self, dtype: torch.dtype, compute_dtype: torch.dtype, device_type: str
+    ) -> torch.nn.Module | None:
+        """The frozen copy as FSDP2 shards, each process reading its own rows of the checkpoint as the policy did.
+
+        ``None`` where the checkpoint cannot be read so (the reason is logged; the copy is then loaded whole).
+        """
+        trust, attention = self.source.trust_remote_code, self.scoring.attn_implementation
+        copy = load_policy(self.model_dir, dtype, dtype, False, None, trust, attention, on_meta=True)
+        start = plan_sharded_start(copy, self.model_dir)
+        if start.reason is not None:
+            log.info("model: %s; every process loads the whole reference copy", start.reason)
+            return None
+        shard_fsdp2(copy, device_type, compute_dtype)
+        materialize(copy, _mesh_device(device_type))
+        fill_shards(copy, start, dtype)
+        return copy.eval().requires_grad_(False)
 
     @contextmanager
     def reference(self) -> Iterator[torch.nn.Module]:
         """The reference policy: the frozen copy, or the policy with its LoRA adapters disabled."""
         if self.reference_copy is not None:
-            yield self.reference_copy
+            try:
+                yield self.reference_copy
+            finally:
+                if is_sharded(self.reference_copy):
+                    reshard(self.reference_copy)  # what its forward gathered, freed (it has no backward)
         else:
             with self.model.disable_adapter():
                 yield self.model

@@ -26,7 +26,7 @@ from amir_lightning.helpers.tracking import log_metrics
 from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.loop.batch import RolloutBatch, RolloutStep
 from amir_lightning.models.export import ExportSettings
-from amir_lightning.models.loading import LoraSettings
+from amir_lightning.models.loading import LoraSettings, is_sharded
 from amir_lightning.models.policy import Policy, ScoringSettings
 from amir_lightning.models.sources import ModelSource
 from amir_lightning.objectives import AmirGRPOLoss, GRPOLoss, LossOutput, StepContext
@@ -131,8 +131,8 @@ class AmirGRPOModule(TrainableCheckpoint, LightningModule):
 
     @override
     def on_fit_start(self) -> None:
-        if self.policy.reference_copy is not None:
-            self.policy.reference_copy.to(self.device)
+        if self.policy.reference_copy is not None and not is_sharded(self.policy.reference_copy):
+            self.policy.reference_copy.to(self.device)  # a sharded copy lives on its mesh's devices already
         data = getattr(self.trainer, "datamodule", None)
         if self.trainer.is_global_zero and hasattr(data, "settings") and hasattr(data, "prompt_limit"):
             for line in run_summary(self.trainer, self, data):  # the global batch, the length, the memory

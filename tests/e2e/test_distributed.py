@@ -49,6 +49,7 @@ def updates(model_dir, tmp_path_factory):
     single = {f"one-{agg}-{loss}": {"aggregation": agg, "loss": loss} for agg, loss in LOSSES}
     single["one-clip"] = {"max_grad_norm": 0.05}
     single["one-kl-lora"] = {"kl_coef": 0.1, "lora": True}
+    single["one-kl"] = {"kl_coef": 0.1}
     double = {
         f"two-{strategy}-{agg}-{loss}": {"strategy": strategy, "aggregation": agg, "loss": loss}
         for strategy in STRATEGIES
@@ -58,6 +59,7 @@ def updates(model_dir, tmp_path_factory):
     double["two-clip"] = {"strategy": "fsdp2", "max_grad_norm": 0.05}
     double["two-uneven-fsdp2-kl-lora"] = {"strategy": "fsdp2", "kl_coef": 0.1, "lora": True, **UNEVEN}
     double["two-idle-fsdp2-kl-lora"] = {"strategy": "fsdp2", "kl_coef": 0.1, "lora": True, **UNEVEN, "uneven": 4}
+    double["two-uneven-fsdp2-kl"] = {"strategy": "fsdp2", "kl_coef": 0.1, **UNEVEN}
     printed = launch(model_dir, out, 1, single) + launch(model_dir, out, 2, double)
     return {name: torch.load(out / f"{name}.pt") for name in [*single, *double]}, printed.splitlines()
 
@@ -223,3 +225,14 @@ def test_a_distributed_checkpoint_cut_short_leaves_the_last_whole_one_and_the_ru
     assert len(scalars["rollout/reward_mean"]) == 2 and len(scalars["train/loss"]) == 2  # rollouts 2 and 3 alone
     assert max(scalars["rollout/sync_logp_diff"]) < 1e-3 and (resumed / "policy" / "model.safetensors").is_file()
     assert torch.load(resumed / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=True)["global_step"] == 3
+
+
+def test_the_sharded_reference_copy_makes_the_update_one_process_makes_with_the_whole_copy(model_dir, updates):
+    """A KL term without LoRA: under FSDP2 the frozen copy is sharded as the policy is (each process read its own
+    rows), its forward a collective that rank 1's fillers run too; the update equals one process's with the whole
+    copy."""
+    single, double = updates[0]["one-kl"], updates[0]["two-uneven-fsdp2-kl"]
+    largest = largest_update(model_dir, single)
+    assert largest > 1e-3  # the step moved the weights
+    for key in single:
+        torch.testing.assert_close(double[key], single[key], atol=1e-5 * largest, rtol=0)
