@@ -1,6 +1,7 @@
 """The ``nccl`` transfer (``engines/nccl.py``), where a CPU can check it: NCCL itself needs GPUs, so what runs here
 is vLLM's own check of the push's source, the routes the client sends every replica (each at its own ranks, in
-the bodies vLLM's worker-side dataclasses take), and the refusal on a machine without CUDA."""
+the bodies vLLM's worker-side dataclasses take; the gloo push drives the same client in every server test), and the
+refusal on a machine without CUDA."""
 
 import json
 import threading
@@ -19,8 +20,8 @@ from vllm.distributed.weight_transfer.nccl_engine import (  # noqa: E402
 )
 
 from amir_lightning.engines import VLLMServerEngine  # noqa: E402
-from amir_lightning.engines.nccl import PlannedSource, ReplicasClient, init_info  # noqa: E402
-from amir_lightning.engines.replicas import server_name  # noqa: E402
+from amir_lightning.engines.nccl import PlannedSource, init_info  # noqa: E402
+from amir_lightning.engines.replicas import Replica, ReplicasClient, server_name  # noqa: E402
 from amir_lightning.helpers.http import Endpoint, ServerError  # noqa: E402
 from amir_lightning.models import build_tiny_model  # noqa: E402
 from amir_lightning.models.loading import load_policy  # noqa: E402
@@ -88,8 +89,9 @@ class Recording:
         self.httpd.shutdown()
 
 
-def endpoint(url: str, index: int, count: int) -> Endpoint:
-    return Endpoint(url, server_name(index, count), "data.engine.init_args.url", "a vLLM server", "start one")
+def replica(url: str, index: int, count: int, workers: int) -> Replica:
+    where = Endpoint(url, server_name(index, count), "data.engine.init_args.url", "a vLLM server", "start one")
+    return Replica(index, count, where, 30.0, workers=workers)
 
 
 def test_the_client_sends_every_replica_its_own_ranks_and_the_push_in_vllms_own_bodies(model):
@@ -97,7 +99,7 @@ def test_the_client_sends_every_replica_its_own_ranks_and_the_push_in_vllms_own_
     every route reaches both, its body taken by vLLM's worker-side dataclasses; the push's version ends it."""
     servers = [Recording(), Recording()]
     try:
-        client = ReplicasClient([endpoint(s.url, i, 2) for i, s in enumerate(servers)], [1, 2], 30.0, version=7)
+        client = ReplicasClient([replica(s.url, i, 2, [1, 2][i]) for i, s in enumerate(servers)], version=7)
         trainer = init_info("127.0.0.1", 29555, client.workers)
         assert trainer.world_size == 4 and trainer.is_sender and trainer.backend == "nccl"
         # what vLLM's NCCLTrainerWeightTransferEngine.trainer_init hands the client, then the round of send_weights
@@ -127,7 +129,7 @@ def test_the_client_sends_every_replica_its_own_ranks_and_the_push_in_vllms_own_
 def test_a_replica_that_refuses_a_route_is_named_in_one_line():
     servers = [Recording(), Recording(fail="/update_weights")]
     try:
-        client = ReplicasClient([endpoint(s.url, i, 2) for i, s in enumerate(servers)], [1, 1], 30.0, version=1)
+        client = ReplicasClient([replica(s.url, i, 2, 1) for i, s in enumerate(servers)], version=1)
         with pytest.raises(ServerError, match=rf"the vLLM server \(replica 2 of 2\) at {servers[1].url} refused "
                                               r"/update_weights \(500\)") as refused:  # fmt: skip
             client.update_weights({"names": [], "dtype_names": [], "shapes": []})

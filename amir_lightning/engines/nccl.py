@@ -8,10 +8,10 @@ The trainer side is vLLM's ``NCCLTrainerWeightTransferEngine``, built by its fac
   before the first gather) as its ``metadata()``, and the push's stream (buckets gathered from the FSDP2 shards as
   they come, digested for the exact check as they pass) as its one pass. vLLM checks each tensor against the plan as
   it sends (``_checked_iter``).
-- ``ReplicasClient``, the ``VLLMWeightSyncClient`` it drives: every route goes to every replica at once, over the
-  run's requests (deadlines, a dead or silent server named in one line, ``helpers/http.py``). All replicas' workers
-  are one NCCL group, each replica's ranks after the last one's, so one broadcast from the GPU reaches every replica:
-  the bytes never touch host memory and there is no file.
+- ``replicas.ReplicasClient``, the ``VLLMWeightSyncClient`` it drives (the gloo push drives the same one): every
+  route goes to every replica at once, over the run's requests (deadlines, a dead or silent server named in one line,
+  ``helpers/http.py``). All replicas' workers are one NCCL group, each replica's ranks after the last one's, so one
+  broadcast from the GPU reaches every replica: the bytes never touch host memory and there is no file.
 
 Every push is read back exactly from every replica afterwards, as with any transfer (``loop/sync.py``).
 This module imports vLLM: it is imported only by a push with ``transfer: nccl``, which needs vLLM (the ``gpu`` extra)
@@ -21,15 +21,16 @@ and CUDA in the trainer's first process.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-from amir_lightning.engines.server_setup import KEY, Planned
-from amir_lightning.helpers.http import Endpoint, request
+from amir_lightning.engines.server_setup import Planned
+
+if TYPE_CHECKING:
+    from amir_lightning.engines.replicas import ReplicasClient
 
 
 class PlannedSource(WeightSource):
@@ -56,51 +57,6 @@ class PlannedSource(WeightSource):
         self._read = True
         for name, tensor in self.named:
             yield name, tensor.detach().to(self.device, non_blocking=False)
-
-
-class ReplicasClient:
-    """vLLM's ``VLLMWeightSyncClient`` over every replica of one engine: each route to all of them at once.
-
-    Args:
-        endpoints: Each replica's server.
-        workers: Each replica's workers (its ranks in the NCCL group follow the ones before it).
-        deadline_s: Each route's deadline (``request_timeout``, else 10 minutes).
-        version: The weight version ``/finish_weight_update`` labels the push with.
-    """
-
-    def __init__(self, endpoints: list[Endpoint], workers: list[int], deadline_s: float, version: int) -> None:
-        self.endpoints, self.workers, self.deadline_s, self.version = endpoints, workers, deadline_s, version
-
-    def _post_all(self, route: str, bodies: list[dict | None]) -> None:
-        def post(index: int) -> dict:
-            return request(self.endpoints[index], route, bodies[index], deadline_s=self.deadline_s,
-                           deadline_key=f"{KEY}.request_timeout")  # fmt: skip
-
-        with ThreadPoolExecutor(max_workers=len(self.endpoints), thread_name_prefix="amir-nccl-route") as pool:
-            futures = [pool.submit(post, index) for index in range(len(self.endpoints))]
-        for future in futures:  # the first error, in the replicas' order
-            future.result()
-
-    def offsets(self) -> list[int]:
-        """Each replica's first rank in the group (the trainer is rank 0)."""
-        return [1 + sum(self.workers[:index]) for index in range(len(self.workers))]
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Have every replica's workers join the group, each replica at its own ranks."""
-        bodies = [{"init_info": init_info | {"rank_offset": offset}} for offset in self.offsets()]
-        self._post_all("/init_weight_transfer_engine", bodies)
-
-    def start_weight_update(self) -> None:  # noqa: D102
-        self._post_all("/start_weight_update", [None] * len(self.endpoints))
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Every replica receives the broadcast (the route returns once its workers have loaded it)."""
-        self._post_all("/update_weights", [{"update_info": update_info}] * len(self.endpoints))
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        """End the update, labelled with the push's weight version."""
-        body = {"weight_version": weight_version or str(self.version)}
-        self._post_all("/finish_weight_update", [body] * len(self.endpoints))
 
 
 def init_info(address: str, port: int, workers: list[int]) -> NCCLTrainerInitInfo:

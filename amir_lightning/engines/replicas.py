@@ -17,7 +17,7 @@ import heapq
 import json
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from amir_lightning.engines.transfer import GlooInit, gloo_group, send_into, tra
 from amir_lightning.engines.vllm_worker import decode
 from amir_lightning.helpers.http import Endpoint, ServerError, reading, request
 from amir_lightning.helpers.serving import ServerProcess, free_port, wait_for
+from amir_lightning.models import sharded
 
 log = logging.getLogger(__name__)
 
@@ -179,10 +180,6 @@ class Replica:
                                   tail=err.tail) from None  # fmt: skip
             raise
 
-    def update_over_gloo(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """One bucket: its ``/update_weights`` while a thread broadcasts the bytes to this server's workers."""
-        self._broadcast_during(tensors, "/update_weights", {"update_info": update_info(tensors)})
-
     def _broadcast_during(self, tensors: list[tuple[str, torch.Tensor]], route: str, body: dict) -> dict:
         """``body`` to ``route`` while a thread broadcasts ``tensors`` into its gloo group; the route's answer."""
         sending: dict[str, object] = {}
@@ -283,6 +280,99 @@ class Replica:
         with reading(self.endpoint, "/v1/completions", answer):
             entries = answer["choices"][0]["prompt_logprobs"][len(prompt) :]
             return [float(entry[str(token)]["logprob"]) for token, entry in zip(completion, entries, strict=True)]
+
+
+class ReplicasClient:
+    """vLLM's ``VLLMWeightSyncClient`` over replicas: each weight-sync route sent to every one of them at once.
+
+    The trainer side of a push drives it, whichever the transport: the gloo push (``push_over_gloo``) and vLLM's own
+    NCCL trainer engine (``engines/nccl.py``). All the replicas' workers are one group with the trainer (rank 0):
+    each replica's workers take the ranks after the last replica's (``offsets``), so one broadcast reaches them all.
+
+    Args:
+        replicas: The replicas a push goes to, their workers counted (``Replica.count_workers``).
+        version: The weight version ``/finish_weight_update`` labels the push with.
+    """
+
+    def __init__(self, replicas: Sequence[Replica], version: int) -> None:
+        self.replicas, self.version = list(replicas), version
+
+    @property
+    def workers(self) -> list[int]:
+        """Each replica's workers."""
+        return [replica.workers for replica in self.replicas]
+
+    def offsets(self) -> list[int]:
+        """Each replica's first rank in the group (the trainer is rank 0)."""
+        return [1 + sum(self.workers[:index]) for index in range(len(self.replicas))]
+
+    def _post_all(self, route: str, bodies: list[dict | None]) -> None:
+        """``bodies[i]`` to ``route`` of replica ``i``, all at once; the first error, in the replicas' order."""
+        with ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="amir-replica") as pool:
+            futures = [pool.submit(r.post, route, body) for r, body in zip(self.replicas, bodies, strict=True)]
+        for future in futures:
+            future.result()
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Have every replica's workers join the group, each replica at its own ranks."""
+        self._post_all("/init_weight_transfer_engine",
+                       [{"init_info": init_info | {"rank_offset": offset}} for offset in self.offsets()])  # fmt: skip
+
+    def start_weight_update(self) -> None:
+        """``/start_weight_update`` on every replica."""
+        self._post_all("/start_weight_update", [None] * len(self.replicas))
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Every replica receives the broadcast (the route returns once its workers have loaded it)."""
+        self._post_all("/update_weights", [{"update_info": update_info}] * len(self.replicas))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """End the update on every replica, labelled with the push's weight version."""
+        body = {"weight_version": weight_version or str(self.version)}
+        self._post_all("/finish_weight_update", [body] * len(self.replicas))
+
+
+def push_over_gloo(
+    replicas: Sequence[Replica], plan: list, named: Iterable[tuple[str, torch.Tensor]], version: int
+) -> None:
+    """One push over the ``amir_gloo`` transfer: one group of the trainer and every replica's workers.
+
+    A bucket at a time, ``/update_weights`` on every replica while this process broadcasts the bucket's bytes once:
+    the sequence vLLM's NCCL trainer engine drives (``NCCLTrainerWeightTransferEngine.send_weights``), through the
+    same client: ``/init_weight_transfer_engine`` (each replica at its ranks), ``/start_weight_update``, the
+    buckets, ``/finish_weight_update`` with the weight ``version``. A group of its own for each push: a server keeps
+    the last group a trainer brought (another run that reached it since, or a restart, would leave an older one
+    broadcasting to nobody). The stream is read once, one bucket held, whatever the replicas.
+    """
+    each(replicas, "count_workers")
+    client = ReplicasClient(replicas, version)
+    address = trainer_address(replicas[0].url)
+    info = GlooInit(address, free_port(address), 1, 1 + sum(client.workers), ROUTE_S)
+    joined: dict[str, object] = {}
+    thread = threading.Thread(target=_join, args=(info, joined), name="amir-transfer-join", daemon=True)
+    thread.start()
+    client.init_weight_transfer_engine(dataclasses.asdict(info))
+    thread.join(ROUTE_S)
+    where = ", ".join(r.url for r in replicas)
+    if "group" not in joined:
+        raise ServerError(f"the vLLM server(s) at {where} took /init_weight_transfer_engine but their "
+                          f"{sum(client.workers)} worker(s) did not join the trainer's gloo group at "
+                          f"{address}:{info.master_port} ({joined.get('error', 'no answer')}); {KEY}.transfer: file "
+                          "pushes through a folder instead")  # fmt: skip
+    group, stream = joined["group"], iter(named)
+    client.start_weight_update()
+    for bucket in sharded.buckets_of(plan, sharded.BUCKET_BYTES):
+        tensors = [next(stream) for _ in bucket]
+        sending: dict[str, object] = {}
+        sender = threading.Thread(target=send_into, args=(group, tensors, sending), daemon=True)
+        sender.start()
+        client.update_weights(update_info(tensors))
+        sender.join(ROUTE_S)
+        if "error" in sending or sender.is_alive():
+            raise ServerError(f"the vLLM server(s) at {where} answered /update_weights but the broadcast of the "
+                              f"bucket did not end ({sending.get('error', 'no end')})")  # fmt: skip
+        del tensors
+    client.finish_weight_update()
 
 
 def adapter_spec(name: str, tensors: list[tuple[str, torch.Tensor]], rank: int) -> dict:

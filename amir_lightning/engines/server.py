@@ -69,14 +69,22 @@ from amir_lightning.engines.base import (
 )
 from amir_lightning.engines.digest import ColumnSample, Reading, WeightSlot
 from amir_lightning.engines.passthrough import setting_errors
-from amir_lightning.engines.replicas import Replica, assign, each, paused, server_name, split_settings
+from amir_lightning.engines.replicas import (
+    Replica,
+    ReplicasClient,
+    assign,
+    each,
+    paused,
+    push_over_gloo,
+    server_name,
+    split_settings,
+)
 from amir_lightning.engines.server_setup import KEY, ROUTE_S, Planned, adapter_name, write_weights
 from amir_lightning.engines.transfer import trainer_address
 from amir_lightning.helpers.distributed import from_rank_zero, global_rank, world_size
 from amir_lightning.helpers.http import Endpoint, ServerError
 from amir_lightning.helpers.serving import REFUSED_S, ServerProcess, free_port, reachable_url
 from amir_lightning.helpers.validation import check_number, raise_errors
-from amir_lightning.models import sharded
 
 log = logging.getLogger(__name__)
 
@@ -428,26 +436,14 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
         self.pushes += 1
 
     def _push_gloo(self, plan: list[Planned], named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Push ``named`` into every replica over its gloo group, a bucket at a time, through vLLM's update routes.
+        """Push ``named`` into every replica over one gloo group of this process and their workers, generation paused.
 
-        Each bucket is one ``/update_weights`` (its names, dtypes and shapes) on every replica at once, while this
-        process broadcasts its tensors' bytes into each replica's group; the route answers once every worker of that
-        replica has loaded them. The stream is read once: one bucket is held, whatever the replicas.
-        ``/pause``, ``/start_weight_update`` and ``/finish_weight_update`` with the weight ``version`` around them,
-        as for a file.
+        A bucket at a time (``replicas.push_over_gloo``): the routes vLLM's NCCL trainer engine drives, through the
+        same client.
         """
-        stream = iter(named)
         targets = self._targets()
-        # A group of its own for each push: a server keeps the last group a trainer brought (another run that
-        # reached it since, or a restart, would leave an older one broadcasting to nobody).
-        each(targets, "join_transfer")
         with paused(targets, self.updates_in_flight):
-            each(targets, "start_update")
-            for bucket in sharded.buckets_of(plan, sharded.BUCKET_BYTES):
-                tensors = [next(stream) for _ in bucket]
-                each(targets, "update_over_gloo", tensors)
-                del tensors
-            each(targets, "finish_update", version)
+            push_over_gloo(targets, plan, named, version)
         self.pushes += 1
 
     def _push_nccl(self, plan: list[Planned], named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -455,18 +451,17 @@ class VLLMServerEngine(ServesAdapters, RolloutEngine):
 
         vLLM's trainer engine drives the routes (``/init_weight_transfer_engine`` for a group of this process's GPU
         and every replica's workers, ``/start_weight_update``, ``/update_weights`` while it broadcasts,
-        ``/finish_weight_update`` with the weight ``version``) through a client that sends each to every replica.
+        ``/finish_weight_update`` with the weight ``version``) through ``replicas.ReplicasClient``, which sends each
+        to every replica.
         """
         from amir_lightning.engines import nccl
 
         targets = self._targets()
         each(targets, "count_workers")
         address = trainer_address(targets[0].url)
-        client = nccl.ReplicasClient([r.endpoint for r in targets], [r.workers for r in targets], targets[0].route_s,
-                                     version)  # fmt: skip
         device = torch.device("cuda", torch.cuda.current_device())
         with paused(targets, self.updates_in_flight):
-            nccl.push(plan, named, client, address, free_port(address), device)
+            nccl.push(plan, named, ReplicasClient(targets, version), address, free_port(address), device)
         self.pushes += 1
 
     def _push_adapter(self, adapters: dict[str, torch.Tensor], rank: int, dtype: torch.dtype) -> None:
