@@ -87,3 +87,123 @@ def test_batch_std_spans_every_process_and_skips_nan():
     with_nan = torch.tensor([0.0, 2.0, float("nan"), 1.0])
     assert batch_std(with_nan) == pytest.approx(torch.tensor([0.0, 2.0, 1.0]).std().item())
     assert group_advantages(with_nan, 2, scale="batch")[:2].isfinite().all()  # one NaN does not poison the batch
+
+
+def verl_masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """verl 0.9's ``masked_whiten`` (``verl/utils/torch_functional.py``), written here from its formula in float64:
+    the masked mean, the masked variance times ``n / (n - 1)``, and ``(values - mean) * rsqrt(var + 1e-8)``."""
+    values, mask = values.double(), mask.double()
+    mean = (values * mask).sum() / mask.sum()
+    variance = ((values - mean) ** 2 * mask).sum() / mask.sum() * mask.sum() / (mask.sum() - 1)
+    return (values - mean) * torch.rsqrt(variance + 1e-8)
+
+
+def tokens_of(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A response mask ``[N, T]`` of ``lengths``, and the lengths as a tensor."""
+    width = max(lengths)
+    mask = torch.tensor([[1.0] * n + [0.0] * (width - n) for n in lengths])
+    return mask, torch.tensor(lengths, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_pp", "reinforce_pp_baseline"])
+def test_reinforce_pp_whitens_over_the_batchs_tokens_as_verls_outcome_estimators(estimator):
+    """verl's ``compute_reinforce_plus_plus_outcome_advantage`` (gamma 1, the reward on the last token: every token's
+    return is the reward) and ``..._baseline_outcome_advantage`` (the group mean subtracted first), whitened over the
+    response mask: each completion's advantage is its tokens' value, longer completions weighing more."""
+    from amir_lightning.objectives.advantages import estimate_advantages
+
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, -1.0])
+    lengths = [3, 7, 2, 5, 1, 4]
+    mask, tokens = tokens_of(lengths)
+    scores = rewards.double()
+    if estimator == "reinforce_pp_baseline":
+        scores = (scores.view(-1, 2) - scores.view(-1, 2).mean(1, keepdim=True)).view(-1)
+    per_token = verl_masked_whiten(scores[:, None] * mask, mask)  # [N, T]
+    expected = per_token[:, 0]  # every trained token of a completion carries the same value
+    got = estimate_advantages(rewards, 2, estimator, tokens=tokens)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, atol=1e-6, rtol=0)
+    float64 = estimate_advantages(rewards.double(), 2, estimator, tokens=tokens)
+    assert (float64 - expected).abs().max().item() < 1e-12
+    if estimator == "reinforce_pp_baseline":
+        assert float64[2] == float64[3] != 0.0  # an all-equal group is not zero once the batch is centred (verl's)
+
+
+def test_reinforce_pp_statistics_span_every_process():
+    """Two processes whiten with the statistics of both: each equals the whitening of the concatenated batch."""
+    from amir_lightning.objectives.advantages import estimate_advantages
+
+    mine, theirs = torch.tensor([1.0, 0.0, 3.0, 1.0]), torch.tensor([0.0, 0.0, 2.0, 5.0])
+    my_tokens, their_tokens = torch.tensor([2.0, 4.0, 1.0, 3.0]), torch.tensor([6.0, 1.0, 2.0, 2.0])
+
+    def both(stats: torch.Tensor) -> torch.Tensor:
+        x, n = theirs.double(), their_tokens.double()
+        return stats + torch.stack([n.sum(), (n * x).sum(), (n * x * x).sum()])
+
+    alone = estimate_advantages(
+        torch.cat([mine, theirs]), 2, "reinforce_pp", tokens=torch.cat([my_tokens, their_tokens])
+    )
+    spanning = estimate_advantages(mine, 2, "reinforce_pp", tokens=my_tokens, all_reduce=both)
+    torch.testing.assert_close(spanning, alone[:4], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("scale", ["none", "group", "batch"])
+def test_rloo_subtracts_the_mean_of_the_groups_other_completions(scale):
+    """RLOO (arXiv 2402.14740, eq. 5): r_i - mean of the other G - 1 rewards of its group, in float64 against a loop
+    over the completions; then scaled as GRPO's advantages are; an all-equal group is exactly 0."""
+    from amir_lightning.objectives.advantages import estimate_advantages
+
+    generator = torch.Generator().manual_seed(3)
+    rewards = torch.rand(12, generator=generator, dtype=torch.float64)
+    rewards[4:8] = 0.25  # an all-equal group
+    G = 4
+    expected = torch.empty_like(rewards)
+    for i in range(rewards.numel()):
+        group = rewards[(i // G) * G : (i // G + 1) * G]
+        others = torch.cat([group[: i % G], group[i % G + 1 :]])
+        expected[i] = rewards[i] - others.mean()
+    if scale == "group":
+        expected = expected / (rewards.view(-1, G).std(dim=1).repeat_interleave(G) + 1e-4)
+    elif scale == "batch":
+        expected = expected / (rewards.std() + 1e-4)
+    expected[4:8] = 0.0
+    got = estimate_advantages(rewards, G, "rloo", scale)
+    assert (got - expected).abs().max().item() < 1e-12
+    assert torch.equal(got[4:8], torch.zeros(4, dtype=torch.float64))
+    if scale == "none":  # G / (G - 1) times GRPO's centred rewards
+        torch.testing.assert_close(got, estimate_advantages(rewards, G, "grpo", "none") * G / (G - 1))
+
+
+def test_an_estimator_and_a_scale_that_do_not_go_together_are_one_line_naming_the_keys():
+    from amir_lightning.loop.collect import RolloutSettings
+
+    with pytest.raises(ValueError, match=r"data.rollout.advantage_scale does not apply to advantage_estimator "
+                                         r"reinforce_pp: it standardises over the batch's tokens itself"):  # fmt: skip
+        RolloutSettings(advantage_estimator="reinforce_pp", advantage_scale="group")
+    with pytest.raises(ValueError, match=r"data.rollout.advantage_estimator must be one of grpo, rloo, reinforce_pp, "
+                                         r"reinforce_pp_baseline, got 'gae'"):  # fmt: skip
+        RolloutSettings(advantage_estimator="gae")
+    assert RolloutSettings().scale == "group" and RolloutSettings(advantage_estimator="rloo").scale == "none"
+    assert RolloutSettings(advantage_estimator="rloo", advantage_scale="batch").scale == "batch"
+
+
+def test_a_rollouts_advantages_come_from_its_estimator_with_each_completions_trained_tokens():
+    """``make_rollout`` with ``reinforce_pp``: the tokens are each completion's own (a tool's reply excluded)."""
+    from amir_lightning.data.base import Prompt
+    from amir_lightning.engines.base import Completion
+    from amir_lightning.loop.collect import RolloutSettings, make_rollout
+    from amir_lightning.objectives.advantages import estimate_advantages
+    from amir_lightning.rewards.base import Reward
+
+    class Length(Reward):
+        def score(self, completions, answers, **kwargs):
+            return [float(len(c)) for c in completions]
+
+    texts = [["a", "bbb"], ["cc", "dddd"]]
+    completions = [[Completion(list(range(len(t))), t, [0.0] * len(t), "stop") for t in group] for group in texts]
+    settings = RolloutSettings(group_size=2, prompts_per_process=2, advantage_estimator="reinforce_pp")
+    rollout = make_rollout([Prompt("p", ""), Prompt("q", "")], [[1], [2]], completions, 0.1, [Length()], settings)
+    rewards = torch.tensor([1.0, 3.0, 2.0, 4.0])
+    expected = estimate_advantages(rewards, 2, "reinforce_pp", tokens=torch.tensor([1.0, 3.0, 2.0, 4.0]))
+    got = torch.cat([group.advantages for group in rollout.groups])
+    torch.testing.assert_close(got, expected)

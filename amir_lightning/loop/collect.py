@@ -20,7 +20,7 @@ from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.loop.batch import make_groups
 from amir_lightning.loop.rewarding import Scores
 from amir_lightning.loop.types import Rollout
-from amir_lightning.objectives.advantages import batch_std, group_advantages
+from amir_lightning.objectives.advantages import ESTIMATORS, estimate_advantages
 from amir_lightning.rewards.base import Reward
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,13 @@ class RolloutSettings:
         steps_per_rollout: Optimisation steps per rollout, each on its share of the groups.
         passes: Passes over the rollout (PPO-style epochs, ``mu`` in GRPO papers); > 1 makes later steps
             off-policy (ratios and clipping act).
-        advantage_scale: ``group``, ``batch`` or ``none`` (see ``group_advantages``).
+        advantage_estimator: How rewards become advantages (``objectives/advantages.py``): ``grpo`` (the group's
+            mean subtracted), ``rloo`` (the mean of the group's others subtracted, TRL's RLOO), ``reinforce_pp``
+            (standardised over the global batch's tokens, REINFORCE++) or ``reinforce_pp_baseline`` (the group's
+            mean subtracted, then standardised so).
+        advantage_scale: For ``grpo`` and ``rloo``: ``group``, ``batch`` or ``none`` (see ``group_advantages``);
+            ``None``: ``group`` for ``grpo``, ``none`` for ``rloo`` (as TRL's trainers). The REINFORCE++ estimators
+            standardise themselves and refuse it.
         drop_zero_std_groups: Skip groups whose rewards are all equal (they carry no policy gradient).
         dynamic_sampling: Drop those groups and sample more prompts until this process has ``prompts_per_process``
             groups with reward variance or ``max_sampling_rounds`` rounds ran (DAPO's dynamic sampling, arXiv
@@ -86,7 +92,8 @@ class RolloutSettings:
     micro_batch_tokens: int | None = None
     steps_per_rollout: int = 1
     passes: int = 1
-    advantage_scale: Literal["group", "batch", "none"] = "group"
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+    advantage_scale: Literal["group", "batch", "none"] | None = None
     drop_zero_std_groups: bool = False
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 4
@@ -119,6 +126,15 @@ class RolloutSettings:
                 "data.rollout.partial_rollouts needs data.rollout.stale_logps current: a completion sampled across "
                 "pushes has no one set of weights that sampled it (the engine's per-token log-probs weigh it)"
             )
+        if self.advantage_estimator not in ESTIMATORS:
+            errors.append(f"data.rollout.advantage_estimator must be one of {', '.join(ESTIMATORS)}, got "
+                          f"{self.advantage_estimator!r}")  # fmt: skip
+        elif self.advantage_estimator.startswith("reinforce_pp") and self.advantage_scale is not None:
+            errors.append(f"data.rollout.advantage_scale does not apply to advantage_estimator "
+                          f"{self.advantage_estimator}: it standardises over the batch's tokens itself; leave "
+                          "advantage_scale out")  # fmt: skip
+        if self.advantage_scale not in (None, "group", "batch", "none"):
+            errors.append(f"data.rollout.advantage_scale must be group, batch or none, got {self.advantage_scale!r}")
         if self.stale_logps not in ("sampler", "current"):
             errors.append(f"data.rollout.stale_logps must be sampler or current, got {self.stale_logps!r}")
         if self.dynamic_sampling and self.max_staleness and self.stale_logps == "sampler":
@@ -133,6 +149,13 @@ class RolloutSettings:
                 f"({self.prompts_per_process}): every step needs at least one group"
             )
         raise_errors(errors)
+
+    @property
+    def scale(self) -> str:
+        """How ``grpo`` and ``rloo`` scale their advantages: ``advantage_scale``, or the estimator's default."""
+        if self.advantage_scale is not None:
+            return self.advantage_scale
+        return "none" if self.advantage_estimator == "rloo" else "group"
 
     @property
     def drops_zero_std(self) -> bool:
@@ -213,9 +236,10 @@ def make_rollout(
     """
     scores = scores or Scores.of(rewards, prompts, completions, settings.reward_warn_s)
     total, metrics, correct, score_s = scores.total, dict(scores.metrics), scores.correct, scores.seconds
-    std = batch_std(total, sum_over_processes) if settings.advantage_scale == "batch" else None
     # A group with a non-finite reward carries no signal (zero advantage, no pairs): see loop/rewarding.py.
-    advantages = group_advantages(total, settings.group_size, settings.advantage_scale, std=std).nan_to_num(nan=0.0)
+    tokens = torch.tensor([c.policy_tokens for group in completions for c in group], dtype=torch.float64)
+    advantages = estimate_advantages(total, settings.group_size, settings.advantage_estimator, settings.scale, tokens,
+                                     sum_over_processes).nan_to_num(nan=0.0)  # fmt: skip
     groups = make_groups(prompts, prompt_ids, completions, total, advantages, correct, scores.extra)
     tokens = sum(c.policy_tokens for group in completions for c in group)  # sampled (a tool's replies are not)
     metrics |= tool_metrics([c for group in completions for c in group])  # multi-turn: how the tool was used
