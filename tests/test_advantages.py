@@ -149,7 +149,7 @@ def test_reinforce_pp_statistics_span_every_process():
 
 @pytest.mark.parametrize("scale", ["none", "group", "batch"])
 def test_rloo_subtracts_the_mean_of_the_groups_other_completions(scale):
-    """RLOO (arXiv 2402.14740, eq. 5): r_i - mean of the other G - 1 rewards of its group, in float64 against a loop
+    """RLOO (arXiv 2402.14740): r_i - mean of the other G - 1 rewards of its group, in float64 against a loop
     over the completions; then scaled as GRPO's advantages are; an all-equal group is exactly 0."""
     from amir_lightning.objectives.advantages import estimate_advantages
 

@@ -1,7 +1,7 @@
 """Advantages from a rollout's rewards: group-relative (GRPO), leave-one-out (RLOO) and REINFORCE++.
 
     grpo      A_i = (r_i - mean_G(r)) / (std_G(r) + eps)    GRPO, arXiv 2402.03300; std unbiased, as TRL's GRPOTrainer
-    rloo      A_i = r_i - mean_{j != i in G}(r_j)           RLOO, arXiv 2402.14740 (eq. 5), TRL's RLOOTrainer
+    rloo      A_i = r_i - mean_{j != i in G}(r_j)           RLOO, arXiv 2402.14740; TRL's RLOOTrainer
     reinforce_pp            A_i = whiten_tokens(r_i)                     REINFORCE++, arXiv 2501.03262
     reinforce_pp_baseline   A_i = whiten_tokens(r_i - mean_G(r))         REINFORCE++-baseline (same paper)
 
@@ -96,7 +96,7 @@ def rloo_advantages(
 ) -> torch.Tensor:
     """Leave-one-out advantages: each reward minus the mean of the other ``group_size - 1`` of its group.
 
-    RLOO (arXiv 2402.14740, eq. 5): ``r_i - (sum_G(r) - r_i) / (G - 1)``, which is ``G / (G - 1)`` times GRPO's
+    RLOO (arXiv 2402.14740): ``r_i - (sum_G(r) - r_i) / (G - 1)``, which is ``G / (G - 1)`` times GRPO's
     centred reward. ``scale`` then divides by the group's or the batch's std as for ``group_advantages``. A group
     whose rewards are all equal gets exactly 0.
     """
