@@ -162,3 +162,23 @@ def test_a_short_reward_class_path_resolves_in_a_fresh_process():
     printed = yaml.safe_load(result.stdout)["data"]["rewards"]
     paths = [reward["class_path"] for reward in printed]
     assert paths == ["amir_lightning.rewards.JudgeReward", "amir_lightning.rewards.OverlongPenalty"]
+
+
+def test_a_config_that_leaves_the_loss_out_is_told_it_trains_amir_grpo(tmp_path, caplog):
+    """A config ported from TRL or verl, without model.loss, trains AMIR-GRPO with its pair term: said at start."""
+    import logging
+
+    from amir_lightning.cli import build_cli
+
+    config = yaml.safe_load((Path(__file__).parents[1] / "configs" / "tiny.yaml").read_text())
+    del config["model"]["loss"]
+    path = tmp_path / "ported.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with caplog.at_level(logging.WARNING, logger="amir_lightning.cli.app"):
+        build_cli(["--config", str(path)], run=False)
+    assert "model.loss is not set: training AMIR-GRPO with its pair term" in caplog.text
+    assert "set model.loss to amir_lightning.objectives.GRPOLoss for plain GRPO" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="amir_lightning.cli.app"):
+        build_cli(["--config", str(Path(__file__).parents[1] / "configs" / "tiny.yaml")], run=False)
+    assert "model.loss is not set" not in caplog.text

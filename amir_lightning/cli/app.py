@@ -172,6 +172,9 @@ class AmirCLI(LightningCLI):
         if self.subcommand:  # no checkpoint without a subcommand
             keep_given_model_values(self.given[self.subcommand]["model"], config)
         link_completion_length(config)
+        if config["model"].get("loss") is None:  # a port from TRL or verl expects plain GRPO here
+            log.warning("model.loss is not set: training AMIR-GRPO with its pair term (the default, AmirGRPOLoss); "
+                        "set model.loss to amir_lightning.objectives.GRPOLoss for plain GRPO")  # fmt: skip
 
     @override
     def instantiate_classes(self) -> None:
