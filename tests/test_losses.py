@@ -208,3 +208,46 @@ def test_a_process_without_tokens_does_not_scale_the_others_gradient(aggregation
     world = global_normalizers(data, 2, all_reduce, aggregation)
     scaled = row_weights(aggregation, lengths, world) * 2  # the module scales its loss by W = 2...
     torch.testing.assert_close(scaled / 2, alone)  # ...and data parallelism averages the gradients over W
+
+
+def verl_dual_clip_token_losses(logps, old, adv, epsilon, c):
+    """verl 0.9's vanilla policy loss per token (``compute_policy_loss_vanilla`` in ``verl/trainer/ppo/core_algos.py``),
+    written here from its formula in float64: the clipped PPO loss, then for negative advantages at most ``-A c``."""
+    ratio = (logps - old).exp()
+    adv = adv[:, None]
+    losses1 = -adv * ratio
+    losses2 = -adv * ratio.clamp(1 - epsilon, 1 + epsilon)
+    clipped = torch.maximum(losses1, losses2)
+    losses3 = -adv * c
+    return torch.where(adv < 0, torch.minimum(losses3, clipped), clipped)
+
+
+@pytest.mark.parametrize("aggregation", ["grpo", "dapo"])
+def test_dual_clip_bounds_a_negative_advantages_loss_as_verls_clip_ratio_c(aggregation):
+    """Random off-policy ratios up to e^2, float64: the loss and its gradient equal verl's dual-clip loss aggregated
+    as the aggregation says (``dapo``: the token mean, ``grpo``: the mean of each row's token mean), to 1e-12; a
+    token with a negative advantage and a ratio above 3 gets no gradient; off (None), the loss is GRPO's own."""
+    generator = torch.Generator().manual_seed(5)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]])
+    adv = torch.tensor([1.5, -2.0, -0.5, 0.75], dtype=torch.float64)
+    old = -torch.rand(4, 4, generator=generator, dtype=torch.float64) * 3
+    shift = torch.rand(4, 4, generator=generator, dtype=torch.float64) * 4 - 2  # log-ratios in [-2, 2]
+    shift[1, 0] = 1.5  # ratio 4.5 on a negative advantage: dual-clipped
+    start = (old + shift).detach()
+    ours = start.clone().requires_grad_(True)
+    out = GRPOLoss(aggregation=aggregation, dual_clip=3.0)(ours, mask, adv, torch.zeros(4), 4, old_logps=old)
+    out.loss.backward()
+    theirs = start.clone().requires_grad_(True)
+    token = verl_dual_clip_token_losses(theirs, old, adv, 0.2, 3.0) * mask
+    expected = token.sum() / mask.sum() if aggregation == "dapo" else (token.sum(-1) / mask.sum(-1)).mean()
+    expected.backward()
+    assert abs(out.loss.item() - expected.item()) < 1e-12
+    assert (ours.grad - theirs.grad).abs().max().item() < 1e-12
+    assert ours.grad[1, 0] == 0 and out.stats["train/dual_clip_frac"] > 0
+    plain = GRPOLoss(aggregation=aggregation)(start.clone(), mask, adv, torch.zeros(4), 4, old_logps=old)
+    assert plain.loss.item() > out.loss.item() and "train/dual_clip_frac" not in plain.stats
+
+
+def test_dual_clip_must_exceed_one():
+    with pytest.raises(ValueError, match=r"model.loss.init_args.dual_clip must be > 1"):
+        GRPOLoss(dual_clip=1.0)

@@ -75,6 +75,9 @@ class GRPOLoss(nn.Module):
             given; training without it is an error). ``None`` in a direct call: the longest completion of the call.
         sampling_correction: Importance weights for the engine/trainer mismatch (module docstring), or ``none``.
         sampling_cap: Largest importance weight kept (TRL's ``vllm_importance_sampling_clip_max``).
+        dual_clip: Dual-clip PPO (arXiv 1912.09729; verl's ``clip_ratio_c``, 3.0 there): a token whose
+            advantage is negative loses at most ``dual_clip * |A|``, however large its ratio grew (the clipped
+            surrogate alone lets ``ratio * A`` fall without bound). ``None``: off. Must be > 1.
     """
 
     def __init__(
@@ -88,9 +91,11 @@ class GRPOLoss(nn.Module):
         max_completion_length: int | None = None,
         sampling_correction: SamplingCorrection = "token_truncate",
         sampling_cap: float = 3.0,
+        dual_clip: float | None = None,
     ) -> None:
         super().__init__()
         errors = []
+        check_number(errors, f"{_KEY}.dual_clip", dual_clip, gt=1, optional=True)
         if aggregation not in ("grpo", "bnpo", "dr_grpo", "dapo"):
             errors.append(f"{_KEY}.aggregation must be one of grpo, bnpo, dr_grpo, dapo, got {aggregation!r}")
         if importance_sampling not in ("token", "sequence"):
@@ -107,7 +112,7 @@ class GRPOLoss(nn.Module):
             )
         check_number(errors, f"{_KEY}.sampling_cap", sampling_cap, ge=1)
         raise_errors(errors)
-        self.sampling_correction, self.sampling_cap = sampling_correction, sampling_cap
+        self.sampling_correction, self.sampling_cap, self.dual_clip = sampling_correction, sampling_cap, dual_clip
         self.aggregation = aggregation
         self.epsilon = epsilon
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
@@ -278,6 +283,10 @@ class GRPOLoss(nn.Module):
             log_ratio = ((log_ratio * mask).sum(-1) / lengths.clamp(min=1.0)).unsqueeze(1)  # [N, 1]
         ratio = log_ratio.exp()
         surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - self.epsilon, 1.0 + self.epsilon_high) * adv)
+        if self.dual_clip is not None:  # a negative advantage's surrogate bounded below by dual_clip * A
+            dual = torch.maximum(surrogate, self.dual_clip * adv)
+            dual_clipped = ((dual > surrogate) & (adv < 0)).to(mask.dtype).expand_as(mask) * mask  # [N, T]
+            surrogate = torch.where(adv < 0, dual, surrogate)
         token_loss = -surrogate * token_weights  # [N, T]
         pg_loss = (weights * token_loss.sum(-1)).sum()
         loss = pg_loss
@@ -288,6 +297,8 @@ class GRPOLoss(nn.Module):
             stats["train/clip_frac"] = clipped.sum() / token_norm
             stats["train/clip_frac_low"] = (clipped.sum(-1) * (advantages < 0)).sum() / token_norm
             stats["train/clip_frac_high"] = (clipped.sum(-1) * (advantages > 0)).sum() / token_norm
+            if self.dual_clip is not None:
+                stats["train/dual_clip_frac"] = dual_clipped.sum() / token_norm
             # Magnitude of the policy-gradient weights; the signed loss is ~0 on-policy (the official lambda uses it).
             stats["train/pg_scale"] = (weights * token_loss.sum(-1) * -adv.squeeze(1).sign()).sum()
         if self.kl_coef != 0.0:
