@@ -251,3 +251,58 @@ def test_dual_clip_bounds_a_negative_advantages_loss_as_verls_clip_ratio_c(aggre
 def test_dual_clip_must_exceed_one():
     with pytest.raises(ValueError, match=r"model.loss.init_args.dual_clip must be > 1"):
         GRPOLoss(dual_clip=1.0)
+
+
+def trl_token_losses(kind, logps, old, adv, cap=5.0, tau_pos=1.0, tau_neg=1.05):
+    """TRL 1.16's per-token losses (``GRPOTrainer._compute_loss`` in ``trl/trainer/grpo_trainer.py``), written here
+    from its formulas in float64: ``cispo`` ``-sg(min(r, epsilon_high)) A logp``, ``sapo``
+    ``-sigmoid(tau (r - 1)) 4 / tau A`` with ``tau`` by the advantage's sign."""
+    ratio = (logps - old).exp()
+    adv = adv[:, None]
+    if kind == "cispo":
+        return -ratio.clamp(max=cap).detach() * adv * logps
+    tau = torch.where(adv > 0, tau_pos, tau_neg)
+    return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+
+
+@pytest.mark.parametrize(("kind", "aggregation"), [("cispo", "dapo"), ("sapo", "grpo"), ("cispo", "grpo")])
+def test_cispo_and_sapo_equal_trls_losses_and_gradients(kind, aggregation):
+    """Random off-policy ratios up to e^2 (some above CISPO's cap of 5), float64: loss and gradient equal TRL's
+    formula aggregated as the aggregation says (TRL aggregates cispo as ``dapo``, sapo as ``grpo``), to 1e-12. CISPO
+    keeps a gradient on every token, the capped ones included; SAPO's gate is 1 at ratio 1, so on-policy it is
+    GRPO's gradient."""
+    generator = torch.Generator().manual_seed(9)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]])
+    adv = torch.tensor([1.5, -2.0, -0.5, 0.75], dtype=torch.float64)
+    old = -torch.rand(4, 4, generator=generator, dtype=torch.float64) * 3
+    start = (old + torch.rand(4, 4, generator=generator, dtype=torch.float64) * 4 - 2).detach()
+    start[0, 0] = old[0, 0] + 1.9  # ratio 6.7 > 5 on a positive advantage: capped by CISPO
+    ours = start.clone().requires_grad_(True)
+    loss = GRPOLoss(aggregation=aggregation, policy_loss=kind)
+    out = loss(ours, mask, adv, torch.zeros(4), 4, old_logps=old)
+    out.loss.backward()
+    theirs = start.clone().requires_grad_(True)
+    token = trl_token_losses(kind, theirs, old, adv) * mask
+    expected = token.sum() / mask.sum() if aggregation == "dapo" else (token.sum(-1) / mask.sum(-1)).mean()
+    expected.backward()
+    assert abs(out.loss.item() - expected.item()) < 1e-12
+    assert (ours.grad - theirs.grad).abs().max().item() < 1e-12
+    if kind == "cispo":
+        assert ours.grad[0, 0] != 0 and out.stats["train/clip_frac"] > 0  # capped, still trained
+    on_policy = start.clone().requires_grad_(True)
+    loss(on_policy, mask, adv, torch.zeros(4), 4).loss.backward()
+    grpo = start.clone().requires_grad_(True)
+    GRPOLoss(aggregation=aggregation)(grpo, mask, adv, torch.zeros(4), 4).loss.backward()
+    torch.testing.assert_close(on_policy.grad, grpo.grad, atol=1e-12, rtol=0)  # ratio 1: the same gradient
+
+
+def test_cispo_and_sapo_go_with_the_pair_term_and_refuse_the_dual_clip():
+    lp = logps()
+    out = AmirGRPOLoss(policy_loss="sapo")(lp, MASK, ADV, REWARDS, 2)
+    assert out.loss.isfinite() and "amir/pair_loss" in out.stats
+    with pytest.raises(
+        ValueError, match=r"dual_clip bounds the clipped surrogate: it needs policy_loss clip, not cispo"
+    ):
+        GRPOLoss(policy_loss="cispo", dual_clip=3.0)
+    with pytest.raises(ValueError, match=r"policy_loss must be clip, cispo or sapo, got 'vespo'"):
+        GRPOLoss(policy_loss="vespo")

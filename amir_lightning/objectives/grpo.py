@@ -52,6 +52,7 @@ from amir_lightning.objectives.pairs import PairRule
 
 #: Where these arguments live in a YAML config, for error messages.
 _KEY = "model.loss.init_args"
+PolicyLoss = Literal["clip", "cispo", "sapo"]
 Aggregation = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 ImportanceSampling = Literal["token", "sequence"]
 SamplingCorrection = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"]
@@ -75,6 +76,15 @@ class GRPOLoss(nn.Module):
             given; training without it is an error). ``None`` in a direct call: the longest completion of the call.
         sampling_correction: Importance weights for the engine/trainer mismatch (module docstring), or ``none``.
         sampling_cap: Largest importance weight kept (TRL's ``vllm_importance_sampling_clip_max``).
+        policy_loss: The policy term's per-token surrogate, maximised: ``clip`` (PPO's clipped ratio times the
+            advantage); ``cispo`` (MiniMax-M1, arXiv 2506.13585, as TRL 1.16 has it: the ratio capped at
+            ``cispo_max`` and detached, times the advantage and the token's log-prob, so no token loses its
+            gradient); ``sapo`` (arXiv 2511.20347: a soft gate ``sigmoid(tau (ratio - 1)) 4 / tau`` times the
+            advantage, ``tau`` = ``sapo_temperature_pos`` for a positive advantage, ``sapo_temperature_neg``
+            otherwise). ``epsilon``, ``epsilon_high`` and ``dual_clip`` belong to ``clip``.
+        cispo_max: ``cispo``'s cap on the ratio (TRL's ``epsilon_high`` under ``cispo``; 5.0 as it recommends).
+        sapo_temperature_pos: ``sapo``'s gate temperature for a positive advantage (TRL's default 1.0).
+        sapo_temperature_neg: ``sapo``'s gate temperature otherwise (TRL's default 1.05).
         dual_clip: Dual-clip PPO (arXiv 1912.09729; verl's ``clip_ratio_c``, 3.0 there): a token whose
             advantage is negative loses at most ``dual_clip * |A|``, however large its ratio grew (the clipped
             surrogate alone lets ``ratio * A`` fall without bound). ``None``: off. Must be > 1.
@@ -92,10 +102,22 @@ class GRPOLoss(nn.Module):
         sampling_correction: SamplingCorrection = "token_truncate",
         sampling_cap: float = 3.0,
         dual_clip: float | None = None,
+        policy_loss: PolicyLoss = "clip",
+        cispo_max: float = 5.0,
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
     ) -> None:
         super().__init__()
         errors = []
         check_number(errors, f"{_KEY}.dual_clip", dual_clip, gt=1, optional=True)
+        if policy_loss not in ("clip", "cispo", "sapo"):
+            errors.append(f"{_KEY}.policy_loss must be clip, cispo or sapo, got {policy_loss!r}")
+        elif policy_loss != "clip" and dual_clip is not None:
+            errors.append(f"{_KEY}.dual_clip bounds the clipped surrogate: it needs policy_loss clip, not "
+                          f"{policy_loss}")  # fmt: skip
+        check_number(errors, f"{_KEY}.cispo_max", cispo_max, gt=0)
+        check_number(errors, f"{_KEY}.sapo_temperature_pos", sapo_temperature_pos, gt=0)
+        check_number(errors, f"{_KEY}.sapo_temperature_neg", sapo_temperature_neg, gt=0)
         if aggregation not in ("grpo", "bnpo", "dr_grpo", "dapo"):
             errors.append(f"{_KEY}.aggregation must be one of grpo, bnpo, dr_grpo, dapo, got {aggregation!r}")
         if importance_sampling not in ("token", "sequence"):
@@ -113,6 +135,8 @@ class GRPOLoss(nn.Module):
         check_number(errors, f"{_KEY}.sampling_cap", sampling_cap, ge=1)
         raise_errors(errors)
         self.sampling_correction, self.sampling_cap, self.dual_clip = sampling_correction, sampling_cap, dual_clip
+        self.policy_loss, self.cispo_max = policy_loss, cispo_max
+        self.sapo_temperatures = (sapo_temperature_pos, sapo_temperature_neg)
         self.aggregation = aggregation
         self.epsilon = epsilon
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
@@ -283,6 +307,12 @@ class GRPOLoss(nn.Module):
             log_ratio = ((log_ratio * mask).sum(-1) / lengths.clamp(min=1.0)).unsqueeze(1)  # [N, 1]
         ratio = log_ratio.exp()
         surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - self.epsilon, 1.0 + self.epsilon_high) * adv)
+        if self.policy_loss == "cispo":  # the capped ratio weighs the log-prob's gradient: no token is cut off
+            capped = ratio.clamp(max=self.cispo_max).detach()
+            surrogate = capped * adv * logps  # [N, T]
+        elif self.policy_loss == "sapo":  # a soft gate in place of the hard clip
+            tau = torch.where(adv > 0, self.sapo_temperatures[0], self.sapo_temperatures[1]).to(logps.dtype)
+            surrogate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv  # [N, T] (or [N, 1] per sequence)
         if self.dual_clip is not None:  # a negative advantage's surrogate bounded below by dual_clip * A
             dual = torch.maximum(surrogate, self.dual_clip * adv)
             dual_clipped = ((dual > surrogate) & (adv < 0)).to(mask.dtype).expand_as(mask) * mask  # [N, T]
@@ -291,7 +321,12 @@ class GRPOLoss(nn.Module):
         pg_loss = (weights * token_loss.sum(-1)).sum()
         loss = pg_loss
         with torch.no_grad():
-            clipped = (ratio * adv > surrogate).to(mask.dtype).expand_as(mask) * mask  # [N, T]
+            if self.policy_loss == "clip":
+                clipped = (ratio * adv > surrogate).to(mask.dtype).expand_as(mask) * mask  # [N, T]
+            elif self.policy_loss == "cispo":  # the tokens whose weight was capped
+                clipped = (ratio > self.cispo_max).to(mask.dtype).expand_as(mask) * mask
+            else:  # no hard clip
+                clipped = torch.zeros_like(mask)
             token_norm = max(context.num_tokens, 1.0)
             stats["train/pg_loss"] = pg_loss.detach()
             stats["train/clip_frac"] = clipped.sum() / token_norm
@@ -300,7 +335,9 @@ class GRPOLoss(nn.Module):
             if self.dual_clip is not None:
                 stats["train/dual_clip_frac"] = dual_clipped.sum() / token_norm
             # Magnitude of the policy-gradient weights; the signed loss is ~0 on-policy (the official lambda uses it).
-            stats["train/pg_scale"] = (weights * token_loss.sum(-1) * -adv.squeeze(1).sign()).sum()
+            # (cispo's gradient is the capped ratio times |A| on each token's log-prob, whatever its value)
+            magnitude = capped * adv.abs() if self.policy_loss == "cispo" else surrogate * adv.sign()  # [N, T|1]
+            stats["train/pg_scale"] = (weights * (magnitude * token_weights).sum(-1)).sum()
         if self.kl_coef != 0.0:
             delta = ref_logps.to(logps.dtype) - logps  # [N, T]
             kl = (weights * ((delta.exp() - delta - 1.0) * mask).sum(-1)).sum()  # k3, not importance-weighted
