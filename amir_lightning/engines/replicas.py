@@ -1,12 +1,13 @@
 """The vLLM servers one ``VLLMServerEngine`` generates from: each a ``Replica``, every one holding the same weights.
 
-A replica is one server and the routes the engine sends it: generation, the weight push (over its own gloo group or
-from a file), the adapter push, and the read-back the sync check compares. ``VLLMServerEngine`` keeps a list of them:
-a rollout's groups are spread over them, whole (a prompt's samples share its prefix cache on one server), balanced by
-the tokens they may take (``assign``); every push reaches every one (``each`` runs a route on all of them at once);
-and the sync check reads each one back (``RolloutEngine.copies``). Each is a server of its own for the fault machinery
-(``helpers/http.py``): one that dies, falls silent or holds other weights stops the run with a line naming it
-(``the vLLM server (replica 2 of 2) at http://...``).
+A replica is one server and the routes the engine sends it: generation, the weight push, the adapter push, and the
+read-back the sync check compares. ``VLLMServerEngine`` keeps a list of them: a rollout's groups are spread over them,
+whole (a prompt's samples share its prefix cache on one server), balanced by the tokens they may take (``assign``);
+every push reaches every one, through one client that sends each route to all of them at once (``ReplicasClient``,
+over one group of the trainer and every replica's workers: ``push_over_gloo``, or vLLM's NCCL engine,
+``engines/nccl.py``); and the sync check reads each one back (``RolloutEngine.copies``). Each is a server of its
+own for the fault machinery (``helpers/http.py``): one that dies, falls silent or holds other weights stops the run
+with a line naming it (``the vLLM server (replica 2 of 2) at http://...``).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class Replica:
         route_s: The deadline of a route other than generation (``request_timeout``, else ``ROUTE_S``).
         server: Its process, when this run started it.
         workers: Its workers (``tensor_parallel_size`` of them), counted at its first gloo push.
-        group: The trainer's end of its gloo transfer, joined for each push.
+        group: The trainer's end of a gloo group with this server alone (``join_transfer``: the start's check that
+            it takes the gloo transfer, and each adapter push).
         adapter: The name of the adapter its requests name (a pushed LoRA adapter), else ``None``.
         received: The folder on the server's machine its worker wrote the adapter pushed last into, until loaded.
     """
@@ -116,11 +118,12 @@ class Replica:
         return self.workers
 
     def join_transfer(self) -> None:
-        """The trainer's end of its ``amir_gloo`` transfer: a gloo group with every worker of this server.
+        """The trainer's end of an ``amir_gloo`` group with every worker of this server alone.
 
         The store listens here; ``/init_weight_transfer_engine`` has each worker join, while this process joins as
-        rank 0 in a thread of its own (the route's error, if it fails, is the one raised). Each replica has a group
-        of its own: one that fails or falls silent stops its own broadcast, named, not the others'.
+        rank 0 in a thread of its own (the route's error, if it fails, is the one raised). Used at the start (a
+        server that cannot take the gloo transfer is found there) and for an adapter push; a weight push joins one
+        group of every replica's workers (``push_over_gloo``).
         """
         self.count_workers()
         address = trainer_address(self.url)

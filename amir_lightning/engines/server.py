@@ -12,9 +12,10 @@ update sequence, ``/pause`` (requests in flight finish, the prefix cache is drop
 ``/update_weights``, ``/finish_weight_update`` with the push's number as the weight version, ``/resume``. The
 weights travel over a gloo group of the trainer's first process and the server's workers (``transfer: gloo``, the
 default: ``engines/transfer.py``, ``GlooWeightTransfer`` in ``engines/vllm_worker.py``), a bucket per
-``/update_weights``, or as a safetensors file the workers load with ``FileWeightTransfer`` (``transfer: file``,
-``/dev/shm`` where there is one); the exact sync check reads them back through ``AmirWorkerExtension``'s methods on
-``/collective_rpc``. The trainer never imports vLLM for this engine.
+``/update_weights``, through vLLM's own NCCL engines on GPUs (``transfer: nccl``, ``engines/nccl.py``), or as a
+safetensors file the workers load with ``FileWeightTransfer`` (``transfer: file``, ``/dev/shm`` where there is one);
+the exact sync check reads them back through ``AmirWorkerExtension``'s methods on ``/collective_rpc``. The trainer
+imports vLLM for this engine only with ``transfer: nccl``.
 
 Every request has a deadline and the server is watched (``helpers/http.py``): a silent or stopped server is named
 in a line within a minute, one whose process is gone stops the run at once, SIGTERM ends a blocked request at once,
