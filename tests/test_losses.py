@@ -306,3 +306,57 @@ def test_cispo_and_sapo_go_with_the_pair_term_and_refuse_the_dual_clip():
         GRPOLoss(policy_loss="cispo", dual_clip=3.0)
     with pytest.raises(ValueError, match=r"policy_loss must be clip, cispo or sapo, got 'vespo'"):
         GRPOLoss(policy_loss="vespo")
+
+
+def trl_is_weights(old, sampling, mask, mode, cap, floor):
+    """TRL 1.16's vLLM importance-sampling weights with ``vllm_importance_sampling_clip_min`` (its
+    ``_generate_and_score_completions``), written here in float64."""
+    diff = (old - sampling) * mask
+    ratio = (diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff).exp()
+    if mode.endswith("truncate"):
+        return ratio.clamp(min=floor, max=cap) * mask
+    return ratio.masked_fill((ratio < floor) | (ratio > cap), 0.0) * mask
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_a_lower_bound_on_the_importance_weights_is_trls_clip_min(mode):
+    from amir_lightning.objectives.mismatch import mismatch_weights
+
+    generator = torch.Generator().manual_seed(2)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.float64)
+    old = -torch.rand(3, 4, generator=generator, dtype=torch.float64) * 3
+    sampling = old + torch.randn(3, 4, generator=generator, dtype=torch.float64) * (0.05 if "sequence" in mode else 1)
+    sampling[0, 0] = old[0, 0] + 2.0  # a token's weight e^-2, below the floor
+    sampling[2, :2] = old[2, :2] + 0.5  # a completion's weight e^-1, below it too
+    weights, stats = mismatch_weights(old, sampling, mask, mode, 3.0, float(mask.sum()), floor=0.5)
+    expected = trl_is_weights(old, sampling, mask, mode, 3.0, 0.5)
+    assert (weights - expected).abs().max().item() < 1e-12
+    low = (0, 0) if mode.startswith("token") else (2, 0)
+    assert weights[low].item() == (0.5 if mode.endswith("truncate") else 0.0)  # raised to the floor, or dropped
+
+
+def test_the_off_policy_sequence_mask_drops_negative_advantages_the_engine_sampled_far_off_as_trl():
+    """TRL 1.16's ``get_off_policy_mask`` (DeepSeek-V3.2): a completion with a negative advantage whose mean
+    ``log q - log p`` exceeds the threshold leaves the term; a positive advantage never does. Loss and gradient equal
+    the reference to 1e-12 (no importance weights, ``dapo``), and the dropped completion gets no gradient."""
+    generator = torch.Generator().manual_seed(4)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]])
+    adv = torch.tensor([1.5, -2.0, -0.5, 0.75], dtype=torch.float64)
+    start = -torch.rand(4, 4, generator=generator, dtype=torch.float64) * 3
+    sampling = start + 0.01 * torch.randn(4, 4, generator=generator, dtype=torch.float64)
+    sampling[1] += 0.5  # far off, negative advantage: dropped
+    sampling[0] += 0.5  # far off, positive advantage: kept
+    ours = start.clone().requires_grad_(True)
+    loss = GRPOLoss(aggregation="dapo", sampling_correction="none", off_policy_mask=0.1)
+    out = loss(ours, mask, adv, torch.zeros(4), 4, sampling_logps=sampling)
+    out.loss.backward()
+    theirs = start.clone().requires_grad_(True)
+    gap = ((sampling - theirs.detach()) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)
+    keep = ((adv[:, None] >= 0) | (gap <= 0.1)).double()
+    ratio = (theirs - theirs.detach()).exp()
+    token = -torch.minimum(ratio * adv[:, None], ratio.clamp(0.8, 1.2) * adv[:, None]) * keep * mask
+    expected = token.sum() / mask.sum()
+    expected.backward()
+    assert keep[:, 0].tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert abs(out.loss.item() - expected.item()) < 1e-12 and (ours.grad - theirs.grad).abs().max().item() < 1e-12
+    assert (ours.grad[1] == 0).all() and out.stats["train/off_policy_masked_frac"] == pytest.approx(4 / 13)

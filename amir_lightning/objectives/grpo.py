@@ -47,7 +47,7 @@ from amir_lightning.helpers.validation import check_number, raise_errors
 from amir_lightning.objectives.aggregation import global_normalizers, row_weights, step_normalizers
 from amir_lightning.objectives.base import LossOutput, RowDiagnostics, StepContext
 from amir_lightning.objectives.logprobs import sequence_logps
-from amir_lightning.objectives.mismatch import mismatch_weights
+from amir_lightning.objectives.mismatch import mismatch_weights, off_policy_mask
 from amir_lightning.objectives.pairs import PairRule
 
 #: Where these arguments live in a YAML config, for error messages.
@@ -76,6 +76,11 @@ class GRPOLoss(nn.Module):
             given; training without it is an error). ``None`` in a direct call: the longest completion of the call.
         sampling_correction: Importance weights for the engine/trainer mismatch (module docstring), or ``none``.
         sampling_cap: Largest importance weight kept (TRL's ``vllm_importance_sampling_clip_max``).
+        sampling_floor: Smallest importance weight kept (TRL's ``vllm_importance_sampling_clip_min``): ``*_truncate``
+            raises a smaller weight to it, ``*_mask`` drops the token or completion. ``None``: no lower bound.
+        off_policy_mask: DeepSeek-V3.2's off-policy sequence mask (TRL's ``off_policy_mask_threshold``): a
+            completion with a negative advantage whose engine log-probs exceed the current policy's by more than this
+            per token on average leaves the policy-gradient term (``objectives/mismatch.py``). ``None``: off.
         policy_loss: The policy term's per-token surrogate, maximised: ``clip`` (PPO's clipped ratio times the
             advantage); ``cispo`` (MiniMax-M1, arXiv 2506.13585, as TRL 1.16 has it: the ratio capped at
             ``cispo_max`` and detached, times the advantage and the token's log-prob, so no token loses its
@@ -104,6 +109,8 @@ class GRPOLoss(nn.Module):
         dual_clip: float | None = None,
         policy_loss: PolicyLoss = "clip",
         cispo_max: float = 5.0,
+        sampling_floor: float | None = None,
+        off_policy_mask: float | None = None,
         sapo_temperature_pos: float = 1.0,
         sapo_temperature_neg: float = 1.05,
     ) -> None:
@@ -116,6 +123,8 @@ class GRPOLoss(nn.Module):
             errors.append(f"{_KEY}.dual_clip bounds the clipped surrogate: it needs policy_loss clip, not "
                           f"{policy_loss}")  # fmt: skip
         check_number(errors, f"{_KEY}.cispo_max", cispo_max, gt=0)
+        check_number(errors, f"{_KEY}.sampling_floor", sampling_floor, gt=0, lt=1, optional=True)
+        check_number(errors, f"{_KEY}.off_policy_mask", off_policy_mask, ge=0, optional=True)
         check_number(errors, f"{_KEY}.sapo_temperature_pos", sapo_temperature_pos, gt=0)
         check_number(errors, f"{_KEY}.sapo_temperature_neg", sapo_temperature_neg, gt=0)
         if aggregation not in ("grpo", "bnpo", "dr_grpo", "dapo"):
@@ -136,6 +145,7 @@ class GRPOLoss(nn.Module):
         raise_errors(errors)
         self.sampling_correction, self.sampling_cap, self.dual_clip = sampling_correction, sampling_cap, dual_clip
         self.policy_loss, self.cispo_max = policy_loss, cispo_max
+        self.sampling_floor, self.off_policy_mask = sampling_floor, off_policy_mask
         self.sapo_temperatures = (sapo_temperature_pos, sapo_temperature_neg)
         self.aggregation = aggregation
         self.epsilon = epsilon
@@ -297,9 +307,16 @@ class GRPOLoss(nn.Module):
         if sampling_logps is not None:
             old = logps if old_logps is None else old_logps  # [N, T] p_old
             corrected, stats = mismatch_weights(
-                old, sampling_logps, mask, self.sampling_correction, self.sampling_cap, context.num_tokens
-            )
+                old, sampling_logps, mask, self.sampling_correction, self.sampling_cap, context.num_tokens,
+                self.sampling_floor,
+            )  # fmt: skip
             token_weights = mask if corrected is None else corrected  # [N, T] mask * importance weight
+            if self.off_policy_mask is not None:  # the engine sampled these far from the current policy
+                keep = off_policy_mask(advantages.to(logps.dtype), logps, sampling_logps, mask, self.off_policy_mask)
+                token_weights = token_weights * keep
+                stats["train/off_policy_masked_frac"] = ((1.0 - keep) * mask).sum().detach() / max(
+                    context.num_tokens, 1.0
+                )
         adv = advantages.to(logps.dtype).unsqueeze(1)  # [N, 1]
         old = logps.detach() if old_logps is None else old_logps
         log_ratio = logps - old  # [N, T]; zero on-policy, with the gradient of logp
