@@ -5,7 +5,8 @@
 The references are the formulas of the paper or the peer that defines each term, written in float64 in the tests
 (tests/test_losses.py, tests/test_advantages.py): verl 0.9's vanilla policy loss with ``clip_ratio_c`` (dual clip),
 TRL 1.16's ``cispo`` and ``sapo`` per-token losses, RLOO's leave-one-out mean (arXiv 2402.14740), verl's
-REINFORCE++ outcome estimators and their ``masked_whiten``. Each is run on ``--seeds`` random off-policy steps
+REINFORCE++ outcome estimators and their ``masked_whiten``, TRL's off-policy sequence mask and its lower bound on
+the mismatch weights. Each is run on ``--seeds`` random off-policy steps
 (4 completions of up to 6 tokens, log-ratios in [-2, 2]), and the table gives the largest absolute difference seen,
 loss or gradient (advantages for the estimators).
 """
@@ -21,10 +22,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 
 from test_advantages import tokens_of, verl_masked_whiten  # noqa: E402
-from test_losses import trl_token_losses, verl_dual_clip_token_losses  # noqa: E402
+from test_losses import trl_is_weights, trl_token_losses, verl_dual_clip_token_losses  # noqa: E402
 
 from amir_lightning.objectives import GRPOLoss  # noqa: E402
 from amir_lightning.objectives.advantages import estimate_advantages  # noqa: E402
+from amir_lightning.objectives.mismatch import mismatch_weights  # noqa: E402
 
 
 def step(seed: int) -> tuple[torch.Tensor, ...]:
@@ -51,6 +53,35 @@ def policy_term(term: str, aggregation: str, seed: int) -> float:
         token = trl_token_losses(term, theirs, old, adv)
     token = token * mask
     expected = token.sum() / mask.sum() if aggregation == "dapo" else (token.sum(-1) / mask.sum(-1)).mean()
+    expected.backward()
+    return max(abs(out.loss.item() - expected.item()), (ours.grad - theirs.grad).abs().max().item())
+
+
+def floor_weights(mode: str, seed: int) -> float:
+    """The largest difference of the mismatch weights with ``sampling_floor`` 0.5 against TRL's ``clip_min``."""
+    mask, _, old, _ = step(seed)
+    mask = mask.double()
+    generator = torch.Generator().manual_seed(seed + 1000)
+    sampling = old + torch.randn(4, 6, generator=generator, dtype=torch.float64) * (0.1 if "sequence" in mode else 1)
+    ours, _ = mismatch_weights(old, sampling, mask, mode, 3.0, float(mask.sum()), floor=0.5)
+    return (ours - trl_is_weights(old, sampling, mask, mode, 3.0, 0.5)).abs().max().item()
+
+
+def off_policy_masked(seed: int) -> float:
+    """The largest difference, loss or gradient, with ``off_policy_mask`` 0.05 against TRL's ``get_off_policy_mask``."""
+    mask, adv, _, start = step(seed)
+    generator = torch.Generator().manual_seed(seed + 2000)
+    sampling = start + torch.randn(4, 6, generator=generator, dtype=torch.float64) * 0.2
+    ours = start.clone().requires_grad_(True)
+    loss = GRPOLoss(aggregation="dapo", sampling_correction="none", off_policy_mask=0.05)
+    out = loss(ours, mask, adv, torch.zeros(4), 4, sampling_logps=sampling)
+    out.loss.backward()
+    theirs = start.clone().requires_grad_(True)
+    gap = ((sampling - theirs.detach()) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    keep = ((adv[:, None] >= 0) | (gap <= 0.05)).double()
+    ratio = (theirs - theirs.detach()).exp()
+    token = -torch.minimum(ratio * adv[:, None], ratio.clamp(0.8, 1.2) * adv[:, None]) * keep * mask
+    expected = token.sum() / mask.sum()
     expected.backward()
     return max(abs(out.loss.item() - expected.item()), (ours.grad - theirs.grad).abs().max().item())
 
@@ -91,6 +122,15 @@ def main() -> None:
         for aggregation in aggregations:
             worst = max(policy_term(term, aggregation, seed) for seed in seeds)
             print(f"| {term} | {setting} | {reference} | {aggregation} | {worst:.1e} |")
+    worst = max(off_policy_masked(seed) for seed in seeds)
+    print(
+        f"| off-policy sequence mask | `off_policy_mask: 0.05` | TRL 1.16 `get_off_policy_mask` | dapo | {worst:.1e} |"
+    )
+    print("\n| mismatch weights | setting | reference | largest difference (weights) |")
+    print("|---|---|---|---|")
+    for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
+        worst = max(floor_weights(mode, seed) for seed in seeds)
+        print(f"| `{mode}` | `sampling_floor: 0.5` | TRL 1.16 `vllm_importance_sampling_clip_min` | {worst:.1e} |")
     print("\n| advantage estimator | reference | largest difference (advantages) |")
     print("|---|---|---|")
     for name, reference in [
