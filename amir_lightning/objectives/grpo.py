@@ -4,6 +4,10 @@
     c_i,t   = -min(rho A_i, clip(rho, 1 - eps, 1 + eps_high) A_i) + kl_coef * k3_i,t
     k3      = exp(ref - logp) - (ref - logp) - 1
 
+The policy term can be another surrogate (``policy_loss``): ``cispo`` ``-sg(min(rho, cispo_max)) A_i logp_i,t``
+(MiniMax-M1, arXiv 2506.13585, as TRL 1.16), ``sapo`` ``-sigmoid(tau (rho - 1)) 4 / tau A_i`` (arXiv 2511.20347);
+``clip`` may bound a negative advantage's loss at ``dual_clip * |A_i|`` (dual-clip PPO, arXiv 1912.09729).
+
 Aggregation of the per-token loss ``c`` over one optimisation step of N completions:
     grpo     (1/N) sum_i (1/|o_i|) sum_t c_i,t              mean over sequences of the per-sequence token mean
     bnpo     sum_i,t c_i,t / sum_i |o_i|                    token mean over this process's step batch, then the
@@ -21,6 +25,8 @@ kernels and dtype, so its distribution q differs slightly from the trainer's p_o
 of the sampled tokens, each token's loss is weighted by w = p_old / q, truncated at ``sampling_cap`` (``*_truncate``)
 or zeroed above it (``*_mask``), per token or with one ratio per sequence (the product of its token ratios).
 p_old is ``old_logps`` off-policy and the forward's own detached log-probs on-policy (no extra forward).
+``sampling_floor`` bounds the weights from below, and ``off_policy_mask`` drops negative-advantage completions the
+engine sampled far from the current policy (``objectives/mismatch.py``).
 The k3 estimate of KL(q || p_old) per token is logged whether or not the correction is on. The weights apply to
 the policy-gradient term only, as in TRL and verl: the KL penalty to the reference and the AMIR pair term are
 regularisers of the current policy, not expectations under the sampling policy.
@@ -295,7 +301,7 @@ class GRPOLoss(nn.Module):
         sampling_logps: torch.Tensor | None,
         context: StepContext,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-        """The clipped surrogate (and k3 KL) term, aggregated with the step's normalisers (module docstring).
+        """The policy term (``policy_loss``'s surrogate) and the k3 KL, aggregated with the step's normalisers.
 
         Returns:
             The term, its stats, and ``[N]`` the gradient weight each token of a row gets from it (``|A_i| w_i``).
