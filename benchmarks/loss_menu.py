@@ -6,7 +6,7 @@ The references are the formulas of the paper or the peer that defines each term,
 (tests/test_losses.py, tests/test_advantages.py): verl 0.9's vanilla policy loss with ``clip_ratio_c`` (dual clip),
 TRL 1.16's ``cispo`` and ``sapo`` per-token losses, RLOO's leave-one-out mean (arXiv 2402.14740), verl's
 REINFORCE++ outcome estimators and their ``masked_whiten``, TRL's off-policy sequence mask and its lower bound on
-the mismatch weights. Each is run on ``--seeds`` random off-policy steps
+the mismatch weights, verl's ``kl_penalty`` estimators and TRL's importance-weighted KL. Each is run on ``--seeds`` random off-policy steps
 (4 completions of up to 6 tokens, log-ratios in [-2, 2]), and the table gives the largest absolute difference seen,
 loss or gradient (advantages for the estimators).
 """
@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 
 from test_advantages import tokens_of, verl_masked_whiten  # noqa: E402
-from test_losses import trl_is_weights, trl_token_losses, verl_dual_clip_token_losses  # noqa: E402
+from test_losses import trl_is_weights, trl_token_losses, verl_dual_clip_token_losses, verl_kl  # noqa: E402
 
 from amir_lightning.objectives import GRPOLoss  # noqa: E402
 from amir_lightning.objectives.advantages import estimate_advantages  # noqa: E402
@@ -86,6 +86,23 @@ def off_policy_masked(seed: int) -> float:
     return max(abs(out.loss.item() - expected.item()), (ours.grad - theirs.grad).abs().max().item())
 
 
+def kl_term(estimator: str, weighted: bool, seed: int) -> float:
+    """The largest difference, loss or gradient, of the KL term against verl's estimate (times TRL's ratio)."""
+    mask, _, old, start = step(seed)
+    generator = torch.Generator().manual_seed(seed + 3000)
+    ref = start + 0.5 * torch.randn(4, 6, generator=generator, dtype=torch.float64)
+    zero = torch.zeros(4, dtype=torch.float64)
+    ours = start.clone().requires_grad_(True)
+    loss = GRPOLoss(aggregation="dapo", kl_coef=1.0, kl_estimator=estimator, kl_importance_weighted=weighted)
+    loss(ours, mask, zero, zero, 4, old_logps=old, ref_logps=ref).loss.backward()
+    out = loss(start.clone(), mask, zero, zero, 4, old_logps=old, ref_logps=ref).loss
+    theirs = start.clone().requires_grad_(True)
+    per_token = verl_kl(theirs, ref, estimator) * ((theirs - old).exp() if weighted else 1.0)
+    expected = (per_token * mask).sum() / mask.sum()
+    expected.backward()
+    return max(abs(out.item() - expected.item()), (ours.grad - theirs.grad).abs().max().item())
+
+
 def estimator(name: str, seed: int) -> float:
     """The largest difference of the ``name`` advantages against the reference on one batch of 3 groups of 4."""
     generator = torch.Generator().manual_seed(seed)
@@ -126,6 +143,13 @@ def main() -> None:
     print(
         f"| off-policy sequence mask | `off_policy_mask: 0.05` | TRL 1.16 `get_off_policy_mask` | dapo | {worst:.1e} |"
     )
+    print("\n| KL estimator | importance-weighted | reference | largest difference (loss or gradient) |")
+    print("|---|---|---|---|")
+    for name in ("k1", "k2", "k3", "k1+", "k3+"):
+        for weighted in (False, True):
+            worst = max(kl_term(name, weighted, seed) for seed in seeds)
+            reference = "verl 0.9 `kl_penalty`" + (" times TRL's `use_bias_correction_kl` ratio" if weighted else "")
+            print(f"| `{name}` | {weighted} | {reference} | {worst:.1e} |")
     print("\n| mismatch weights | setting | reference | largest difference (weights) |")
     print("|---|---|---|---|")
     for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):

@@ -42,6 +42,8 @@ def make_losses(aggregation):
         "grpo_seq_mask": GRPOLoss(**common | {"sampling_correction": "sequence_mask", "sampling_cap": 1.2}),
         "dual_clip": GRPOLoss(**common | {"dual_clip": 1.5}),
         "floor_opsm": GRPOLoss(**common | {"sampling_floor": 0.9, "off_policy_mask": 0.02}),
+        "kl_k3plus_weighted": GRPOLoss(**common | {"kl_estimator": "k3+", "kl_importance_weighted": True}),
+        "kl_k1": GRPOLoss(**common | {"kl_estimator": "k1"}),
         "cispo": GRPOLoss(**common | {"policy_loss": "cispo", "cispo_max": 1.2}),
         "sapo_seq": GRPOLoss(**common | {"policy_loss": "sapo", "importance_sampling": "sequence"}),
         "amir_cispo": AmirGRPOLoss(**common, policy_loss="cispo", pair_weight=PairWeightSettings(value=0.5, max=1.0)),

@@ -360,3 +360,52 @@ def test_the_off_policy_sequence_mask_drops_negative_advantages_the_engine_sampl
     assert keep[:, 0].tolist() == [1.0, 0.0, 1.0, 1.0]
     assert abs(out.loss.item() - expected.item()) < 1e-12 and (ours.grad - theirs.grad).abs().max().item() < 1e-12
     assert (ours.grad[1] == 0).all() and out.stats["train/off_policy_masked_frac"] == pytest.approx(4 / 13)
+
+
+def verl_kl(logp, ref, estimator):
+    """verl 0.9's ``kl_penalty`` (``verl/trainer/ppo/core_algos.py``), written here in float64: ``k1`` ``logp - ref``,
+    ``k2`` half its square, ``k3`` (``low_var_kl``) ``exp(ref - logp) - (ref - logp) - 1`` (its clamps at 20 and 10 do
+    not act here), and ``+``: the value with ``k2``'s gradient."""
+    base = estimator.rstrip("+")
+    if base == "k1":
+        value = logp - ref
+    elif base == "k2":
+        value = 0.5 * (logp - ref).square()
+    else:
+        value = (ref - logp).exp() - (ref - logp) - 1
+    if estimator.endswith("+"):
+        k2 = 0.5 * (logp - ref).square()
+        return k2 - k2.detach() + value.detach()
+    return value
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "k1+", "k3+"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "is_weighted"])
+def test_every_kl_estimator_equals_verls_and_the_weighted_one_trls_bias_correction(estimator, weighted):
+    """The KL term alone (zero advantages), off-policy, float64, ``dapo``: loss and gradient equal verl's estimate,
+    times TRL's ratio (``use_bias_correction_kl``) when weighted, to 1e-12. ``k3+`` keeps ``k3``'s value and takes
+    ``k2``'s gradient."""
+    generator = torch.Generator().manual_seed(6)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
+    start = -torch.rand(3, 4, generator=generator, dtype=torch.float64) * 3
+    ref = start + 0.5 * torch.randn(3, 4, generator=generator, dtype=torch.float64)
+    old = start + 0.3 * torch.randn(3, 4, generator=generator, dtype=torch.float64)
+    zero = torch.zeros(3, dtype=torch.float64)
+    ours = start.clone().requires_grad_(True)
+    loss = GRPOLoss(aggregation="dapo", kl_coef=0.5, kl_estimator=estimator, kl_importance_weighted=weighted)
+    out = loss(ours, mask, zero, zero, 3, old_logps=old, ref_logps=ref)
+    out.loss.backward()
+    theirs = start.clone().requires_grad_(True)
+    per_token = verl_kl(theirs, ref, estimator) * ((theirs - old).exp() if weighted else 1.0)
+    expected = 0.5 * (per_token * mask).sum() / mask.sum()
+    expected.backward()
+    assert abs(out.loss.item() - expected.item()) < 1e-12 and (ours.grad - theirs.grad).abs().max().item() < 1e-12
+    if estimator == "k3+":
+        plain = start.clone().requires_grad_(True)
+        k3 = GRPOLoss(aggregation="dapo", kl_coef=0.5, kl_importance_weighted=weighted)
+        assert abs(k3(plain, mask, zero, zero, 3, old_logps=old, ref_logps=ref).loss.item() - out.loss.item()) < 1e-12
+
+
+def test_an_unknown_kl_estimator_is_one_line_naming_the_key():
+    with pytest.raises(ValueError, match=r"model.loss.init_args.kl_estimator must be one of k1, k2, k3, k1\+, k3\+"):
+        GRPOLoss(kl_estimator="k4")

@@ -59,6 +59,24 @@ from amir_lightning.objectives.pairs import PairRule
 #: Where these arguments live in a YAML config, for error messages.
 _KEY = "model.loss.init_args"
 PolicyLoss = Literal["clip", "cispo", "sapo"]
+KLEstimator = Literal["k1", "k2", "k3", "k1+", "k3+"]
+
+
+def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str) -> torch.Tensor:
+    """The per-token KL estimate ``estimator`` of the policy to the reference (``GRPOLoss.kl_estimator``)."""
+    log_ratio = logps - ref_logps
+    if estimator.startswith("k1"):
+        value = log_ratio
+    elif estimator == "k2":
+        return 0.5 * log_ratio.square()
+    else:  # k3
+        value = (-log_ratio).exp() + log_ratio - 1.0
+    if estimator.endswith("+"):  # k2's gradient, the estimate's value (straight-through)
+        k2 = 0.5 * log_ratio.square()
+        return k2 - k2.detach() + value.detach()
+    return value
+
+
 Aggregation = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 ImportanceSampling = Literal["token", "sequence"]
 SamplingCorrection = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"]
@@ -74,8 +92,15 @@ class GRPOLoss(nn.Module):
         epsilon_high: Upper clip range ``rho <= 1 + epsilon_high`` (DAPO's clip-higher); defaults to ``epsilon``.
         importance_sampling: ``token`` ratios (GRPO) or one ``sequence`` ratio per completion (GSPO). On-policy
             (``old_logps=None``) both give the same gradient.
-        kl_coef: Coefficient of the k3 KL penalty to the reference policy (TRL's ``beta``); 0 needs no reference
+        kl_coef: Coefficient of the KL penalty to the reference policy (TRL's ``beta``); 0 needs no reference
             model.
+        kl_estimator: The per-token KL estimate (Schulman's, as verl 0.9's ``kl_penalty``): ``k1`` ``logp - ref``,
+            ``k2`` ``(logp - ref)^2 / 2``, ``k3`` ``exp(ref - logp) - (ref - logp) - 1`` (default; TRL's, verl's
+            ``low_var_kl`` without its clamps), or ``k1+`` / ``k3+``: that value with ``k2``'s gradient
+            (straight-through, an unbiased gradient of the KL).
+        kl_importance_weighted: Weigh each token's KL by its ratio to the old policy (TRL's
+            ``use_bias_correction_kl``, on there by default): the estimate of KL under the current policy from samples
+            of the old one.
         mask_truncated_completions: Drop completions that hit the length limit from the policy-gradient term.
         max_completion_length: ``L`` of ``dr_grpo``: a constant, the completion's policy-token limit (``amir fit``
             sets it to ``data.sampling.max_new_tokens``, times the environment's ``max_turns`` for episodes, unless
@@ -117,6 +142,8 @@ class GRPOLoss(nn.Module):
         cispo_max: float = 5.0,
         sampling_floor: float | None = None,
         off_policy_mask: float | None = None,
+        kl_estimator: KLEstimator = "k3",
+        kl_importance_weighted: bool = False,
         sapo_temperature_pos: float = 1.0,
         sapo_temperature_neg: float = 1.05,
     ) -> None:
@@ -131,6 +158,8 @@ class GRPOLoss(nn.Module):
         check_number(errors, f"{_KEY}.cispo_max", cispo_max, gt=0)
         check_number(errors, f"{_KEY}.sampling_floor", sampling_floor, gt=0, lt=1, optional=True)
         check_number(errors, f"{_KEY}.off_policy_mask", off_policy_mask, ge=0, optional=True)
+        if kl_estimator not in ("k1", "k2", "k3", "k1+", "k3+"):
+            errors.append(f"{_KEY}.kl_estimator must be one of k1, k2, k3, k1+, k3+, got {kl_estimator!r}")
         check_number(errors, f"{_KEY}.sapo_temperature_pos", sapo_temperature_pos, gt=0)
         check_number(errors, f"{_KEY}.sapo_temperature_neg", sapo_temperature_neg, gt=0)
         if aggregation not in ("grpo", "bnpo", "dr_grpo", "dapo"):
@@ -152,6 +181,7 @@ class GRPOLoss(nn.Module):
         self.sampling_correction, self.sampling_cap, self.dual_clip = sampling_correction, sampling_cap, dual_clip
         self.policy_loss, self.cispo_max = policy_loss, cispo_max
         self.sampling_floor, self.off_policy_mask = sampling_floor, off_policy_mask
+        self.kl_estimator, self.kl_importance_weighted = kl_estimator, kl_importance_weighted
         self.sapo_temperatures = (sapo_temperature_pos, sapo_temperature_neg)
         self.aggregation = aggregation
         self.epsilon = epsilon
@@ -362,8 +392,10 @@ class GRPOLoss(nn.Module):
             magnitude = capped * adv.abs() if self.policy_loss == "cispo" else surrogate * adv.sign()  # [N, T|1]
             stats["train/pg_scale"] = (weights * (magnitude * token_weights).sum(-1)).sum()
         if self.kl_coef != 0.0:
-            delta = ref_logps.to(logps.dtype) - logps  # [N, T]
-            kl = (weights * ((delta.exp() - delta - 1.0) * mask).sum(-1)).sum()  # k3, not importance-weighted
+            per_token = kl_estimate(logps, ref_logps.to(logps.dtype), self.kl_estimator)  # [N, T]
+            if self.kl_importance_weighted:  # TRL's bias correction: the ratio, with its gradient
+                per_token = per_token * ratio
+            kl = (weights * (per_token * mask).sum(-1)).sum()
             loss = loss + self.kl_coef * kl
             stats["train/kl"] = kl.detach()
         stats["train/loss"] = loss.detach()
