@@ -6,9 +6,9 @@ The references are the formulas of the paper or the peer that defines each term,
 (tests/test_losses.py, tests/test_advantages.py): verl 0.9's vanilla policy loss with ``clip_ratio_c`` (dual clip),
 TRL 1.16's ``cispo`` and ``sapo`` per-token losses, RLOO's leave-one-out mean (arXiv 2402.14740), verl's
 REINFORCE++ outcome estimators and their ``masked_whiten``, TRL's off-policy sequence mask and its lower bound on
-the mismatch weights, verl's ``kl_penalty`` estimators and TRL's importance-weighted KL. Each is run on ``--seeds`` random off-policy steps
-(4 completions of up to 6 tokens, log-ratios in [-2, 2]), and the table gives the largest absolute difference seen,
-loss or gradient (advantages for the estimators).
+the mismatch weights, verl's ``kl_penalty`` estimators and TRL's importance-weighted KL. Each is run on ``--seeds``
+random off-policy steps (4 completions of up to 6 tokens, log-ratios in [-2, 2]), and the table gives the largest
+absolute difference seen, loss or gradient (advantages for the estimators).
 """
 
 from __future__ import annotations
