@@ -183,19 +183,6 @@ class Replica:
                                   tail=err.tail) from None  # fmt: skip
             raise
 
-    def _broadcast_during(self, tensors: list[tuple[str, torch.Tensor]], route: str, body: dict) -> dict:
-        """``body`` to ``route`` while a thread broadcasts ``tensors`` into its gloo group; the route's answer."""
-        sending: dict[str, object] = {}
-        thread = threading.Thread(target=send_into, args=(self.group, tensors, sending), daemon=True)
-        thread.start()
-        answer = self.post(route, body)
-        thread.join(ROUTE_S)
-        if "error" in sending or thread.is_alive():
-            ended = sending.get("error", "no end")
-            raise ServerError(f"{self.endpoint.what} at {self.url} answered {route} but the broadcast of its "
-                              f"tensors did not end ({ended})")  # fmt: skip
-        return answer
-
     # ------------------------------------------------------------------ adapters
     def unload_left(self) -> None:
         """Drop the policy adapters it holds from an earlier run.
@@ -216,7 +203,8 @@ class Replica:
         """
         tensors = list(adapters.items())
         body = {"method": "amir_receive_adapter", "args": [json.dumps(adapter_spec(name, tensors, rank))]}
-        answer = self._broadcast_during(tensors, "/collective_rpc", body)
+        where = f"{self.endpoint.what} at {self.url}"
+        answer = broadcast_during(self.group, tensors, where, "/collective_rpc", self.post, "/collective_rpc", body)
         with reading(self.endpoint, "/collective_rpc", answer):
             self.received = str(answer["results"][0])
 
@@ -366,16 +354,26 @@ def push_over_gloo(
     client.start_weight_update()
     for bucket in sharded.buckets_of(plan, sharded.BUCKET_BYTES):
         tensors = [next(stream) for _ in bucket]
-        sending: dict[str, object] = {}
-        sender = threading.Thread(target=send_into, args=(group, tensors, sending), daemon=True)
-        sender.start()
-        client.update_weights(update_info(tensors))
-        sender.join(ROUTE_S)
-        if "error" in sending or sender.is_alive():
-            raise ServerError(f"the vLLM server(s) at {where} answered /update_weights but the broadcast of the "
-                              f"bucket did not end ({sending.get('error', 'no end')})")  # fmt: skip
+        broadcast_during(group, tensors, f"the vLLM server(s) at {where}", "/update_weights", client.update_weights,
+                         update_info(tensors))  # fmt: skip
         del tensors
     client.finish_weight_update()
+
+
+def broadcast_during(group, tensors: list[tuple[str, torch.Tensor]], where: str, route: str, call, *args):
+    """``call(*args)``, a request to ``route`` of the servers ``where`` names, while a thread broadcasts ``tensors``.
+
+    The broadcast goes into ``group``; the call's answer is returned. One that fails or does not end is one line.
+    """
+    sending: dict[str, object] = {}
+    thread = threading.Thread(target=send_into, args=(group, tensors, sending), daemon=True)
+    thread.start()
+    answer = call(*args)
+    thread.join(ROUTE_S)
+    if "error" in sending or thread.is_alive():
+        raise ServerError(f"{where} answered {route} but the broadcast of its tensors did not end "
+                          f"({sending.get('error', 'no end')})")  # fmt: skip
+    return answer
 
 
 def adapter_spec(name: str, tensors: list[tuple[str, torch.Tensor]], rank: int) -> dict:

@@ -237,11 +237,11 @@ def make_rollout(
     scores = scores or Scores.of(rewards, prompts, completions, settings.reward_warn_s)
     total, metrics, correct, score_s = scores.total, dict(scores.metrics), scores.correct, scores.seconds
     # A group with a non-finite reward carries no signal (zero advantage, no pairs): see loop/rewarding.py.
-    tokens = torch.tensor([c.policy_tokens for group in completions for c in group], dtype=torch.float64)
-    advantages = estimate_advantages(total, settings.group_size, settings.advantage_estimator, settings.scale, tokens,
+    trained = torch.tensor([c.policy_tokens for group in completions for c in group], dtype=torch.float64)  # [N]
+    advantages = estimate_advantages(total, settings.group_size, settings.advantage_estimator, settings.scale, trained,
                                      sum_over_processes).nan_to_num(nan=0.0)  # fmt: skip
     groups = make_groups(prompts, prompt_ids, completions, total, advantages, correct, scores.extra)
-    tokens = sum(c.policy_tokens for group in completions for c in group)  # sampled (a tool's replies are not)
+    tokens = int(trained.sum())  # sampled (a tool's replies are not)
     metrics |= tool_metrics([c for group in completions for c in group])  # multi-turn: how the tool was used
     seconds = {"generate_s": generate_s, "score_s": score_s} | (more_seconds or {})
     rollout = Rollout(groups, metrics, seconds, tokens, old_weights)

@@ -359,13 +359,14 @@ class GRPOLoss(nn.Module):
         if self.importance_sampling == "sequence":
             log_ratio = ((log_ratio * mask).sum(-1) / lengths.clamp(min=1.0)).unsqueeze(1)  # [N, 1]
         ratio = log_ratio.exp()
-        surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - self.epsilon, 1.0 + self.epsilon_high) * adv)
         if self.policy_loss == "cispo":  # the capped ratio weighs the log-prob's gradient: no token is cut off
             capped = ratio.clamp(max=self.cispo_max).detach()
             surrogate = capped * adv * logps  # [N, T]
         elif self.policy_loss == "sapo":  # a soft gate in place of the hard clip
             tau = torch.where(adv > 0, self.sapo_temperatures[0], self.sapo_temperatures[1]).to(logps.dtype)
             surrogate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv  # [N, T] (or [N, 1] per sequence)
+        else:
+            surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - self.epsilon, 1.0 + self.epsilon_high) * adv)
         if self.dual_clip is not None:  # a negative advantage's surrogate bounded below by dual_clip * A
             dual = torch.maximum(surrogate, self.dual_clip * adv)
             dual_clipped = ((dual > surrogate) & (adv < 0)).to(mask.dtype).expand_as(mask) * mask  # [N, T]
